@@ -1,0 +1,42 @@
+# agnosia — one make target per stage. Each is a thin wrapper over `python -m <stage>`;
+# every module answers --help.  On a fresh machine `make demo` and `make test` are all you need.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.agnosia-installed
+DATA   ?= data
+STIMULI ?= stimuli
+# Stimulus sets written by `make stimuli` (small: seconds on 2 cores).
+STIMULI_ARGS ?= --n 16 --seed 0
+
+.PHONY: help setup test stimuli demo bench clean
+
+help: ## list the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: $(STAMP) ## create .venv and install agnosia with pinned packages (idempotent)
+
+$(STAMP): pyproject.toml requirements.lock
+	@test -x $(PY) || python3.11 -m venv $(VENV) 2>/dev/null || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements.lock torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements.lock -e '.[dev]'
+	@touch $(STAMP)
+	@echo "agnosia installed in $(VENV)"
+
+test: setup ## run the test suite
+	$(PY) -m pytest -q -n 2 --dist loadfile
+
+stimuli: setup ## write a small set of each stimulus family to $(STIMULI)/
+	$(PY) -m extract.stimuli all --out $(STIMULI) $(STIMULI_ARGS)
+
+demo: setup ## run the pipeline as far as it exists today on the default stimuli
+	$(PY) -m extract.stimuli all --out $(STIMULI) $(STIMULI_ARGS)
+
+bench: setup ## measure the performance aims side by side (figures go to docs/benchmarks.md by hand)
+	$(PY) -m bench
+
+clean: ## remove generated stimuli and the default workspace (keeps .venv)
+	rm -rf $(STIMULI) $(DATA)

@@ -1,0 +1,5 @@
+import sys
+
+from extract.stimuli.cli import main
+
+sys.exit(main())

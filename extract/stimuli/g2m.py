@@ -1,0 +1,280 @@
+"""Grid2Matrix colour grids (seed 000), exactly as the study's ``generate_data.py`` draws them.
+
+An N×N grid of C palette colours on a white 512 px canvas; the model transcribes it into a
+matrix. What must match the study bit for bit (seed-code-facts §1.1–1.2):
+
+- palette RGBs and the colour-name order (White, Red, Blue, Green, …) behind the prompt's
+  ``{White: 0, Red: 1, ...}`` mapping;
+- float cell size with ``round()`` edges and PIL's inclusive rectangles, so neighbouring cells
+  overlap by one pixel and the later cell wins (internal lines ≈ 2·lw−1 px, border lw px);
+- outline (60, 60, 60) with width 0 / 2 / clamp(int(0.05·cell), 2, 10);
+- ``random`` grids: ``default_rng(seed + i)``, draw, force every colour once, shuffle;
+- the parser cascade (list of lists → ``ROW{i}=`` lines → all integers) and the metrics'
+  denominators (a failed parse scores 0 cells but still counts all H·W cells).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from extract.stimuli.base import (
+    Family,
+    Stimulus,
+    StimulusError,
+    check_choice,
+    check_int_range,
+    option,
+)
+
+PALETTE: tuple[tuple[str, tuple[int, int, int]], ...] = (
+    ("White", (255, 255, 255)),
+    ("Red", (205, 78, 78)),
+    ("Blue", (72, 105, 200)),
+    ("Green", (85, 168, 104)),
+    ("Orange", (221, 163, 85)),
+    ("Purple", (153, 102, 204)),
+    ("Yellow", (235, 215, 90)),
+    ("Cyan", (100, 180, 190)),
+    ("Pink", (215, 120, 155)),
+    ("Brown", (160, 130, 110)),
+)
+OUTLINE = (60, 60, 60)
+STRATEGIES = ("random", "stripes", "vertical_stripes", "checkerboard")
+PAPER_GRID_SIZES = (3, 6, 9, 12, 20, 32, 48, 64)
+MIN_GRID, MAX_GRID = 3, 128
+MIN_COLORS, MAX_COLORS = 3, len(PALETTE)
+
+PROMPT_TEMPLATE = """You are a precise grid serialization engine.
+Task: Transcribe the {h}x{w} pixel grid from the image into a numerical matrix.
+Color Mapping: {mapping}.
+
+Instructions:
+1. Scan the grid row by row, from top to bottom.
+2. For each row, map every cell using the color mapping.
+3. Ensure the output has exactly {h} rows and {w} columns.
+
+Output Format:
+Return ONLY a Python list of lists (e.g., [[0, 1], [2, 0]]). Do not use markdown, code blocks, or explanations."""
+
+
+@dataclass(frozen=True)
+class Config:
+    grid_sizes: tuple[int, ...] = option(PAPER_GRID_SIZES, "grid sizes N (N×N cells), each in 3..128")
+    colors: tuple[int, ...] = option((3,), "numbers of colours C, each in 3..10")
+    strategy: str = option("random", "how cells are coloured", choices=STRATEGIES)
+    image_size: int = option(512, "canvas side in pixels")
+
+    def __post_init__(self) -> None:
+        if not self.grid_sizes:
+            raise StimulusError("grid_sizes is empty: give at least one N, e.g. --grid-sizes 3 6 9")
+        for n in self.grid_sizes:
+            check_int_range("grid size N", n, MIN_GRID, MAX_GRID, "Use --grid-sizes with values in 3..128.")
+        if not self.colors:
+            raise StimulusError("colors is empty: give at least one C, e.g. --colors 3")
+        for c in self.colors:
+            check_int_range("colours C", c, MIN_COLORS, MAX_COLORS,
+                            "The palette has 10 named colours; use --colors with values in 3..10.")
+        check_choice("strategy", self.strategy, STRATEGIES)
+        check_int_range("image_size", self.image_size, 32, 8192)
+        for n in self.grid_sizes:
+            if self.image_size / n < 1:
+                raise StimulusError(
+                    f"image_size={self.image_size} is smaller than the grid N={n}: every cell needs at"
+                    " least one pixel; raise --image-size or lower --grid-sizes"
+                )
+
+
+def color_mapping(num_colors: int) -> str:
+    """``{White: 0, Red: 1, Blue: 2}`` for C=3: the study's mapping string, unquoted names."""
+    return "{" + ", ".join(f"{name}: {i}" for i, (name, _) in enumerate(PALETTE[:num_colors])) + "}"
+
+
+def prompt(h: int, w: int, num_colors: int) -> str:
+    return PROMPT_TEMPLATE.format(h=h, w=w, mapping=color_mapping(num_colors))
+
+
+def max_new_tokens(h: int, w: int) -> int:
+    """The study's generation budget for an h×w grid."""
+    return min(4 * h * w + 20 * h + 50, 2048)
+
+
+def make_matrix(n: int, num_colors: int, strategy: str, seed: int) -> np.ndarray:
+    """The N×N colour-index matrix; ``seed`` matters only for ``random``."""
+    i, j = np.indices((n, n))
+    if strategy == "stripes":
+        return (i % num_colors).astype(np.int64)
+    if strategy == "vertical_stripes":
+        return (j % num_colors).astype(np.int64)
+    if strategy == "checkerboard":
+        return ((i + j) % num_colors).astype(np.int64)
+    rng = np.random.default_rng(seed)
+    flat = rng.integers(0, num_colors, n * n)
+    if num_colors <= n * n:
+        # Every colour appears at least once; the shuffle scatters the forced cells.
+        flat[:num_colors] = np.arange(num_colors)
+        rng.shuffle(flat)
+    return flat.reshape(n, n)
+
+
+def line_width(cell: float) -> int:
+    if cell < 4:
+        return 0
+    if cell < 20:
+        return 2
+    return max(2, min(int(0.05 * cell), 10))
+
+
+def cell_boxes(n: int, image_size: int) -> np.ndarray:
+    """``[n, n, 4]`` inclusive pixel boxes (x1, y1, x2, y2) exactly as the study rounds them."""
+    cell = image_size / n
+    # Python's round() on floats, as the study does: ties go to even (e.g. 2.5 -> 2).
+    edges = np.array([round(k * cell) for k in range(n + 1)])
+    boxes = np.empty((n, n, 4), dtype=np.int64)
+    boxes[..., 0] = edges[None, :-1]
+    boxes[..., 1] = edges[:-1, None]
+    boxes[..., 2] = edges[None, 1:]
+    boxes[..., 3] = edges[1:, None]
+    return boxes
+
+
+def cell_centres(n: int, image_size: int) -> np.ndarray:
+    """``[n, n, 2]`` integer (x, y) pixel centres, always inside the cell's fill."""
+    boxes = cell_boxes(n, image_size)
+    return np.stack([(boxes[..., 0] + boxes[..., 2]) // 2, (boxes[..., 1] + boxes[..., 3]) // 2], axis=-1)
+
+
+def render(matrix: np.ndarray, image_size: int) -> Image.Image:
+    n = matrix.shape[0]
+    lw = line_width(image_size / n)
+    img = Image.new("RGB", (image_size, image_size), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    boxes = cell_boxes(n, image_size)
+    colours = [rgb for _, rgb in PALETTE]
+    for i in range(n):
+        for j in range(n):
+            x1, y1, x2, y2 = boxes[i, j].tolist()
+            draw.rectangle([x1, y1, x2, y2], fill=colours[matrix[i, j]], outline=OUTLINE, width=lw)
+    return img
+
+
+def generate(config: Config, n: int, seed: int, split: str) -> Iterator[Stimulus]:
+    """``n`` grids per (N, C) pair; sample i of every pair uses seed ``seed + i``, as the study does."""
+    for grid in config.grid_sizes:
+        for num_colors in config.colors:
+            for i in range(n):
+                sample_seed = seed + i
+                matrix = make_matrix(grid, num_colors, config.strategy, sample_seed)
+                text = prompt(grid, grid, num_colors)
+                yield Stimulus(
+                    id=f"g2m-n{grid:03d}-c{num_colors:02d}-{config.strategy}-{i:05d}",
+                    family="g2m",
+                    split=split,
+                    seed=sample_seed,
+                    image=render(matrix, config.image_size),
+                    prompts={"transcribe": text},
+                    answers={"transcribe": str(matrix.tolist())},
+                    truth={"matrix": matrix.tolist()},
+                    params={
+                        "grid_size": grid,
+                        "num_colors": num_colors,
+                        "strategy": config.strategy,
+                        "image_size": config.image_size,
+                        "cell_px": config.image_size / grid,
+                        "line_width": line_width(config.image_size / grid),
+                        "max_new_tokens": max_new_tokens(grid, grid),
+                    },
+                )
+
+
+# --- parsing and metrics -----------------------------------------------------------------
+
+_LIST_OF_LISTS = re.compile(r"\[\s*\[.*?\]\s*(?:,\s*\[.*?\]\s*)*\]", re.DOTALL)
+
+
+def parse_grid(text: str | None, h: int, w: int) -> np.ndarray | None:
+    """The study's three-step cascade; ``None`` when no step yields an h×w integer matrix."""
+    if text is None:
+        return None
+    s = text.strip().replace("```python", "").replace("```", "")
+
+    m = _LIST_OF_LISTS.search(s)
+    if m:
+        try:
+            arr = np.array(ast.literal_eval(m.group(0)), dtype=np.int64)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            arr = None
+        if arr is not None and arr.shape == (h, w):
+            return arr
+
+    if "ROW1=" in s:
+        rows = []
+        for r in range(1, h + 1):
+            row = re.search(rf"ROW{r}=\[([0-9,\s-]+)\]", s)
+            values = [int(v) for v in re.findall(r"-?\d+", row.group(1))] if row else []
+            if len(values) != w:
+                break
+            rows.append(values)
+        if len(rows) == h:
+            return np.array(rows, dtype=np.int64)
+
+    numbers = re.findall(r"\d+", s)
+    if len(numbers) == h * w:
+        return np.array([int(v) for v in numbers], dtype=np.int64).reshape(h, w)
+    return None
+
+
+@dataclass(frozen=True)
+class GridScore:
+    """One transcription scored against its truth."""
+
+    parsed: np.ndarray | None
+    exact: bool
+    cells_correct: int
+    cells_total: int
+
+    @property
+    def parse_ok(self) -> bool:
+        return self.parsed is not None
+
+
+def score(text: str | None, truth: Sequence[Sequence[int]] | np.ndarray) -> GridScore:
+    gt = np.asarray(truth, dtype=np.int64)
+    parsed = parse_grid(text, *gt.shape)
+    if parsed is None:
+        return GridScore(None, False, 0, gt.size)
+    correct = int((parsed == gt).sum())
+    return GridScore(parsed, correct == gt.size, correct, gt.size)
+
+
+@dataclass(frozen=True)
+class GridMetrics:
+    exact_match: float
+    cell_accuracy: float
+    samples: int
+    parse_failures: int
+
+
+def metrics(scores: Sequence[GridScore]) -> GridMetrics:
+    """Exact Match over samples and Cell Accuracy over all ground-truth cells (paper denominators)."""
+    if not scores:
+        raise ValueError("metrics of an empty list: score at least one transcription")
+    return GridMetrics(
+        exact_match=sum(s.exact for s in scores) / len(scores),
+        cell_accuracy=sum(s.cells_correct for s in scores) / sum(s.cells_total for s in scores),
+        samples=len(scores),
+        parse_failures=sum(not s.parse_ok for s in scores),
+    )
+
+
+FAMILY = Family(
+    name="g2m",
+    description="Grid2Matrix colour grids: N×N cells of C palette colours to transcribe (seed 000)",
+    config=Config,
+    generate=generate,
+)
