@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.agnosia-installed
 DATA   ?= data
 STIMULI ?= stimuli
 # Stimulus sets written by `make stimuli` (small: seconds on 2 cores).
-STIMULI_ARGS ?= --n 16 --seed 0
+STIMULI_ARGS ?= --seed 0
 
 .PHONY: help setup test stimuli demo bench clean
 

@@ -16,11 +16,20 @@ NUMBER_WORDS = {
 }
 _TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70,
          "eighty": 80, "ninety": 90}
+# Word edges that treat "_" as punctuation, so markdown like "__6__" still reads as 6.
+_L, _R = r"(?<![^\W_])", r"(?![^\W_])"
+# "no" means zero only as a determiner ("no circles"). Not as an interjection ("No, there are
+# 4"), not the abbreviation "No. of circles", and not in idioms that carry no count.
+_NO_IDIOMS = ("idea", "clue", "doubt", "way", "longer", "matter", "more", "less", "fewer", "problem", "need")
+_UNITS = "one|two|three|four|five|six|seven|eight|nine"
+_WORDS = sorted((w for w in NUMBER_WORDS if w != "no"), key=len, reverse=True)
 # Whole words only: the MAS code's pattern had no word boundaries, so "not" read as "no" -> 0.
 _NUMBER_RE = re.compile(
-    r"(?<![\w.])(\d+)(?![\d.]*\d)"
-    r"|\b(" + "|".join(sorted(_TENS, key=len, reverse=True)) + r")(?:[\s-]+(one|two|three|four|five|six|seven|eight|nine))?\b"
-    r"|\b(" + "|".join(sorted(NUMBER_WORDS, key=len, reverse=True)) + r")\b",
+    # digits, "1,000"-style groups included; never part of a decimal ("3.5") or a name ("Qwen2")
+    r"(?<![^\W_])(?<!\.)(\d{1,3}(?:,\d{3})+|\d+)(?![\d.]*\d)"
+    r"|" + _L + r"(" + "|".join(sorted(_TENS, key=len, reverse=True)) + r")(?:[\s-]+(" + _UNITS + r"))?" + _R
+    + r"|" + _L + r"(" + "|".join(_WORDS) + r")" + _R
+    + r"|" + _L + r"(no)(?=\s+(?!(?:" + "|".join(_NO_IDIOMS) + r")\b)[^\W\d_])",
     re.IGNORECASE,
 )
 
@@ -29,24 +38,38 @@ def parse_number(text: str | None, *, which: str = "first") -> int | None:
     """The first (or ``which="last"``) whole number in ``text``, as digits or English words.
 
     ``"There are three circles."`` -> 3, ``"I count 12"`` -> 12, ``"not sure"`` -> None,
-    ``"twenty-one"`` -> 21, ``"no circles"`` -> 0.
+    ``"twenty-one"`` -> 21, ``"no circles"`` -> 0, ``"No, there are 4"`` -> 4,
+    ``"I have no idea"`` -> None, ``"1,000"`` -> 1000, ``"3.5"`` -> None.
     """
+    if which not in ("first", "last"):
+        raise ValueError(f"which={which!r}: use 'first' or 'last'")
     if not text:
         return None
     found = []
     for m in _NUMBER_RE.finditer(text):
-        digits, tens, unit, word = m.groups()
+        digits, tens, unit, word, no = m.groups()
         if digits is not None:
-            found.append(int(digits))
+            found.append(int(digits.replace(",", "")))
         elif tens is not None:
             found.append(_TENS[tens.lower()] + (NUMBER_WORDS[unit.lower()] if unit else 0))
-        else:
+        elif word is not None:
             found.append(NUMBER_WORDS[word.lower()])
+        else:
+            found.append(0)
         if which == "first":
             break
     if not found:
         return None
     return found[0] if which == "first" else found[-1]
+
+
+_ASCII_DIGIT = re.compile(r"[0-9]")
+# Chat-template and tokenizer markers such as "<|im_end|>", "<|eos|>", "<|extra_0|>".
+_SPECIAL_TOKEN = re.compile(r"<\|[^<>|]*\|>")
+_ANSWER_PREFIX = re.compile(
+    r"^(?:(?:the|your|my)\s+)?(?:correct\s+|final\s+)?(?:answer|choice|option)\s*(?:is)?\s*[:\-]?\s*",
+    re.IGNORECASE,
+)
 
 
 def parse_digit_string(text: str | None) -> int | None:
@@ -57,7 +80,9 @@ def parse_digit_string(text: str | None) -> int | None:
     """
     if text is None:
         return None
-    digits = "".join(ch for ch in text if ch.isdigit())
+    # ASCII only: str.isdigit() also accepts "²" or "①", which int() then rejects with a crash.
+    # Special tokens go first so a raw decode's "<|extra_0|>" adds no digit.
+    digits = "".join(_ASCII_DIGIT.findall(_SPECIAL_TOKEN.sub(" ", text)))
     return int(digits) if digits else None
 
 
@@ -65,12 +90,14 @@ def parse_choice_letter(text: str | None, letters: str = "ABCD") -> str | None:
     """A strict multiple-choice reading: the answer is exactly one option letter.
 
     Accepted: ``"B"``, ``" b "``, ``"B."``, ``"B:"``, ``"B: the cat is left of..."``, ``"(B)"``,
-    ``"Answer: B"``. Anything that names no letter or several (``"A or B"``) is ``None``.
+    ``"Answer: B"``, ``"The correct answer is B."``, ``"**B**"``, ``"B<|im_end|>"``. Anything
+    that names no letter or several (``"A or B"``), or hedges (``"I think B"``), is ``None``.
     """
     if text is None:
         return None
-    s = text.strip()
-    s = re.sub(r"^(?:the\s+)?(?:answer|choice|option)\s*(?:is)?\s*[:\-]?\s*", "", s, flags=re.IGNORECASE)
+    # Raw decodes keep special tokens and chat models bold their pick; neither is content.
+    s = _SPECIAL_TOKEN.sub(" ", text).replace("*", "").strip()
+    s = _ANSWER_PREFIX.sub("", s)
     m = re.fullmatch(r"\(?([A-Za-z])\)?\s*(?:[.:)]\s*.*)?", s, flags=re.DOTALL)
     if not m:
         return None

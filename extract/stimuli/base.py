@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 
@@ -120,6 +121,12 @@ def parse_int_ranges(spec: str | Sequence[int] | int) -> tuple[int, ...]:
                 f"cannot read {spec!r} as integers: use a comma list of values and ranges, e.g. 0-49,60"
             )
     return tuple(sorted(values))
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integer parts: stable across runs, platforms and numpy versions."""
+    state = np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint32)
+    return int((int(state[0]) << 31) ^ int(state[1]))
 
 
 def config_dict(config: Any) -> dict[str, Any]:
