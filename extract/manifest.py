@@ -1,0 +1,186 @@
+"""Extraction manifests: one YAML file says which model runs over which stimuli and what is kept.
+
+```yaml
+run: demo-g2m                     # run id in the workspace (letters, digits, - _ .)
+model:
+  path: models/toy-counter        # a local model folder or a Hugging Face id
+  dtype: float32                  # float32 | float16 | bfloat16
+  device: cpu
+stimuli:
+  - set: stimuli/g2m              # a folder written by `python -m extract.stimuli`
+    task: transcribe              # which of the set's prompts to ask (default: the first)
+taps:
+  - {tap: vision, layers: all, tokens: [image]}
+  - {tap: llm, layers: [0, -1], tokens: [image, last]}
+attention: {layers: [-1], queries: [last]}
+generation: {max_new_tokens: 16}
+batch_size: 8
+```
+
+Validation happens before any model loads; every message names the key, what was expected and
+what was found, with a "did you mean" for typos.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+TAPS = ("vision", "projector", "llm")
+TOKEN_KINDS = ("image", "last", "answer")
+QUERY_KINDS = ("last", "answer")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ManifestError(ValueError):
+    """The manifest is invalid; the message says where and how to fix it."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Layers = Annotated[Literal["all"] | list[int] | int | str, Field(description="'all', an index, a list, or a range '0-3'")]
+
+
+def expand_layers(spec: Any, n_layers: int) -> list[int]:
+    """``'all'``, ``3``, ``[0, -1]`` or ``'2-5'`` -> sorted, unique, non-negative layer indices.
+
+    Negative indices count from the end (``-1`` is the last layer); anything outside
+    ``-n_layers..n_layers-1`` is an error that names the valid range.
+    """
+    if spec == "all":
+        return list(range(n_layers))
+    if isinstance(spec, str):
+        m = re.fullmatch(r"\s*(-?\d+)\s*-\s*(-?\d+)\s*", spec)
+        if not m:
+            raise ManifestError(f"layers {spec!r}: expected 'all', an integer, a list, or a range like '0-3'")
+        values = list(range(int(m[1]), int(m[2]) + 1))
+    elif isinstance(spec, int):
+        values = [spec]
+    else:
+        values = list(spec)
+    out = set()
+    for v in values:
+        if not -n_layers <= v < n_layers:
+            raise ManifestError(f"layer {v} does not exist: this tap has {n_layers} layers (0..{n_layers - 1}, or -1 for the last)")
+        out.add(v % n_layers)
+    return sorted(out)
+
+
+class ModelSpec(_Strict):
+    path: str
+    revision: str | None = None
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+
+
+class StimulusSpec(_Strict):
+    set: str
+    task: str | None = None
+    limit: int | None = Field(default=None, ge=1)
+
+
+class TapSpec(_Strict):
+    tap: Literal["vision", "projector", "llm"]
+    layers: Layers = "all"
+    site: str = "resid_post"
+    tokens: list[Literal["image", "last", "answer"]] = ["image"]
+
+    @field_validator("tokens")
+    @classmethod
+    def _tokens_unique(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("tokens is empty: keep at least one of image, last, answer")
+        return list(dict.fromkeys(v))
+
+
+class AttentionSpec(_Strict):
+    layers: Layers = "all"
+    queries: list[Literal["last", "answer"]] = ["last"]
+
+
+class GenerationSpec(_Strict):
+    max_new_tokens: int | Literal["from_stimulus"] = 16
+    do_sample: Literal[False] = False
+
+
+class Manifest(_Strict):
+    run: str
+    model: ModelSpec
+    stimuli: list[StimulusSpec]
+    taps: list[TapSpec] = []
+    attention: AttentionSpec | None = None
+    generation: GenerationSpec = GenerationSpec()
+    batch_size: int = Field(default=8, ge=1)
+    workspace: str | None = None
+    logit_lens: bool = True
+
+    @field_validator("run")
+    @classmethod
+    def _run_id(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
+            raise ValueError("run ids use letters, digits, '-', '_' and '.', start with a letter or digit, at most 64 characters")
+        return v
+
+    @model_validator(mode="after")
+    def _something_to_do(self) -> Manifest:
+        if not self.stimuli:
+            raise ValueError("stimuli is empty: list at least one stimulus set")
+        return self
+
+
+def _friendly(err: ValidationError, source: str) -> ManifestError:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            key = str(e["loc"][-1])
+            parent = _fields_at(e["loc"][:-1])
+            hint = difflib.get_close_matches(key, parent, n=1)
+            lines.append(f"  {where}: unknown key {key!r}" + (f" — did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(parent)}"))
+        elif e["type"] == "missing":
+            lines.append(f"  {where}: required key is missing")
+        else:
+            lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})")
+    return ManifestError(f"{source} is not a valid extraction manifest:\n" + "\n".join(lines))
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = Manifest
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        annotation = model.model_fields[part].annotation
+        inner = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)
+
+
+def parse_manifest(data: Any, source: str = "manifest") -> Manifest:
+    if not isinstance(data, dict):
+        raise ManifestError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as err:
+        raise _friendly(err, source) from None
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read and validate a manifest file; relative paths inside it stay relative to the caller's cwd."""
+    path = Path(path)
+    if not path.is_file():
+        raise ManifestError(f"manifest {path} does not exist: pass a YAML file, e.g. manifests/demo.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ManifestError(f"{path} is not valid YAML: {err}") from None
+    return parse_manifest(data, str(path))
