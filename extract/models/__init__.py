@@ -1,0 +1,40 @@
+"""The model side of extraction: load a VLM, name its hook points, capture what a run keeps.
+
+Typical use (a runner does this per batch of stimuli)::
+
+    from extract.models import load_model, prepare_batch, capture, capture_generate, readout
+
+    lm = load_model("path/or/hub-id", dtype="bfloat16")          # adapter chosen by model_type
+    batch = prepare_batch(lm, images, prompts, answers=answers)  # chat template + positions
+    res = capture(lm, batch, ["vision.-1.pre_merger", "projector.0.out", "llm.3", "attn.3"],
+                  tokens=("image", "last", "answer"))
+    res[("llm", 3, "resid_post", "image")]   # [batch, image tokens, hidden], raster order
+    res.layouts[0].geometry.llm              # the patch grid those tokens form
+    lens = readout(lm)                       # unembedding + final norm for an offline logit lens
+
+See docs/adapters.md for the tap vocabulary and how to add an architecture family.
+"""
+
+from .adapters import Adapter, adapter_class, adapter_for, register, supported
+from .capture import CaptureResult, RaggedTokens, capture, capture_generate, hook_points, plan, resolve_tap
+from .errors import (
+    InputError,
+    ModelError,
+    ModelNotFoundError,
+    NonFiniteActivationError,
+    TapError,
+    UnknownArchitectureError,
+)
+from .inputs import Batch, open_image, prepare_batch
+from .layout import GridSegment, ImageGeometry, SampleLayout
+from .loading import LoadedModel, load_model
+from .readout import FinalNorm, Readout, readout
+from .taps import SITES, TAPS, TOKEN_KINDS, CaptureKey, TapSpec
+
+__all__ = [
+    "Adapter", "Batch", "CaptureKey", "CaptureResult", "FinalNorm", "GridSegment", "ImageGeometry", "InputError",
+    "LoadedModel", "ModelError", "ModelNotFoundError", "NonFiniteActivationError", "RaggedTokens", "Readout",
+    "SITES", "SampleLayout", "TAPS", "TOKEN_KINDS", "TapError", "TapSpec", "UnknownArchitectureError",
+    "adapter_class", "adapter_for", "capture", "capture_generate", "hook_points", "load_model", "open_image", "plan",
+    "prepare_batch", "readout", "register", "resolve_tap", "supported",
+]

@@ -1,0 +1,501 @@
+"""Run a forward (or ``generate``) and keep only the requested taps at the requested tokens.
+
+Hooks are registered only on the modules behind the requested taps and removed afterwards; each
+hook copies only what is kept (e.g. the image and last-prompt positions of one LLM layer), so two
+requested layers never cost the hidden states of every layer. Attention maps come from the
+``"capture"`` attention implementation (:mod:`extract.models.compat`), eager only for requested
+layers, and only the requested query rows are kept.
+
+Everything is validated before the forward: unknown taps, layers, sites or token kinds raise
+:class:`~extract.models.errors.TapError` listing what exists.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from .compat import ACTIVE_SINK, CAPTURE_ATTN, set_attention
+from .errors import NonFiniteActivationError, TapError
+from .inputs import Batch
+from .layout import SampleLayout
+from .loading import LoadedModel
+from .taps import IMAGE_ONLY_TAPS, SITES, CaptureKey, TapSpec, check_kinds, kinds_for
+
+TapLike = TapSpec | str | tuple
+Taps = Sequence[TapLike] | Mapping[TapLike, Sequence[str]]
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedTokens:
+    """Per-sample token arrays of different lengths: row ``b`` is ``values[offsets[b]:offsets[b+1]]``.
+
+    Rows are ``[tokens, dim]``; for attention ``[query_rows, heads, keys]``.
+    """
+
+    values: torch.Tensor
+    offsets: np.ndarray
+
+    def row(self, b: int) -> torch.Tensor:
+        return self.values[int(self.offsets[b]) : int(self.offsets[b + 1])]
+
+    def rows(self) -> list[torch.Tensor]:
+        return [self.row(b) for b in range(len(self.offsets) - 1)]
+
+    def cpu(self) -> RaggedTokens:
+        return RaggedTokens(self.values.cpu(), self.offsets)
+
+
+Captured = torch.Tensor | RaggedTokens
+
+
+@dataclass
+class CaptureResult:
+    """What one batch produced.
+
+    ``values[CaptureKey(tap, layer, site, kind)]`` is ``[batch, tokens, dim]`` (attention:
+    ``[batch, heads, query_rows, keys]``), or :class:`RaggedTokens` when samples differ in token
+    count. Layers are resolved (``-1`` became the last index). ``module_paths`` gives the raw module
+    path behind each key. Tensors are on the CPU in the model's dtype.
+
+    After :func:`capture_generate`, ``sequences`` holds prompt + generated ids, ``generated`` the
+    generated ids and ``texts`` their decoding; ``answer`` tokens are the generated tokens that were
+    fed back (all but the last), at positions ``batch.seq_len + k``.
+    """
+
+    values: dict[CaptureKey, Captured]
+    layouts: list[SampleLayout]
+    module_paths: dict[CaptureKey, str]
+    nonfinite: list[CaptureKey] = field(default_factory=list)
+    sequences: torch.Tensor | None = None
+    generated: torch.Tensor | None = None
+    texts: list[str] | None = None
+
+    def __getitem__(self, key: CaptureKey | tuple) -> Captured:
+        return self.values[CaptureKey(*key)]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and CaptureKey(*key) in self.values
+
+    def keys(self) -> Iterable[CaptureKey]:
+        return self.values.keys()
+
+
+# ------------------------------------------------------------------------------------------------
+# plan: taps -> module paths, validated before any forward
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Point:
+    """One resolved tap: which module, which side of it, which token kinds are kept."""
+
+    spec: TapSpec  # layer resolved to >= 0
+    path: str
+    on: Literal["output", "input", "attention"]
+    kinds: tuple[str, ...]
+
+
+def resolve_tap(lm: LoadedModel, tap: TapLike) -> TapSpec:
+    """Validate a tap against the model and resolve a negative layer; TapError lists valid values."""
+    spec = TapSpec.coerce(tap)
+    ad = lm.adapter
+    sites = ad.sites(spec.tap)
+    if spec.site not in sites:
+        raise TapError(
+            f"{ad.family} has no site {spec.site!r} for tap {spec.tap!r}: valid sites are {', '.join(sites)}"
+        )
+    n = ad.n_layers(spec.tap)
+    if not -n <= spec.layer < n:
+        valid = f"valid layers are 0..{n - 1} (or -{n}..-1)" if n > 1 else "the only layer is 0 (or -1)"
+        raise TapError(f"{ad.family} has no {spec.tap} layer {spec.layer}: {valid}")
+    layer = spec.layer % n
+    if spec.site == "pre_merger" and layer != n - 1:
+        raise TapError(
+            f"site 'pre_merger' is the merger input, i.e. after the last vision block: use layer -1 (or {n - 1}),"
+            f" got {spec.layer}"
+        )
+    return TapSpec(spec.tap, layer, spec.site)
+
+
+def hook_module(lm: LoadedModel, spec: TapSpec) -> tuple[str, Literal["output", "input", "attention"]]:
+    """Module path behind a resolved tap, and which side of the module is read."""
+    ad, i = lm.adapter, spec.layer
+    if spec.tap == "vision":
+        return (ad.projector, "input") if spec.site == "pre_merger" else (f"{ad.vision_layers}.{i}", "output")
+    if spec.tap == "projector":
+        return ad.projector, "input" if spec.site == "in" else "output"
+    if spec.tap == "llm":
+        return f"{ad.llm_layers}.{i}", "output"
+    if spec.tap == "attn":
+        return f"{ad.llm_layers}.{i}.{ad.llm_attention}", "attention"
+    return ad.lm_head, "output"
+
+
+def hook_points(lm: LoadedModel) -> dict[str, str]:
+    """Every hook point of the model: normalised name -> raw module path (for manifests and docs)."""
+    out = {}
+    for tap in SITES:
+        n = lm.adapter.n_layers(tap)
+        for site in lm.adapter.sites(tap):
+            for layer in [n - 1] if site == "pre_merger" else range(n):
+                spec = TapSpec(tap, layer, site)
+                out[spec.name] = hook_module(lm, spec)[0]
+    return out
+
+
+def plan(lm: LoadedModel, taps: Taps, kinds: Sequence[str]) -> list[Point]:
+    """Resolve and validate the requested taps before any forward.
+
+    ``taps`` is a list (every tap keeps ``kinds``) or a mapping tap -> its own token kinds.
+    A tap requested twice keeps the union of its kinds.
+    """
+    if not taps:
+        raise TapError("no taps requested: pass e.g. ['vision.-1', 'llm.0', 'projector.0.out']")
+    if isinstance(taps, Mapping):
+        requests = [(tap, check_kinds(tuple(k))) for tap, k in taps.items()]
+        for tap, k in requests:
+            spec = TapSpec.coerce(tap)
+            if spec.tap in IMAGE_ONLY_TAPS and k != ("image",):
+                raise TapError(f"tap {spec.name} has image tokens only (it runs before the prompt): use ['image'], got {list(k)}")
+    else:
+        default = check_kinds(tuple(kinds))
+        requests = [(tap, default) for tap in taps]
+    points: dict[TapSpec, Point] = {}
+    for tap, wanted in requests:
+        spec = resolve_tap(lm, tap)
+        path, on = hook_module(lm, spec)
+        try:
+            lm.model.get_submodule(path)
+        except AttributeError as err:
+            raise TapError(
+                f"{lm.adapter.family}: module {path!r} for tap {spec.name} is missing in this model;"
+                f" the adapter {type(lm.adapter).__name__} does not match its structure ({err})"
+            ) from None
+        previous = points[spec].kinds if spec in points else ()
+        points[spec] = Point(spec, path, on, tuple(dict.fromkeys(previous + kinds_for(spec.tap, wanted))))
+    return list(points.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# token positions -> gather indices
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Gather:
+    """Flat (batch row, position) pairs of one token kind, with per-sample offsets."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    offsets: np.ndarray
+
+    @property
+    def uniform(self) -> int | None:
+        counts = np.diff(self.offsets)
+        return int(counts[0]) if counts.size and (counts == counts[0]).all() else None
+
+
+def gather_plan(layouts: list[SampleLayout], kind: str, device: torch.device) -> Gather:
+    pos = [lay.positions(kind) for lay in layouts]
+    counts = np.array([p.size for p in pos])
+    rows = np.repeat(np.arange(len(pos)), counts)
+    cols = np.concatenate(pos) if pos else np.zeros(0, np.int64)
+    return Gather(
+        torch.as_tensor(rows, dtype=torch.long, device=device),
+        torch.as_tensor(cols, dtype=torch.long, device=device),
+        np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+    )
+
+
+def _pack(flat: torch.Tensor, g: Gather) -> Captured:
+    """[N, ...] gathered rows -> [B, n, ...] when every sample has n rows, else ragged."""
+    n = g.uniform
+    if n is not None:
+        return flat.reshape(len(g.offsets) - 1, n, *flat.shape[1:])
+    return RaggedTokens(flat, g.offsets)
+
+
+def _stack(per_sample: list[torch.Tensor]) -> Captured:
+    if len({t.shape[0] for t in per_sample}) == 1:
+        return torch.stack(per_sample)
+    offsets = np.concatenate([[0], np.cumsum([t.shape[0] for t in per_sample])]).astype(np.int64)
+    return RaggedTokens(torch.cat(per_sample), offsets)
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+# ------------------------------------------------------------------------------------------------
+# the recorder: hooks + attention sink
+# ------------------------------------------------------------------------------------------------
+class Recorder:
+    """Registers the hooks of a plan on a model and collects what they keep.
+
+    Step 0 is the prompt (prefill); later steps are generation steps with one new token each,
+    whose outputs are kept as ``answer`` tokens.
+    """
+
+    def __init__(self, lm: LoadedModel, batch: Batch, points: list[Point], base_implementation: str) -> None:
+        self.lm, self.batch, self.points = lm, batch, points
+        self.base_implementation = base_implementation
+        self.step = -1
+        self.seq_len = batch.seq_len
+        device = lm.device
+        kinds = {k for p in points for k in p.kinds}
+        self.gathers = {k: gather_plan(batch.layouts, k, device) for k in kinds}
+        self.prefill: dict[CaptureKey, Captured] = {}
+        self.steps: dict[CaptureKey, list[torch.Tensor]] = defaultdict(list)
+        self.attn_modules: dict[int, Point] = {}
+        self.handles: list[Any] = []
+
+    # -- attention sink protocol (compat._capture_attention) --
+    def wants(self, module: nn.Module) -> bool:
+        return id(module) in self.attn_modules
+
+    def record(self, module: nn.Module, weights: torch.Tensor) -> None:
+        point = self.attn_modules[id(module)]
+        spec = point.spec
+        w = weights.detach()
+        if self.step == 0:
+            for kind in point.kinds:
+                if kind == "answer" and self.batch.answers is None:
+                    continue  # generation: answer rows come from the decode steps
+                g = self.gathers[kind]
+                # [B, H, Tq, K] -> [N, H, K] -> [B, n, H, K] -> [B, H, n, K]
+                packed = _pack(w[g.rows, :, g.cols, :], g)
+                self.prefill[CaptureKey(spec.tap, spec.layer, spec.site, kind)] = (
+                    packed.permute(0, 2, 1, 3) if isinstance(packed, torch.Tensor) else packed
+                )
+        elif "answer" in point.kinds:
+            self.steps[CaptureKey(spec.tap, spec.layer, spec.site, "answer")].append(w[:, :, -1, :])
+
+    # -- hooks --
+    def _store_sequence(self, point: Point, x: torch.Tensor) -> None:
+        spec = point.spec
+        if self.step == 0:
+            # generate() may compute logits for the last position only (logits_to_keep)
+            shift = self.seq_len - x.shape[1]
+            for kind in point.kinds:
+                if kind == "answer" and self.batch.answers is None:
+                    continue
+                g = self.gathers[kind]
+                cols = g.cols - shift
+                if shift and bool((cols < 0).any()):
+                    raise TapError(
+                        f"{spec.name}: the model computed this tap only for the last {x.shape[1]} positions;"
+                        f" token kind {kind!r} needs earlier ones (during generate, logits exist for 'last' and 'answer')"
+                    )
+                self.prefill[CaptureKey(spec.tap, spec.layer, spec.site, kind)] = _pack(x[g.rows, cols].detach(), g)
+        elif "answer" in point.kinds:
+            self.steps[CaptureKey(spec.tap, spec.layer, spec.site, "answer")].append(x[:, -1].detach())
+
+    def _store_image(self, point: Point, x: torch.Tensor) -> None:
+        if self.step != 0:
+            return
+        ad, spec, views, aux = self.lm.adapter, point.spec, self.batch.views, self.batch.aux
+        if spec.tap == "vision":
+            fn = ad.pre_merger_tokens if spec.site == "pre_merger" else ad.vision_tokens
+        else:
+            fn = ad.projector_in_tokens if spec.site == "in" else ad.projector_out_tokens
+        key = CaptureKey(spec.tap, spec.layer, spec.site, "image")
+        self.prefill[key] = _stack([t.detach() for t in fn(x.detach(), views, aux)])
+
+    def _hook(self, points: list[Point]) -> Any:
+        def store(x: torch.Tensor) -> None:
+            for point in points:
+                if point.spec.tap in ("vision", "projector"):
+                    self._store_image(point, x)
+                else:
+                    self._store_sequence(point, x)
+
+        if points[0].on == "input":
+            return lambda module, args, kwargs: store(args[0] if args else next(iter(kwargs.values())))
+        return lambda module, args, kwargs, output: store(_first(output))
+
+    def __enter__(self) -> Recorder:
+        model = self.lm.model
+        groups: dict[tuple[str, str], list[Point]] = defaultdict(list)
+        for p in self.points:
+            if p.on == "attention":
+                self.attn_modules[id(model.get_submodule(p.path))] = p
+            else:
+                groups[(p.path, p.on)].append(p)
+
+        def count_step(module: nn.Module, args: Any, kwargs: Any) -> None:
+            self.step += 1
+
+        try:
+            self.handles.append(model.register_forward_pre_hook(count_step, with_kwargs=True))
+            for (path, on), pts in groups.items():
+                module = model.get_submodule(path)
+                if on == "input":
+                    self.handles.append(module.register_forward_pre_hook(self._hook(pts), with_kwargs=True))
+                else:
+                    self.handles.append(module.register_forward_hook(self._hook(pts), with_kwargs=True))
+            self._token = ACTIVE_SINK.set(self) if self.attn_modules else None
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def _remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._remove()
+        if self._token is not None:
+            ACTIVE_SINK.reset(self._token)
+
+    # -- results --
+    def collect(self) -> dict[CaptureKey, Captured]:
+        out = dict(self.prefill)
+        for key, steps in self.steps.items():
+            if key.tap == "attn":
+                width = steps[-1].shape[-1]  # keys grow by one per step: pad earlier rows with zeros
+                steps = [torch.nn.functional.pad(s, (0, width - s.shape[-1])) for s in steps]
+                out[key] = torch.stack(steps, dim=2)  # [B, H, steps, K]
+            else:
+                out[key] = torch.stack(steps, dim=1)  # [B, steps, D]
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# public entry points
+# ------------------------------------------------------------------------------------------------
+def _check_request(batch: Batch, points: list[Point], generating: bool) -> None:
+    wants_answer = any("answer" in p.kinds for p in points)
+    if wants_answer and not generating and batch.answers is None:
+        raise TapError(
+            "token kind 'answer' needs answer tokens: build the batch with prepare_batch(..., answers=[...])"
+            " (teacher forcing) or use capture_generate"
+        )
+    if generating and batch.answers is not None:
+        raise TapError("capture_generate takes a batch without answers: the answers are what it generates")
+    if generating and batch.padding_side != "left" and batch.size > 1:
+        raise TapError("batched generation needs left padding: build the batch with prepare_batch(..., padding_side='left')")
+
+
+def _finish(lm: LoadedModel, rec: Recorder, on_nonfinite: str) -> tuple[dict, list[CaptureKey]]:
+    values = rec.collect()
+    tensors = {k: (v.values if isinstance(v, RaggedTokens) else v) for k, v in values.items()}
+    flags = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist() if tensors else []
+    bad = [k for k, ok in zip(tensors, flags) if not ok]
+    if bad and on_nonfinite == "raise":
+        raise NonFiniteActivationError(
+            f"NaN/inf in captured activations {', '.join(k.name for k in bad)} of {lm.source}"
+            f" (dtype {lm.dtype}): fp16 overflow is the usual cause; load with dtype='float32' or 'bfloat16',"
+            " or pass on_nonfinite='flag' to keep the values and record the keys"
+        )
+    return {k: v.cpu() for k, v in values.items()}, bad
+
+
+class _attention_mode:
+    """Switch to the "capture" attention implementation while attention taps are recorded."""
+
+    def __init__(self, lm: LoadedModel, points: list[Point]) -> None:
+        self.lm = lm
+        self.active = any(p.on == "attention" for p in points)
+        self.previous = lm.model.config._attn_implementation
+
+    @property
+    def base(self) -> str:
+        return self.previous if self.previous in ("eager", "sdpa") else "sdpa"
+
+    def __enter__(self) -> _attention_mode:
+        if self.active and self.previous != CAPTURE_ATTN:
+            set_attention(self.lm.model, CAPTURE_ATTN)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active and self.previous != CAPTURE_ATTN:
+            set_attention(self.lm.model, self.previous)
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+def capture(
+    lm: LoadedModel,
+    batch: Batch,
+    taps: Taps,
+    tokens: Sequence[str] = ("image", "last"),
+    *,
+    on_nonfinite: Literal["raise", "flag"] = "raise",
+) -> CaptureResult:
+    """One forward over ``batch`` (teacher-forced when it has answers), keeping ``taps`` at ``tokens``.
+
+    ``taps`` is a list of names / TapSpecs / tuples, each kept at ``tokens``, or a mapping from tap to
+    its own token kinds (as a manifest gives them: ``{"llm.3": ["image", "last"], "attn.3": ["last"]}``).
+    Token kinds apply to LLM-sequence taps (llm, attn query rows, logits); vision and projector taps
+    always yield the image's tokens, raster-ordered per the batch layouts.
+    """
+    points = plan(lm, taps, tokens)
+    _check_request(batch, points, generating=False)
+    kwargs: dict[str, Any] = dict(batch.inputs, use_cache=False)
+    if not any(p.spec.tap == "logits" for p in points) and _accepts(lm.model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = 1  # the LM head over every position is wasted work
+    with _attention_mode(lm, points) as mode, Recorder(lm, batch, points, mode.base) as rec, torch.inference_mode():
+        lm.model(**kwargs)
+    values, bad = _finish(lm, rec, on_nonfinite)
+    return CaptureResult(values, batch.layouts, {_key(p, k): p.path for p in points for k in p.kinds}, bad)
+
+
+def capture_generate(
+    lm: LoadedModel,
+    batch: Batch,
+    taps: Taps,
+    tokens: Sequence[str] = ("image", "last", "answer"),
+    *,
+    max_new_tokens: int = 32,
+    on_nonfinite: Literal["raise", "flag"] = "raise",
+    **generate_kwargs: Any,
+) -> CaptureResult:
+    """Greedy ``generate`` (unless ``generate_kwargs`` say otherwise) keeping ``taps``.
+
+    The prompt pass yields ``image``/``last`` tokens; every later step adds its fed-back token to
+    ``answer`` (``[batch, steps, dim]``; attention rows ``[batch, heads, steps, keys]``, keys
+    zero-padded to the final length). Rows that finished early keep producing pad tokens.
+    """
+    points = plan(lm, taps, tokens)
+    _check_request(batch, points, generating=True)
+    for p in points:
+        if p.spec.tap == "logits" and "image" in p.kinds:
+            # generate() asks the model for the last position's logits only (logits_to_keep=1)
+            raise TapError(
+                "during generate, logits exist only for the last prompt token and the answer tokens (the model"
+                " computes the last position's logits only): request tokens=('last', 'answer') for the logits tap"
+            )
+    gen = dict(do_sample=False, max_new_tokens=max_new_tokens)
+    gen.update(generate_kwargs)
+    with _attention_mode(lm, points) as mode, Recorder(lm, batch, points, mode.base) as rec, torch.inference_mode():
+        sequences = lm.model.generate(**batch.inputs, **gen)
+    values, bad = _finish(lm, rec, on_nonfinite)
+    generated = sequences[:, batch.seq_len :].cpu()
+    texts = lm.processor.tokenizer.batch_decode(generated, skip_special_tokens=True)
+    n_fed = max(generated.shape[1] - 1, 0)
+    layouts = [
+        SampleLayout(
+            geometry=lay.geometry,
+            image_positions=lay.image_positions,
+            last_position=lay.last_position,
+            answer_positions=np.arange(batch.seq_len, batch.seq_len + n_fed, dtype=np.int64),
+            first_position=lay.first_position,
+            length=lay.length,
+        )
+        for lay in batch.layouts
+    ]
+    paths = {_key(p, k): p.path for p in points for k in p.kinds}
+    return CaptureResult(values, layouts, paths, bad, sequences.cpu(), generated, texts)
+
+
+def _key(point: Point, kind: str) -> CaptureKey:
+    s = point.spec
+    return CaptureKey(s.tap, s.layer, s.site, kind)

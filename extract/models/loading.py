@@ -1,0 +1,172 @@
+"""Load a VLM and its processor from a local folder or a Hugging Face id, the transformers way.
+
+``AutoModelForImageTextToText`` + ``AutoProcessor`` (with the family's chat template), ``dtype``,
+``device`` or ``device_map``, an attention implementation, ``trust_remote_code`` off. The family
+adapter is chosen from ``config.model_type`` *before* any weight is read, so an unsupported model
+fails in a second, not after a multi-gigabyte download.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .adapters import Adapter, adapter_class, registry
+from .compat import patch_processors_without_torchvision, register_capture_attention
+from .errors import ModelNotFoundError
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for capture: weights, processor, adapter and what to record about the run."""
+
+    model: nn.Module
+    processor: Any
+    adapter: Adapter
+    source: str
+    dtype: torch.dtype
+    device: torch.device
+    attn_implementation: str
+    revision: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @property
+    def model_type(self) -> str:
+        return str(self.model.config.model_type)
+
+    def describe(self) -> dict[str, Any]:
+        """Plain values for the manifest's ``runs`` row."""
+        return {
+            "model": self.source,
+            "revision": self.revision,
+            "model_type": self.model_type,
+            "adapter": type(self.adapter).__name__,
+            "family": self.adapter.family,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "attn_implementation": self.attn_implementation,
+            "versions": dict(self.versions),
+            "layers": {tap: self.adapter.n_layers(tap) for tap in ("vision", "llm")},
+        }
+
+
+def _looks_like_path(source: str) -> bool:
+    # "org/name" is a hub id; anything absolute, relative-dotted, home-relative or deeper is a folder
+    return source.startswith(("/", ".", "~")) or source.count("/") > 1 or os.sep != "/" and os.sep in source
+
+
+def resolve_source(source: str | os.PathLike[str]) -> str:
+    """A local folder (must hold config.json) or a hub id; raises ModelNotFoundError otherwise."""
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelNotFoundError(f"model source {str(source)!r} is a file: expected a model folder holding config.json")
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"model folder {str(path)!r} has no config.json: expected a saved transformers model"
+                " (save_pretrained output, a hub snapshot, or `python -m extract.tiny ARCH --out DIR`)"
+            )
+        return str(path)
+    if isinstance(source, Path) or _looks_like_path(str(source)):
+        raise ModelNotFoundError(
+            f"model folder {str(source)!r} does not exist: pass an existing folder holding config.json,"
+            " or a Hugging Face id such as 'Qwen/Qwen2-VL-2B-Instruct'"
+        )
+    return str(source)
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype | str:
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(_DTYPES)}, 'auto' or a torch.dtype")
+    return _DTYPES[dtype]
+
+
+def load_config(source: str, *, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        raise ModelNotFoundError(
+            f"cannot read the config of {source!r}: {str(err).rstrip('.')}."
+            + (" HF_HUB_OFFLINE=1 is set, so only locally cached hub models load; pass a local folder." if offline else "")
+        ) from err
+
+
+def load_processor(source: str, adapter: type[Adapter], *, revision: str | None = None,
+                   trust_remote_code: bool = False) -> Any:
+    patch_processors_without_torchvision()
+    return adapter.load_processor(source, revision=revision, trust_remote_code=trust_remote_code)
+
+
+def load_model(
+    source: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device | None = None,
+    device_map: str | dict[str, Any] | None = None,
+    attn_implementation: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load model + processor + adapter.
+
+    ``attn_implementation`` defaults to ``"sdpa"``. Capturing ``attn`` taps needs no special load:
+    the capture switches the model to the ``"capture"`` implementation (eager only for requested
+    layers) for that forward. Pass ``"eager"`` to reproduce ``output_attentions`` runs exactly.
+    ``device`` (default: cuda if available, else cpu) is ignored when ``device_map`` is given.
+    """
+    from transformers import AutoModelForImageTextToText
+    import transformers
+
+    src = resolve_source(source)
+    registry()  # family modules may register Auto classes of their own (e.g. a toy model) before the config is read
+    config = load_config(src, revision=revision, trust_remote_code=trust_remote_code)
+    adapter_cls = adapter_class(config.model_type)  # unknown architectures fail before any weight loads
+    register_capture_attention()
+    impl = attn_implementation or "sdpa"
+    torch_dtype = _dtype(dtype)
+    kwargs: dict[str, Any] = dict(
+        dtype=torch_dtype, attn_implementation=impl, revision=revision, trust_remote_code=trust_remote_code
+    )
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(src, **kwargs)
+    except OSError as err:
+        raise ModelNotFoundError(f"cannot load the weights of {src!r}: {err}") from err
+    if device_map is None:
+        model.to(torch.device(device) if device is not None else _default_device())
+    model.eval()
+    processor = load_processor(src, adapter_cls, revision=revision, trust_remote_code=trust_remote_code)
+    first = next(model.parameters())
+    return LoadedModel(
+        model=model,
+        processor=processor,
+        adapter=adapter_cls(model),
+        source=src,
+        dtype=first.dtype,
+        device=first.device,
+        attn_implementation=impl,
+        revision=revision,
+        versions={"torch": torch.__version__, "transformers": transformers.__version__},
+    )
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

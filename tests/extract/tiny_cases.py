@@ -1,0 +1,28 @@
+"""Shared test data: which families are tested and the stimulus size each keeps unresampled."""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+# arch -> (width, height, patch px) of a stimulus the processor keeps at its size (no resampling),
+# so that a pixel patch maps onto exactly one vision token. Non-square where the family allows it.
+IMAGE = {
+    "qwen2_vl": (112, 84, 14),
+    "qwen2_5_vl": (112, 84, 14),
+    "qwen3_vl": (128, 96, 16),
+    "llava": (112, 112, 14),
+    "llava_next": (56, 56, 14),
+    "llava_onevision": (56, 56, 14),
+    "internvl": (112, 112, 14),
+    "idefics3": (112, 112, 14),
+    "smolvlm": (112, 112, 14),
+    "gemma3": (112, 112, 14),
+    "paligemma": (112, 112, 14),
+}
+ARCHS = sorted(IMAGE)
+
+
+def noise_image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
