@@ -90,7 +90,7 @@ class StimulusSpec(_Strict):
 class TapSpec(_Strict):
     tap: Literal["vision", "projector", "llm"]
     layers: Layers = "all"
-    site: str = "resid_post"
+    site: str | None = None  # the tap's default: resid_post (vision, llm), out (projector)
     tokens: list[Literal["image", "last", "answer"]] = ["image"]
 
     @field_validator("tokens")
@@ -119,6 +119,7 @@ class Manifest(_Strict):
     attention: AttentionSpec | None = None
     generation: GenerationSpec = GenerationSpec()
     batch_size: int = Field(default=8, ge=1)
+    chunk_samples: int = Field(default=64, ge=1)
     workspace: str | None = None
     logit_lens: bool = True
 

@@ -295,14 +295,17 @@ class Recorder:
             self.steps[CaptureKey(spec.tap, spec.layer, spec.site, "answer")].append(x[:, -1].detach())
 
     def _store_image(self, point: Point, x: torch.Tensor) -> None:
-        if self.step != 0:
+        spec = point.spec
+        key = CaptureKey(spec.tap, spec.layer, spec.site, "image")
+        # The vision tower runs once per generate, and some families (Qwen2-VL) run it while
+        # preparing inputs, before the first model forward (step -1): keep its first call.
+        if self.step > 0 or key in self.prefill:
             return
-        ad, spec, views, aux = self.lm.adapter, point.spec, self.batch.views, self.batch.aux
+        ad, views, aux = self.lm.adapter, self.batch.views, self.batch.aux
         if spec.tap == "vision":
             fn = ad.pre_merger_tokens if spec.site == "pre_merger" else ad.vision_tokens
         else:
             fn = ad.projector_in_tokens if spec.site == "in" else ad.projector_out_tokens
-        key = CaptureKey(spec.tap, spec.layer, spec.site, "image")
         self.prefill[key] = _stack([t.detach() for t in fn(x.detach(), views, aux)])
 
     def _hook(self, points: list[Point]) -> Any:

@@ -16,7 +16,7 @@ def with_(**changes):
 def test_minimal_manifest_gets_defaults():
     m = parse_manifest(with_(taps=[{"tap": "llm", "layers": [0, -1]}]))
     assert m.model.dtype == "float32" and m.model.trust_remote_code is False
-    assert m.taps[0].site == "resid_post" and m.taps[0].tokens == ["image"]
+    assert m.taps[0].site is None and m.taps[0].tokens == ["image"]
     assert m.batch_size == 8 and m.generation.max_new_tokens == 16
 
 

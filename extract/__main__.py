@@ -1,0 +1,46 @@
+"""``python -m extract MANIFEST``: run (or resume) an extraction manifest into a workspace."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from extract.manifest import ManifestError, load_manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m extract",
+        description="Run a VLM over stimulus sets once and store the requested activations, attention rows and"
+        " generations in a workspace (Zarr + DuckDB). Re-running a manifest resumes it.",
+    )
+    parser.add_argument("manifest", help="extraction manifest (YAML), e.g. manifests/demo.yaml")
+    parser.add_argument("--data", default=None,
+                        help="workspace folder (default: the manifest's workspace, else $AGNOSIA_DATA, else ./data)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the manifest and stimuli, print the plan and the bytes it will write; load no weights")
+    parser.add_argument("--codec", default="none",
+                        help="array codec: none (default, fastest), zstd (lossless), bitround7 / bitround8 (lossy)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    from extract.models.errors import ModelError
+    from store import StoreError
+
+    try:
+        manifest = load_manifest(args.manifest)
+        if args.dry_run:
+            from extract.dry_run import dry_run
+
+            print(dry_run(manifest, workspace=args.data, codec=args.codec))
+            return 0
+        from extract.run import run_extraction
+
+        print(run_extraction(manifest, workspace=args.data, progress=not args.no_progress, codec=args.codec))
+    except (ManifestError, ModelError, StoreError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

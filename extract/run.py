@@ -1,0 +1,331 @@
+"""The one-shot extraction run: a manifest's model over its stimuli, streamed into the store.
+
+Per batch: one greedy ``generate`` with hooks on exactly the requested taps (image and last-prompt
+tokens from the prompt pass, answer tokens from the steps that fed them back), the answer parsed
+and scored, token spans recorded, and everything handed to the store's background writer. The
+model never waits on disk; a crash loses at most the chunks not yet committed, and a re-run of
+the same manifest continues where it stopped (the store knows which chunks are durable).
+
+Stored layout per run (arrays addressed by ``(tap, layer, site, tokens)``):
+
+- ``image`` tokens: dense ``[samples, tokens, dim]`` when every image of the run has the same
+  size, else ragged (rows = tokens);
+- ``last``: dense ``[samples, 1, dim]``; ``answer``: ragged (rows = answer tokens, pads and the
+  end-of-sequence token excluded);
+- attention (tap ``attn``, site ``probs``): ragged rows of ``[heads]``; for query kind ``last``
+  one row per key of the prompt, for ``answer`` one row per (answer query, key) pair over the
+  full sequence (keys past the query are 0). ``samples``/token spans give the reshape;
+- run tensors ``lm_head.weight`` (+ ``lm_head.bias``), ``final_norm.weight`` (+ bias) and the
+  norm's kind/eps/offset in the run config, for an offline logit lens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from extract.manifest import Manifest, ManifestError, expand_layers
+from extract.models import (
+    CaptureKey,
+    LoadedModel,
+    RaggedTokens,
+    capture,
+    capture_generate,
+    load_model,
+    plan,
+    prepare_batch,
+    readout,
+)
+from extract.models.layout import Grid, SampleLayout
+from extract.scoring import score_answer
+from extract.stimuli.io import read_set
+from store import ArraySpec, RunInfo, TokenSpans, Workspace
+
+IMAGE_ONLY = ("vision", "projector")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One row of the run: which stimulus, which prompt, and where its image is."""
+
+    key: str
+    family: str
+    task: str
+    prompt: str
+    answer: str
+    truth: dict[str, Any]
+    params: dict[str, Any]
+    image: Path
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run: str
+    workspace: Path
+    samples: int
+    computed: int
+    seconds: float
+    accuracy: float | None
+    arrays: int
+
+    def __str__(self) -> str:
+        acc = "n/a" if self.accuracy is None else f"{self.accuracy:.1%}"
+        rate = self.computed / self.seconds if self.seconds else 0.0
+        return (f"run {self.run}: {self.samples} samples ({self.computed} computed now, {rate:.1f}/s),"
+                f" {self.arrays} arrays, accuracy {acc} -> {self.workspace}")
+
+
+# ------------------------------------------------------------------------------------------ stimuli
+
+def collect_samples(manifest: Manifest) -> tuple[list[tuple[Path, str]], list[Sample]]:
+    """(set folder, dataset name) per stimulus set, and the run's rows in order."""
+    sets, samples, seen = [], [], {}
+    for i, spec in enumerate(manifest.stimuli):
+        stim_set = read_set(spec.set)
+        dataset = stim_set.path.name
+        if dataset in seen and seen[dataset] != stim_set.path.resolve():
+            raise ManifestError(
+                f"stimuli.{i}: two sets are both named {dataset!r} ({seen[dataset]} and {stim_set.path});"
+                " stimulus keys are '<set folder name>/<id>', so rename one folder"
+            )
+        seen[dataset] = stim_set.path.resolve()
+        rows = stim_set.rows()[: spec.limit]
+        tasks = list(rows[0]["prompts"]) if rows else []
+        task = spec.task or tasks[0]
+        if task not in tasks:
+            raise ManifestError(f"stimuli.{i}.task: {task!r} is not a task of {spec.set}; its tasks are {tasks}")
+        sets.append((stim_set.path, dataset))
+        for row in rows:
+            samples.append(Sample(
+                key=f"{dataset}/{row['id']}", family=row["family"], task=task, prompt=row["prompts"][task],
+                answer=row["answers"][task], truth=row["truth"], params=row["params"],
+                image=stim_set.path / row["image"],
+            ))
+    return sets, samples
+
+
+def uniform_image_size(samples: list[Sample]) -> bool:
+    """Whether every image has one size (PNG headers only), so image tokens can be dense."""
+    sizes = set()
+    for s in samples:
+        with Image.open(s.image) as im:
+            sizes.add(im.size)
+        if len(sizes) > 1:
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------ taps
+
+def tap_request(lm: LoadedModel, manifest: Manifest) -> dict[str, list[str]]:
+    """Hook-point name -> token kinds, with layers expanded against the loaded model."""
+    request: dict[str, list[str]] = {}
+    for i, t in enumerate(manifest.taps):
+        try:
+            layers = expand_layers(t.layers, lm.adapter.n_layers(t.tap))
+        except ManifestError as err:
+            raise ManifestError(f"taps.{i} ({t.tap}): {err}") from None
+        kinds = ["image"] if t.tap in IMAGE_ONLY else list(t.tokens)
+        site = f".{t.site}" if t.site else ""
+        for layer in layers:
+            request.setdefault(f"{t.tap}.{layer}{site}", [])
+            request[f"{t.tap}.{layer}{site}"] += [k for k in kinds if k not in request[f"{t.tap}.{layer}{site}"]]
+    if manifest.attention:
+        try:
+            layers = expand_layers(manifest.attention.layers, lm.adapter.n_layers("attn"))
+        except ManifestError as err:
+            raise ManifestError(f"attention: {err}") from None
+        for layer in layers:
+            request[f"attn.{layer}"] = list(manifest.attention.queries)
+    if not request:
+        raise ManifestError("the manifest keeps nothing: add taps (or attention) to store activations")
+    plan(lm, request, ())  # every name resolved before any forward: a bad tap/site fails here
+    return request
+
+
+def array_specs(lm: LoadedModel, request: dict[str, list[str]], first: Sample, dense_images: bool,
+                dtype: str, codec: str) -> dict[CaptureKey, ArraySpec]:
+    """Per-sample shapes from one teacher-forced forward on the first sample."""
+    batch = prepare_batch(lm, [first.image], [first.prompt], answers=[first.answer or "0"])
+    res = capture(lm, batch, request, tokens=("image", "last", "answer"))
+    specs = {}
+    for key in res.keys():
+        value = res[key]
+        row = value.row(0) if isinstance(value, RaggedTokens) else value[0]
+        if key.tap == "attn":
+            shape, ragged, dims = (int(row.shape[0]),), True, None  # one [heads] row per key (or query x key)
+        elif key.kind == "image" and dense_images:
+            shape, ragged, dims = tuple(int(s) for s in row.shape), False, ("token", "dim")
+        elif key.kind == "last":
+            shape, ragged, dims = (1, int(row.shape[-1])), False, ("token", "dim")
+        else:
+            shape, ragged, dims = (int(row.shape[-1]),), True, None  # one row per token
+        specs[key] = ArraySpec(tap=key.tap, layer=key.layer, site=key.site, tokens=key.kind, shape=shape,
+                               ragged=ragged, dims=dims, dtype=dtype, codec=codec, module=res.module_paths[key])
+    return specs
+
+
+# ------------------------------------------------------------------------------------------ per batch
+
+def _stop_ids(lm: LoadedModel) -> set[int]:
+    ids = set()
+    for source in (lm.tokenizer, getattr(lm.model, "generation_config", None)):
+        for name in ("eos_token_id", "pad_token_id"):
+            v = getattr(source, name, None)
+            ids.update(v if isinstance(v, (list, tuple)) else [v] if v is not None else [])
+    return ids
+
+
+def answer_length(generated: torch.Tensor, stop: set[int], n_fed: int) -> tuple[int, int]:
+    """(answer tokens kept as activations, answer tokens in the text) for one row of ids."""
+    ids = generated.tolist()
+    end = next((i for i, t in enumerate(ids) if t in stop), len(ids))
+    return min(end, n_fed), end
+
+
+def _segments(grid: Grid | None) -> list[dict[str, Any]] | None:
+    if not grid:
+        return None
+    return [{"start": s.start, "rows": s.rows, "cols": s.cols, "row_stride": s.row_stride, "view": s.view}
+            for s in grid]
+
+
+def token_spans(lay: SampleLayout, prompt_pad_len: int, n_answer: int) -> TokenSpans:
+    first = lay.first_position
+    image = lay.image_positions - first
+    llm = lay.geometry.llm
+    single = len(llm) == 1 and llm[0].row_stride == llm[0].cols and llm[0].n_tokens == len(image)
+    contiguous = len(image) > 0 and bool(np.all(np.diff(image) == 1))
+    return TokenSpans(
+        seq_len=prompt_pad_len - first + n_answer,
+        image_start=int(image[0]) if contiguous else None,
+        image_count=int(len(image)),
+        grid_h=llm[0].rows if single else None,
+        grid_w=llm[0].cols if single else None,
+        last_prompt=int(lay.last_position - first),
+        answer_start=prompt_pad_len - first,
+        answer_count=n_answer,
+        extra={
+            "image_positions": None if contiguous else image.tolist(),
+            "vision_grid": _segments(lay.geometry.vision),
+            "projector_in_grid": _segments(lay.geometry.projector_in),
+            "projector_out_grid": _segments(lay.geometry.projector_out),
+            "llm_grid": _segments(llm),
+        },
+    )
+
+
+def sample_values(key: CaptureKey, value: Any, b: int, first: int, pad_len: int, n_answer: int) -> torch.Tensor:
+    """One sample's stored value for ``key`` (pads and unused generation steps removed)."""
+    row = value.row(b) if isinstance(value, RaggedTokens) else value[b]
+    if key.tap == "attn":
+        keys = torch.cat([torch.arange(first, pad_len), torch.arange(pad_len, pad_len + n_answer)])
+        if key.kind == "last":  # [heads, 1, keys]
+            return row[:, 0, first:pad_len].T.contiguous()
+        q = row[:, :n_answer][:, :, keys[keys < row.shape[-1]]]  # [heads, n, L]
+        return q.permute(1, 2, 0).reshape(-1, q.shape[0]).contiguous()
+    if key.kind == "answer":
+        return row[:n_answer]
+    return row
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
+                   progress: bool = True, codec: str = "none",
+                   on_batch: Callable[[int], None] | None = None) -> RunSummary:
+    """Run (or resume) a manifest. ``on_batch(rows_done)`` is called after each batch is queued."""
+    started = time.perf_counter()
+    sets, samples = collect_samples(manifest)
+    if not samples:
+        raise ManifestError("the stimulus sets hold no samples (check limit)")
+    m = manifest.model
+    lm = load_model(m.path, dtype=m.dtype, device=m.device, revision=m.revision,
+                    trust_remote_code=m.trust_remote_code)
+    request = tap_request(lm, manifest)
+    dense_images = uniform_image_size(samples)
+    lens = readout(lm) if manifest.logit_lens else None
+    config = manifest.model_dump(exclude={"workspace"})
+    if lens is not None:
+        config["logit_lens"] = {"norm": lens.norm.kind, "eps": lens.norm.eps, "weight_offset": lens.norm.weight_offset,
+                                "logit_softcap": lens.logit_softcap, "norm_module": lens.norm.module_path,
+                                "unembed_module": lens.unembed_path}
+    describe = lm.describe()
+    info = RunInfo(run=manifest.run, model=describe["model"], revision=m.revision, adapter=describe["adapter"],
+                   dtype=describe["dtype"], attn_implementation=describe["attn_implementation"],
+                   versions=describe["versions"], config=config, chunk_samples=manifest.chunk_samples)
+    ws = Workspace.open(workspace or manifest.workspace)
+    stop = _stop_ids(lm)
+    computed, correct, scored = 0, 0, 0
+    with ws.writer(info) as w:
+        keys = []
+        for path, dataset in sets:
+            w.register_stimulus_set(path, dataset=dataset)
+        keys = [s.key for s in samples]
+        w.set_samples(keys)
+        specs = array_specs(lm, request, samples[0], dense_images, describe["dtype"], codec)
+        handles = {key: w.array(spec) for key, spec in specs.items()}
+        if lens is not None:
+            w.write_tensor("lm_head.weight", lens.unembed, dtype=describe["dtype"], module=lens.unembed_path)
+            if lens.unembed_bias is not None:
+                w.write_tensor("lm_head.bias", lens.unembed_bias, dtype=describe["dtype"], module=lens.unembed_path)
+            w.write_tensor("final_norm.weight", lens.norm.weight, dtype=describe["dtype"], module=lens.norm.module_path)
+            if lens.norm.bias is not None:
+                w.write_tensor("final_norm.bias", lens.norm.bias, dtype=describe["dtype"], module=lens.norm.module_path)
+        todo = w.todo()
+        total = sum(len(r) for r in todo)
+        bar = _progress(total, manifest.run, progress)
+        for rows in todo:
+            for start in range(rows.start, rows.stop, manifest.batch_size):
+                batch_samples = samples[start : min(start + manifest.batch_size, rows.stop)]
+                gens, spans, values = _run_batch(lm, batch_samples, request, specs, manifest, stop)
+                w.write_batch(start, {handles[k]: v for k, v in values.items()}, tokens=spans, generations=gens)
+                computed += len(batch_samples)
+                scored += sum(g.correct is not None for g in gens)
+                correct += sum(bool(g.correct) for g in gens)
+                bar.update(len(batch_samples))
+                if on_batch is not None:
+                    on_batch(computed)
+        bar.close()
+        w.finish()
+    return RunSummary(run=manifest.run, workspace=ws.path, samples=len(samples), computed=computed,
+                      seconds=time.perf_counter() - started, accuracy=correct / scored if scored else None,
+                      arrays=len(handles))
+
+
+def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, list[str]],
+               specs: dict[CaptureKey, ArraySpec], manifest: Manifest, stop: set[int]):
+    batch = prepare_batch(lm, [s.image for s in batch_samples], [s.prompt for s in batch_samples],
+                          padding_side="left")
+    max_new = manifest.generation.max_new_tokens
+    if max_new == "from_stimulus":
+        max_new = max(int(s.params.get("max_new_tokens", 32)) for s in batch_samples)
+    res = capture_generate(lm, batch, request, tokens=("image", "last", "answer"), max_new_tokens=max_new,
+                           on_nonfinite="raise")
+    n_fed = max(res.generated.shape[1] - 1, 0)
+    pad_len = batch.seq_len
+    gens, spans, values = [], [], {k: [] for k in specs}
+    for b, s in enumerate(batch_samples):
+        n_keep, n_text = answer_length(res.generated[b], stop, n_fed)
+        ids = res.generated[b][:n_text]
+        text = lm.tokenizer.decode(ids, skip_special_tokens=True)
+        gens.append(score_answer(s.family, s.task, text, s.answer, s.truth, n_tokens=n_text))
+        lay = res.layouts[b]
+        spans.append(token_spans(lay, pad_len, n_keep))
+        for key in specs:
+            values[key].append(sample_values(key, res[key], b, lay.first_position, pad_len, n_keep))
+    out = {k: (v if specs[k].ragged else torch.stack(v)) for k, v in values.items()}
+    return gens, spans, out
+
+
+def _progress(total: int, run: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"extract {run}", unit="sample", disable=not enabled, dynamic_ncols=True)

@@ -1,0 +1,183 @@
+"""The extraction run end to end: a tiny Qwen2-VL over a G2M set into a real workspace.
+
+Stored values are checked against transformers' own outputs for the same inputs; an interrupted
+run resumes to exactly what an uninterrupted one stores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from extract.manifest import ManifestError, parse_manifest
+from extract.models import load_model, prepare_batch
+from extract.run import run_extraction
+from extract.stimuli import get_family
+from extract.stimuli.io import write_set
+from store import Workspace
+
+N_SAMPLES = 6
+
+
+@pytest.fixture(scope="module")
+def g2m_set(tmp_path_factory):
+    family = get_family("g2m")
+    out = tmp_path_factory.mktemp("stimuli") / "g2m"
+    return write_set(family, family.config(grid_sizes=(3, 4), colors=(3,), image_size=112),
+                     n=N_SAMPLES // 2, seed=0, split="test", out=out)
+
+
+def manifest_for(model, stimuli, run="r1", **extra):
+    data = {
+        "run": run,
+        "model": {"path": str(model)},
+        "stimuli": [{"set": str(stimuli)}],
+        "taps": [
+            {"tap": "vision", "layers": [-1]},
+            {"tap": "llm", "layers": "all", "tokens": ["image", "last", "answer"]},
+        ],
+        "attention": {"layers": [-1], "queries": ["last", "answer"]},
+        "generation": {"max_new_tokens": 5},
+        "batch_size": 4,
+        "chunk_samples": 2,
+        **extra,
+    }
+    return parse_manifest(data)
+
+
+@pytest.fixture(scope="module")
+def extracted(tiny_dir, g2m_set, tmp_path_factory):
+    model = tiny_dir("qwen2_vl")
+    data = tmp_path_factory.mktemp("ws") / "data"
+    summary = run_extraction(manifest_for(model, g2m_set), workspace=data, progress=False)
+    return model, data, summary
+
+
+def test_run_finishes_and_verifies(extracted):
+    _, data, summary = extracted
+    assert summary.samples == N_SAMPLES and summary.computed == N_SAMPLES
+    ws = Workspace.open(data, readonly=True)
+    assert ws.rows("SELECT status, n_samples FROM runs") == [("finished", N_SAMPLES)]
+    assert ws.verify().ok
+    n_gen, n_spans = ws.rows("SELECT (SELECT count(*) FROM generations),"
+                             " (SELECT count(*) FROM samples WHERE recorded_at IS NOT NULL)")[0]
+    assert n_gen == N_SAMPLES and n_spans == N_SAMPLES
+    taps = {(a.tap, a.tokens) for a in ws.arrays("r1")}
+    assert taps == {("vision", "image"), ("llm", "image"), ("llm", "last"), ("llm", "answer"),
+                    ("attn", "last"), ("attn", "answer")}
+
+
+def test_stored_values_match_transformers_outputs(extracted):
+    model, data, _ = extracted
+    ws = Workspace.open(data, readonly=True)
+    lm = load_model(model, device="cpu", attn_implementation="eager")
+    rows = ws.rows(
+        "SELECT array_row, set_path, image, prompt, image_start, image_count, last_prompt, answer_count, grid_h,"
+        " grid_w FROM v_samples WHERE run = 'r1' ORDER BY array_row"
+    )
+    gens = ws.rows("SELECT array_row, n_tokens FROM generations WHERE run = 'r1' ORDER BY array_row")
+    n_layers = lm.adapter.n_layers("llm")
+    image_acts = {layer: ws.read("r1", "llm", layer, tokens="image") for layer in range(n_layers)}
+    last_acts = ws.read("r1", "llm", n_layers - 1, tokens="last")
+    attn_last = ws.read("r1", "attn", n_layers - 1, site="probs", tokens="last")
+    for (row, set_path, image, prompt, i0, n_img, last, n_ans, gh, gw), (_, n_tok) in zip(rows, gens):
+        assert gh * gw == n_img
+        batch = prepare_batch(lm, [f"{set_path}/{image}"], [prompt])
+        ids = batch.inputs["input_ids"][0]
+        assert int(ids[i0:i0 + n_img].eq(lm.model.config.image_token_id).sum()) == n_img
+        assert int(ids.shape[0]) == last + 1
+        with torch.inference_mode():
+            out = lm.model(**batch.inputs, output_hidden_states=True, output_attentions=True)
+        for layer in range(n_layers - 1):  # the last hidden state is post-norm; checked via `last` below
+            want = out.hidden_states[layer + 1][0, i0:i0 + n_img].numpy()
+            np.testing.assert_allclose(image_acts[layer][row], want, rtol=1e-3, atol=1e-4)
+        final_norm = lm.model.model.language_model.norm
+        with torch.inference_mode():
+            normed = final_norm(torch.from_numpy(last_acts[row]))
+        np.testing.assert_allclose(normed.numpy(),
+                                   out.hidden_states[-1][0, last:last + 1].numpy(), rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(attn_last[row], out.attentions[-1][0, :, last, :].T.numpy(), rtol=1e-3, atol=1e-5)
+        assert n_ans <= n_tok
+
+
+def test_answer_tokens_equal_a_teacher_forced_pass(extracted):
+    model, data, _ = extracted
+    ws = Workspace.open(data, readonly=True)
+    lm = load_model(model, device="cpu")
+    row, set_path, image, prompt, text, n_ans = ws.rows(
+        "SELECT array_row, set_path, image, prompt, generated, answer_count FROM v_samples WHERE run = 'r1'"
+        " ORDER BY answer_count DESC, array_row LIMIT 1"
+    )[0]
+    answer = ws.read("r1", "llm", 0, tokens="answer")[row]
+    assert answer.shape[0] == n_ans
+    if n_ans == 0:
+        pytest.skip("the random model ended its answer at once")
+    from extract.models import capture
+
+    batch = prepare_batch(lm, [f"{set_path}/{image}"], [prompt], answers=[text])
+    forced = capture(lm, batch, ["llm.0"], tokens=("answer",))[("llm", 0, "resid_post", "answer")][0]
+    k = min(n_ans, forced.shape[0])
+    np.testing.assert_allclose(answer[:k], forced[:k].numpy(), rtol=1e-3, atol=1e-4)
+
+
+def test_interrupted_run_resumes_to_the_same_store(tiny_dir, g2m_set, extracted, tmp_path):
+    model, reference, _ = extracted
+    data = tmp_path / "data"
+    manifest = manifest_for(model, g2m_set)
+
+    def crash(done):
+        if done >= 4:
+            raise KeyboardInterrupt("simulated crash after the second batch")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_extraction(manifest, workspace=data, progress=False, on_batch=crash)
+    resumed = run_extraction(manifest, workspace=data, progress=False)
+    assert resumed.computed < N_SAMPLES  # committed chunks were not recomputed
+    ws, ref = Workspace.open(data, readonly=True), Workspace.open(reference, readonly=True)
+    assert ws.verify().ok
+    assert ws.rows("SELECT count(*), count(DISTINCT array_row) FROM generations") == [(N_SAMPLES, N_SAMPLES)]
+    for info in ref.arrays("r1"):
+        got = ws.read("r1", info.tap, info.layer, site=info.site, tokens=info.tokens)
+        want = ref.read("r1", info.tap, info.layer, site=info.site, tokens=info.tokens)
+        if info.layout == "ragged":
+            np.testing.assert_array_equal(got.offsets, want.offsets)
+            got, want = got.values, want.values
+        np.testing.assert_array_equal(got, want)
+
+
+def test_bad_layer_fails_before_any_work(tiny_dir, g2m_set, tmp_path):
+    manifest = manifest_for(tiny_dir("qwen2_vl"), g2m_set, taps=[{"tap": "llm", "layers": [7]}])
+    with pytest.raises(ManifestError, match="layer 7 does not exist"):
+        run_extraction(manifest, workspace=tmp_path / "data", progress=False)
+    assert not (tmp_path / "data").exists()
+
+
+def test_unknown_task_names_the_tasks(tiny_dir, g2m_set, tmp_path):
+    data = {"run": "r", "model": {"path": str(tiny_dir("qwen2_vl"))},
+            "stimuli": [{"set": str(g2m_set), "task": "count"}], "taps": [{"tap": "llm", "layers": 0}]}
+    with pytest.raises(ManifestError, match=r"'count' is not a task .* \['transcribe'\]"):
+        run_extraction(parse_manifest(data), workspace=tmp_path / "data", progress=False)
+
+
+def test_missing_model_folder_is_a_clear_error(g2m_set, tmp_path):
+    from extract.models import ModelError
+
+    manifest = manifest_for(tmp_path / "no-such-model", g2m_set)
+    with pytest.raises(ModelError):
+        run_extraction(manifest, workspace=tmp_path / "data", progress=False)
+
+
+def test_dry_run_plans_the_arrays_the_run_writes(extracted, g2m_set):
+    from extract.dry_run import dry_run
+
+    model, data, _ = extracted
+    text = dry_run(manifest_for(model, g2m_set))
+    ws = Workspace.open(data, readonly=True)
+    infos = ws.arrays("r1")
+    assert f"{len(infos)} arrays" in text
+    for info in infos:
+        if info.layout == "dense":  # fixed-size arrays are planned exactly
+            name = f"{info.tap}.{info.layer}.{info.site}"
+            per_sample = int(np.prod(info.item_shape))
+            assert any(line.split()[:3] == [name, info.tokens, f"{per_sample:,}"] for line in text.splitlines()), name
