@@ -1,0 +1,234 @@
+"""Array layout on disk: Zarr paths, chunking, codecs, and durable creation.
+
+Layout (all plain Zarr v3, readable by zarr-python and xarray without agnosia)::
+
+    <workspace>/arrays/                         Zarr group
+        <run>/<tap>/<layer>/<site>/<tokens>     one array per (run, tap, layer, site, token kind)
+
+* dense: shape ``[samples, *per_sample]`` (``[samples, tokens, dim]``; attention rows
+  ``[samples, heads, query_rows, keys]``), chunks ``(chunk_samples, *per_sample)`` so a chunk is a
+  block of whole samples; each token kind is its own array, so a probe reading one kind of one
+  layer reads only that kind's bytes.
+* ragged: a group holding one block per sample chunk, ``b<k>/rows [n_rows, *row_shape]`` and
+  ``b<k>/offsets [n_samples_in_block + 1]`` (flat rows + offsets, CSR). A block is written whole,
+  so resume stays chunk-aligned even though row counts vary.
+
+Chunk keys use the ``.`` separator (``c.<k>.0.0``), so one sample chunk is one file in the
+array's folder: one file to fsync, and, for uncompressed arrays, a file the reader can memory-map.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec
+
+from store.dtypes import numpy_dtype
+from store.errors import StoreError
+
+ZARR_DIR = "arrays"
+LAYOUT_VERSION = 1
+_KEY_ENCODING = {"name": "default", "separator": "."}
+_MANTISSA = {"float16": 10, "float32": 23, "bfloat16": 7}
+_UINT = {2: np.uint16, 4: np.uint32}
+_EXPONENT = {"float16": 0x7C00, "float32": 0x7F800000, "bfloat16": 0x7F80}
+
+
+def array_path(run: str, tap: str, layer: int, site: str, tokens: str) -> str:
+    return f"{run}/{tap}/{layer}/{site}/{tokens}"
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A storage codec: ``none``, ``zstd`` (lossless) or ``bitround<k>`` (lossy, then zstd).
+
+    BitRound is applied by agnosia before the values reach Zarr (the array then holds already
+    rounded values behind a plain Blosc/zstd codec), so every Zarr v3 reader can decode it.
+    """
+
+    name: str
+    keepbits: int | None = None
+
+    @property
+    def lossless(self) -> bool:
+        return self.keepbits is None
+
+    def compressors(self) -> list[Any] | None:
+        if self.name == "none":
+            return None
+        # Byte shuffle + zstd level 1: same ratio as level 3 on fp16 activations, 1.5-2x faster.
+        return [BloscCodec(cname="zstd", clevel=1, shuffle="shuffle")]
+
+    def prepare(self, values: np.ndarray, stored: str) -> np.ndarray:
+        if self.keepbits is None:
+            return values
+        return bitround(values, stored, self.keepbits)
+
+
+def parse_codec(name: str, stored: str) -> Codec:
+    if name in ("none", "zstd"):
+        return Codec(name)
+    m = re.fullmatch(r"bitround(\d+)", name)
+    if m:
+        keep = int(m.group(1))
+        most = _MANTISSA[stored]
+        if not 1 <= keep < most:
+            raise StoreError(
+                f"codec {name}: {stored} has {most} mantissa bits, so keepbits must be 1..{most - 1}, got {keep}"
+                " (bitround7 keeps relative error <= 2^-8; use 'zstd' or 'none' for lossless)"
+            )
+        return Codec(name, keep)
+    raise StoreError(f"codec must be 'none', 'zstd' or 'bitround<k>' (e.g. bitround7), got {name!r}")
+
+
+def bitround(values: np.ndarray, stored: str, keepbits: int) -> np.ndarray:
+    """Round to ``keepbits`` mantissa bits, nearest-even (the numcodecs BitRound algorithm).
+
+    NaN/inf are left alone, and a value that would round up to inf is truncated instead, so
+    rounding never creates a nonfinite value.
+    """
+    drop = _MANTISSA[stored] - keepbits
+    utype = _UINT[values.dtype.itemsize]
+    bits = values.view(utype)
+    one = utype(1)
+    half_minus_one = utype((1 << (drop - 1)) - 1)
+    mask = utype(~((1 << drop) - 1) & np.iinfo(utype).max)
+    out = ((bits + ((bits >> utype(drop)) & one) + half_minus_one) & mask).astype(utype)
+    exp = utype(_EXPONENT[stored])
+    broke = ((out & exp) == exp) | ((bits & exp) == exp)
+    if broke.any():
+        out[broke] = np.where((bits[broke] & exp) == exp, bits[broke], bits[broke] & mask)
+    return out.view(values.dtype)
+
+
+def open_root(workspace: Path, *, read_only: bool) -> zarr.Group:
+    return zarr.open_group(str(workspace / ZARR_DIR), mode="r" if read_only else "a", zarr_format=3)
+
+
+def create_dense(
+    root: zarr.Group,
+    path: str,
+    n_samples: int,
+    item_shape: tuple[int, ...],
+    chunk_samples: int,
+    stored: str,
+    codec: Codec,
+    dims: tuple[str, ...],
+    attributes: dict[str, Any],
+) -> zarr.Array:
+    arr = root.create_array(
+        path,
+        shape=(n_samples, *item_shape),
+        chunks=(min(chunk_samples, max(n_samples, 1)), *item_shape),
+        dtype=numpy_dtype(stored),
+        compressors=codec.compressors(),
+        filters=None,
+        fill_value=0,
+        chunk_key_encoding=_KEY_ENCODING,
+        dimension_names=["sample", *dims],
+        attributes=attributes,
+        # Write every chunk, even all-zero ones: a committed chunk always has a file, and zarr
+        # skips the scan it would otherwise make of every chunk for emptiness.
+        config={"write_empty_chunks": True},
+        overwrite=True,
+    )
+    return arr
+
+
+def create_ragged_group(root: zarr.Group, path: str, attributes: dict[str, Any]) -> zarr.Group:
+    if path in root:
+        del root[path]
+    return root.create_group(path, attributes=attributes)
+
+
+def block_name(chunk: int) -> str:
+    return f"b{chunk}"
+
+
+def write_ragged_block(
+    group: zarr.Group,
+    chunk: int,
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    codec: Codec,
+    dims: tuple[str, ...],
+) -> list[Path]:
+    """Write block ``chunk`` whole (replacing any earlier attempt); returns the files to fsync."""
+    name = block_name(chunk)
+    if name in group:
+        del group[name]
+    block = group.create_group(name)
+    n_rows = rows.shape[0]
+    r = block.create_array(
+        "rows",
+        shape=rows.shape,
+        chunks=(max(n_rows, 1), *rows.shape[1:]),
+        dtype=rows.dtype,
+        compressors=codec.compressors(),
+        filters=None,
+        fill_value=0,
+        chunk_key_encoding=_KEY_ENCODING,
+        dimension_names=list(dims),
+        config={"write_empty_chunks": True},
+    )
+    o = block.create_array(
+        "offsets",
+        shape=offsets.shape,
+        chunks=offsets.shape,
+        dtype=np.int64,
+        compressors=None,
+        filters=None,
+        fill_value=0,
+        chunk_key_encoding=_KEY_ENCODING,
+        dimension_names=["sample_plus_one"],
+    )
+    if n_rows:
+        r[...] = rows
+    o[...] = offsets
+    base = local_dir(group) / name
+    files = [base / "zarr.json", base / "rows" / "zarr.json", base / "offsets" / "zarr.json", base / "offsets" / "c.0"]
+    if n_rows:
+        files.append(base / "rows" / chunk_file_key(rows.ndim, 0))
+    return files
+
+
+def chunk_file_key(ndim: int, chunk: int) -> str:
+    return "c." + ".".join([str(chunk)] + ["0"] * (ndim - 1))
+
+
+def local_dir(node: zarr.Array | zarr.Group) -> Path:
+    store = node.store
+    root = getattr(store, "root", None)
+    if root is None:
+        raise StoreError(f"expected a local Zarr store, got {type(store).__name__}")
+    return Path(root) / node.path
+
+
+def dense_chunk_file(workspace: Path, zarr_path: str, ndim: int, chunk: int) -> Path:
+    return workspace / ZARR_DIR / zarr_path / chunk_file_key(ndim, chunk)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_node_chain(workspace: Path, zarr_path: str) -> None:
+    """Make a newly created node durable: its metadata and every directory entry up to the root."""
+    root = workspace / ZARR_DIR
+    node = root / zarr_path
+    for meta in [node / "zarr.json", *[p / "zarr.json" for p in node.parents if root in (p, *p.parents)]]:
+        if meta.exists():
+            fsync_path(meta)
+    for d in [node, *[p for p in node.parents if root in (p, *p.parents)], workspace]:
+        if d.is_dir():
+            fsync_path(d)

@@ -1,0 +1,218 @@
+"""``python -m store``: look at, check, size and prune a workspace.
+
+Every subcommand takes ``--data PATH`` (default: $AGNOSIA_DATA, else ./data). Commands other
+than ``init`` and ``drop-run`` open the manifest read-only and never change the workspace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from store.errors import StoreError
+from store.lock import live_holder
+from store.plan import human, plan
+from store.workspace import ENV_VAR, Workspace, resolve_path
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    cells = [[str(h) for h in header]] + [["" if v is None else str(v) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    ws = Workspace.open(args.data)
+    print(f"workspace {ws.path} ready (schema v{ws.schema_version()})")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    ws = Workspace.open(args.data, readonly=True)
+    runs = ws.runs()
+    if args.run:
+        runs = [r for r in runs if r["run"] == args.run]
+        if not runs:
+            raise StoreError(f"no run {args.run!r} in {ws.path}")
+    holder = live_holder(ws.path / "writer.lock")
+    for r in runs:
+        if r["status"] == "running" and (holder is None or holder.run != r["run"]):
+            r["status"] = "interrupted"  # marked running, but its writer is gone: resume it
+    arrays = ws.query(
+        "SELECT run, tap, layer, site, tokens, layout, shape, stored_dtype, codec, chunks_committed, n_chunks, bytes,"
+        " bytes_per_value, n_nonfinite, n_clipped FROM v_arrays ORDER BY run, tap, layer, site, tokens"
+    ).to_pylist()
+    if args.json:
+        print(json.dumps({"workspace": str(ws.path), "runs": runs, "arrays": arrays}, default=str, indent=2))
+        return 0
+    total = sum(r["bytes"] for r in runs)
+    print(f"workspace {ws.path}  schema v{ws.schema_version()}  {len(runs)} run(s)  {human(total)}")
+    if not runs:
+        print("no runs yet")
+        return 0
+    print()
+    print(_table(
+        [(r["run"], r["model"], r["status"], r["n_samples"], r["arrays"], f"{r['chunks_committed']}/{r['chunks_expected']}",
+          human(r["bytes"]), r["n_nonfinite"] or "", r["n_clipped"] or "") for r in runs],
+        ["run", "model", "status", "samples", "arrays", "chunks", "bytes", "nan/inf", "clipped"],
+    ))
+    chosen = {r["run"] for r in runs}
+    if args.run or args.arrays:
+        rows = [
+            (a["run"], a["tap"], a["layer"], a["site"], a["tokens"], "x".join(str(s) if s >= 0 else "*" for s in a["shape"]),
+             a["stored_dtype"], a["codec"], f"{a['chunks_committed']}/{a['n_chunks']}", human(a["bytes"]),
+             "" if a["bytes_per_value"] is None else f"{a['bytes_per_value']:.3f}", a["n_nonfinite"] or "")
+            for a in arrays if a["run"] in chosen
+        ]
+        print()
+        print(_table(rows, ["run", "tap", "layer", "site", "tokens", "shape", "stored", "codec", "chunks", "bytes", "B/value", "nan/inf"]))
+    else:
+        summary: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for a in arrays:
+            if a["run"] in chosen:
+                summary.setdefault((a["run"], a["tap"]), []).append(a)
+        print()
+        print(_table(
+            [(run, tap, len(v), _layers(v), ",".join(sorted({a["tokens"] for a in v})), human(sum(a["bytes"] for a in v)))
+             for (run, tap), v in summary.items()],
+            ["run", "tap", "arrays", "layers", "tokens", "bytes"],
+        ))
+        print("\n(--arrays or --run RUN lists every array)")
+    return 0
+
+
+def _layers(arrays: list[dict[str, Any]]) -> str:
+    layers = sorted({a["layer"] for a in arrays})
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 2 else ",".join(map(str, layers))
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    ws = Workspace.open(args.data, readonly=True)
+    rep = ws.verify(run=args.run, checksums=not args.no_checksums)
+    if args.json:
+        print(json.dumps({"ok": rep.ok, "problems": rep.problems, "warnings": rep.warnings, "runs": rep.runs,
+                          "arrays": rep.arrays, "chunks": rep.chunks, "bytes_checked": rep.bytes_checked}, indent=2))
+    else:
+        print(f"checked {rep.runs} run(s), {rep.arrays} array(s), {rep.chunks} chunk(s), {human(rep.bytes_checked)}"
+              f" in {rep.seconds:.1f} s")
+        for w in rep.warnings:
+            print(f"warning: {w}")
+        for p in rep.problems:
+            print(f"PROBLEM: {p}")
+        print("ok" if rep.ok else f"{len(rep.problems)} problem(s)")
+    return 0 if rep.ok else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    p = plan(samples=args.samples, layers=args.layers, tokens=args.tokens, dim=args.dim, dtype=args.dtype,
+             models=args.models, taps=args.taps, codec=args.codec, chunk_samples=args.chunk_samples,
+             data=resolve_path(args.data))
+    if args.json:
+        print(json.dumps({**p.__dict__, "fits": p.fits}, indent=2))
+        return 0
+    print(f"{p.models} model(s) x {p.samples} samples x {p.taps} tap(s) x {p.layers} layer(s) x {p.tokens} tokens"
+          f" x {p.dim} dim x {p.dtype}")
+    print(f"  values       {p.values:,}")
+    print(f"  uncompressed {human(p.raw_bytes)} ({p.raw_bytes:,} bytes)")
+    if p.codec != "none":
+        print(f"  with {p.codec}: ~{human(p.bytes)} (measured ratio; lossy codecs round values)")
+    print(f"  arrays       {p.arrays} ({p.chunk_files:,} chunk files of {p.chunk_samples} samples)")
+    if p.free_bytes is not None:
+        verdict = "fits" if p.fits else "DOES NOT FIT"
+        print(f"  free disk    {human(p.free_bytes)} at {resolve_path(args.data)}: {verdict}")
+    return 0 if p.fits is not False else 1
+
+
+def cmd_drop_run(args: argparse.Namespace) -> int:
+    ws = Workspace.open(args.data, readonly=True)
+    if not args.yes:
+        info = [r for r in ws.runs() if r["run"] == args.run]
+        if not info:
+            raise StoreError(f"no run {args.run!r} in {ws.path}")
+        print(f"would remove run {args.run}: {info[0]['arrays']} array(s), {human(info[0]['bytes'])}; add --yes to do it")
+        return 2
+    counts = ws.drop_run(args.run, timeout=args.wait)
+    print(f"dropped run {args.run}: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+    return 0
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    ws = Workspace.open(args.data, readonly=True)
+    table = ws.query(args.sql)
+    rows = table.to_pylist()
+    if args.json:
+        print(json.dumps(rows, default=str, indent=2))
+    elif table.num_columns:
+        print(_table([tuple(r.values()) for r in rows], table.column_names))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    data_help = f"workspace folder (default: ${ENV_VAR}, else ./data)"
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--data", metavar="PATH", default=argparse.SUPPRESS, help=data_help)
+    p = argparse.ArgumentParser(
+        prog="python -m store",
+        description="The agnosia activation store: Zarr v3 arrays + a DuckDB manifest in one workspace folder.",
+    )
+    p.add_argument("--data", metavar="PATH", default=None, help=data_help)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("init", parents=[common], help="create (or migrate) a workspace")
+    s.set_defaults(fn=cmd_init)
+
+    s = sub.add_parser("info", parents=[common], help="runs, arrays and sizes")
+    s.add_argument("--run", help="list every array of this run")
+    s.add_argument("--arrays", action="store_true", help="list every array of every run")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(fn=cmd_info)
+
+    s = sub.add_parser("verify", parents=[common], help="check every committed chunk; exit 1 listing problems")
+    s.add_argument("--run", help="only this run")
+    s.add_argument("--no-checksums", action="store_true", help="check presence and shapes only (no data read)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(fn=cmd_verify)
+
+    s = sub.add_parser("plan", parents=[common], help="bytes an extraction would write, before running it")
+    s.add_argument("--samples", type=int, required=True, help="stimuli per model")
+    s.add_argument("--layers", type=int, required=True, help="layers stored per tap")
+    s.add_argument("--tokens", type=int, required=True, help="token positions stored per sample")
+    s.add_argument("--dim", type=int, required=True, help="hidden size")
+    s.add_argument("--models", type=int, default=1, help="models (runs), default 1")
+    s.add_argument("--taps", type=int, default=1, help="taps (or tap x site x token-kind arrays) per layer, default 1")
+    s.add_argument("--dtype", default="float16", help="stored dtype: float16 (default), bfloat16, float32")
+    s.add_argument("--codec", default="none", help="none (default), zstd, bitround8, bitround7")
+    s.add_argument("--chunk-samples", type=int, default=64, help="samples per chunk (default 64)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(fn=cmd_plan)
+
+    s = sub.add_parser("drop-run", parents=[common], help="remove a run and its arrays atomically")
+    s.add_argument("run")
+    s.add_argument("--yes", action="store_true", help="really remove it (without: show what would go)")
+    s.add_argument("--wait", type=float, default=0.0, help="seconds to wait for a running writer (default 0)")
+    s.set_defaults(fn=cmd_drop_run)
+
+    s = sub.add_parser("query", parents=[common], help="run read-only SQL on the manifest")
+    s.add_argument("sql", help="e.g. \"SELECT tap, layer, count(*) FROM activations GROUP BY ALL\"")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(fn=cmd_query)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except StoreError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+

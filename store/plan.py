@@ -1,0 +1,85 @@
+"""``plan``: the bytes an extraction will write, before it runs.
+
+bytes = models x samples x taps x layers x tokens x dim x bytes per value / codec ratio.
+The codec ratios are the ones measured on fp16 activations (docs/store.md, `python -m bench store`);
+they are estimates, so the plan reports the uncompressed size as well.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from store.errors import StoreError
+
+BYTES_PER_VALUE = {"float16": 2, "bfloat16": 2, "float32": 4}
+# Measured compression ratios on fp16 activations (lossless gains little; BitRound is the lever).
+CODEC_RATIO = {"none": 1.0, "zstd": 1.08, "bitround8": 1.22, "bitround7": 1.30}
+
+
+@dataclass(frozen=True)
+class Plan:
+    models: int
+    samples: int
+    taps: int
+    layers: int
+    tokens: int
+    dim: int
+    dtype: str
+    codec: str
+    chunk_samples: int
+    values: int
+    raw_bytes: int
+    bytes: int
+    arrays: int
+    chunk_files: int
+    free_bytes: int | None
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.free_bytes is None else self.bytes <= self.free_bytes
+
+
+def plan(
+    *,
+    samples: int,
+    layers: int,
+    tokens: int,
+    dim: int,
+    dtype: str = "float16",
+    models: int = 1,
+    taps: int = 1,
+    codec: str = "none",
+    chunk_samples: int = 64,
+    data: Path | None = None,
+) -> Plan:
+    for name, value in (("samples", samples), ("layers", layers), ("tokens", tokens), ("dim", dim),
+                        ("models", models), ("taps", taps), ("chunk_samples", chunk_samples)):
+        if not isinstance(value, int) or value < 1:
+            raise StoreError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if dtype not in BYTES_PER_VALUE:
+        raise StoreError(f"--dtype must be one of {sorted(BYTES_PER_VALUE)} (the stored dtype), got {dtype!r}")
+    if codec not in CODEC_RATIO:
+        raise StoreError(f"--codec must be one of {sorted(CODEC_RATIO)}, got {codec!r}")
+    values = models * samples * taps * layers * tokens * dim
+    raw = values * BYTES_PER_VALUE[dtype]
+    arrays = models * taps * layers
+    free = None
+    if data is not None:
+        probe = data if data.exists() else next((p for p in data.parents if p.exists()), None)
+        if probe is not None:
+            free = shutil.disk_usage(probe).free
+    return Plan(
+        models=models, samples=samples, taps=taps, layers=layers, tokens=tokens, dim=dim, dtype=dtype, codec=codec,
+        chunk_samples=chunk_samples, values=values, raw_bytes=raw, bytes=int(raw / CODEC_RATIO[codec]), arrays=arrays,
+        chunk_files=arrays * -(-samples // chunk_samples), free_bytes=free,
+    )
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

@@ -1,0 +1,318 @@
+"""The small value types the store takes and returns, and the name rules they share.
+
+Everything here is plain data: the writer and reader validate against these at the edge, so the
+rest of the store can trust them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from store.errors import StoreError
+
+# Names become Zarr path segments and SQL literals: keep them boring.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+#: The tap vocabulary of DESIGN.md; others are allowed but these are what probes expect.
+TAPS = ("vision", "projector", "llm", "attn", "logits")
+#: Token kinds the extraction stage uses; each is its own array (free text, checked by name rule).
+TOKEN_KINDS = ("image", "last", "answer", "prompt", "all")
+
+Bf16Policy = Literal["fp16", "bits"]
+OverflowPolicy = Literal["error", "clip"]
+SOURCE_DTYPES = ("float32", "float16", "bfloat16")
+STORED_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def check_name(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise StoreError(
+            f"{kind} must be 1-128 characters of letters, digits, '_', '.', '-' starting with a letter"
+            f" or digit (it becomes a Zarr path segment), got {value!r}"
+        )
+    return value
+
+
+def to_json(value: Any) -> str | None:
+    """Canonical JSON (sorted keys) of plain or numpy values; None stays SQL NULL."""
+    if value is None:
+        return None
+    return json.dumps(value, sort_keys=True, default=_json_default, allow_nan=True)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"cannot store {type(obj).__name__} as JSON: convert it to plain lists/dicts/numbers")
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a run is: provenance recorded in ``runs``, and the storage policy of its arrays.
+
+    ``chunk_samples`` is the default number of samples per chunk; resume works in chunks, so a
+    crash re-computes at most that many samples per unfinished chunk.
+    """
+
+    run: str
+    model: str
+    revision: str | None = None
+    adapter: str | None = None
+    dtype: str | None = None
+    attn_implementation: str | None = None
+    versions: Mapping[str, str] = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
+    chunk_samples: int = 64
+    bf16: Bf16Policy = "fp16"
+    overflow: OverflowPolicy = "error"
+
+    def __post_init__(self) -> None:
+        check_name("run", self.run)
+        if not self.model:
+            raise StoreError("RunInfo.model must name the model (a local folder or a hub id), got ''")
+        if not isinstance(self.chunk_samples, int) or not 1 <= self.chunk_samples <= 1 << 20:
+            raise StoreError(f"chunk_samples must be an int in 1..1048576, got {self.chunk_samples!r}")
+        if self.bf16 not in ("fp16", "bits"):
+            raise StoreError(f"bf16 policy must be 'fp16' or 'bits', got {self.bf16!r}")
+        if self.overflow not in ("error", "clip"):
+            raise StoreError(f"overflow policy must be 'error' or 'clip', got {self.overflow!r}")
+
+    def identity(self) -> dict[str, Any]:
+        """The fields a resumed run must match (versions may legitimately differ)."""
+        return {
+            "model": self.model,
+            "revision": self.revision,
+            "adapter": self.adapter,
+            "dtype": self.dtype,
+            "attn_implementation": self.attn_implementation,
+            "config": json.loads(to_json(dict(self.config)) or "{}"),
+            "chunk_samples": self.chunk_samples,
+            "bf16": self.bf16,
+            "overflow": self.overflow,
+        }
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One stored array of a run: ``(tap, layer, site, tokens)`` plus its per-sample layout.
+
+    ``shape`` is the shape of one sample (dense: e.g. ``(256, 768)`` image tokens or
+    ``(heads, query_rows, keys)`` attention rows) or of one token row when ``ragged`` (e.g.
+    ``(768,)``: each sample then holds a variable number of such rows).
+    ``dtype`` is what the producer hands over; ``stored_dtype`` defaults to float16 (bfloat16
+    sources follow the run's bf16 policy); ``codec`` is ``none``, ``zstd`` (lossless) or
+    ``bitround<k>`` (lossy: k mantissa bits kept, then zstd).
+    """
+
+    tap: str
+    layer: int
+    tokens: str
+    shape: tuple[int, ...]
+    site: str = "resid_post"
+    ragged: bool = False
+    dtype: str = "float32"
+    stored_dtype: str | None = None
+    codec: str = "none"
+    module: str | None = None
+    dims: tuple[str, ...] | None = None
+    chunk_samples: int | None = None
+
+    def __post_init__(self) -> None:
+        check_name("tap", self.tap)
+        check_name("site", self.site)
+        check_name("tokens", self.tokens)
+        if not isinstance(self.layer, (int, np.integer)) or isinstance(self.layer, bool) or self.layer < 0:
+            raise StoreError(
+                f"layer must be the block index >= 0 (use 0 for taps without layers; -1 is a read-time"
+                f" alias only), got {self.layer!r}"
+            )
+        shape = tuple(int(s) for s in self.shape)
+        if not shape or any(s < 1 for s in shape):
+            raise StoreError(f"shape is the per-sample shape, all dims >= 1, e.g. (256, 768); got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "layer", int(self.layer))
+        if self.dtype not in SOURCE_DTYPES:
+            raise StoreError(f"dtype must be one of {SOURCE_DTYPES} (what the model produces), got {self.dtype!r}")
+        if self.stored_dtype is not None and self.stored_dtype not in STORED_DTYPES:
+            raise StoreError(f"stored_dtype must be one of {STORED_DTYPES} or None, got {self.stored_dtype!r}")
+        if self.dims is not None and len(self.dims) != len(shape):
+            raise StoreError(f"dims names the per-sample dims: expected {len(shape)} names for shape {shape}, got {self.dims!r}")
+        if self.chunk_samples is not None and not 1 <= self.chunk_samples <= 1 << 20:
+            raise StoreError(f"chunk_samples must be in 1..1048576 or None, got {self.chunk_samples!r}")
+
+    def default_dims(self) -> tuple[str, ...]:
+        if self.dims is not None:
+            return tuple(self.dims)
+        if self.ragged:
+            return ("row",) + (("dim",) if len(self.shape) == 1 else tuple(f"dim{i}" for i in range(len(self.shape))))
+        if len(self.shape) == 1:
+            return ("dim",)
+        if len(self.shape) == 2:
+            return ("token", "dim")
+        if len(self.shape) == 3 and self.tap == "attn":
+            return ("head", "query", "key")
+        return tuple(f"dim{i}" for i in range(len(self.shape)))
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """An array as the manifest records it (one ``activations`` row)."""
+
+    run: str
+    tap: str
+    layer: int
+    site: str
+    tokens: str
+    module: str | None
+    zarr_path: str
+    layout: Literal["dense", "ragged"]
+    shape: tuple[int, ...]
+    dims: tuple[str, ...]
+    chunk_samples: int
+    n_chunks: int
+    dtype: str
+    stored_dtype: str
+    codec: str
+    values_per_row: int
+    bytes: int
+
+    @property
+    def n_samples(self) -> int:
+        return self.shape[0]
+
+    @property
+    def item_shape(self) -> tuple[int, ...]:
+        """Per-sample shape (dense) or per-row shape (ragged; shape holds -1 for the row count)."""
+        return self.shape[2:] if self.layout == "ragged" else self.shape[1:]
+
+    def chunk_rows(self, chunk: int) -> range:
+        start = chunk * self.chunk_samples
+        return range(start, min(start + self.chunk_samples, self.n_samples))
+
+    def key(self) -> str:
+        return f"{self.run}:{self.tap}/{self.layer}/{self.site}/{self.tokens}"
+
+
+@dataclass(frozen=True)
+class TokenSpans:
+    """Where the token kinds sit in one sample's sequence (0-based positions).
+
+    Image tokens are ``image_count`` consecutive positions from ``image_start`` forming a
+    ``grid_h x grid_w`` patch grid in raster order; answer tokens are ``answer_count``
+    consecutive positions from ``answer_start``. ``extra`` holds any other named spans (JSON).
+    """
+
+    seq_len: int
+    image_start: int | None = None
+    image_count: int | None = None
+    grid_h: int | None = None
+    grid_w: int | None = None
+    last_prompt: int | None = None
+    answer_start: int | None = None
+    answer_count: int | None = None
+    extra: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 0:
+            raise StoreError(f"seq_len must be >= 0, got {self.seq_len}")
+        if self.grid_h is not None and self.grid_w is not None and self.image_count is not None:
+            if self.grid_h * self.grid_w != self.image_count:
+                raise StoreError(
+                    f"the patch grid must cover the image tokens in raster order: grid {self.grid_h}x{self.grid_w}"
+                    f" = {self.grid_h * self.grid_w} != image_count {self.image_count}"
+                )
+        for name, start, count in (
+            ("image", self.image_start, self.image_count),
+            ("answer", self.answer_start, self.answer_count),
+        ):
+            if start is not None and count is not None and not 0 <= start <= start + count <= self.seq_len:
+                raise StoreError(
+                    f"{name} span [{start}, {start + count}) must lie inside the sequence [0, {self.seq_len})"
+                )
+        if self.last_prompt is not None and not 0 <= self.last_prompt < max(self.seq_len, 1):
+            raise StoreError(f"last_prompt {self.last_prompt} must lie inside the sequence [0, {self.seq_len})")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What the model said about one stimulus, parsed and scored.
+
+    ``metrics`` holds extra numbers (e.g. ``{"cells_correct": 7, "cells_total": 9}``) as JSON.
+    """
+
+    text: str
+    prediction: Any = None
+    parse_ok: bool | None = None
+    correct: bool | None = None
+    score: float | None = None
+    metrics: Mapping[str, Any] | None = None
+    n_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One trained probe, as the probe farm reports it (one ``probes`` row)."""
+
+    run: str
+    tap: str
+    layer: int
+    target: str
+    kind: str
+    score: float
+    site: str = "resid_post"
+    tokens: str = "image"
+    seed: int = 0
+    n_train: int | None = None
+    n_test: int | None = None
+    metric: str = "accuracy"
+    control_score: float | None = None
+    artifact: str | None = None
+    params: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.score, (int, float)) or math.isnan(float(self.score)):
+            raise StoreError(f"probe score must be a number, got {self.score!r}")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Rows of one run picked by a manifest query, ascending, with their stimulus keys."""
+
+    run: str
+    rows: np.ndarray
+    stimuli: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """Variable-length rows per sample: ``values[offsets[i]:offsets[i+1]]`` belongs to sample i."""
+
+    values: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def split(self) -> list[np.ndarray]:
+        return [self[i] for i in range(len(self))]

@@ -1,0 +1,280 @@
+"""The manifest schema: table DDL, views, and the migrations that bring any older file up to date.
+
+Table and view names are a contract with probes/ and queries/ (DESIGN.md); columns may grow, so
+new columns arrive as a new migration step, never by editing an applied one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import duckdb
+
+_TABLES_V1 = """
+CREATE TABLE schema_version (
+    version     INTEGER   NOT NULL,
+    description VARCHAR   NOT NULL,
+    applied_at  TIMESTAMP NOT NULL DEFAULT current_timestamp
+);
+
+CREATE TABLE runs (
+    run                 VARCHAR PRIMARY KEY,
+    model               VARCHAR NOT NULL,
+    revision            VARCHAR,
+    adapter             VARCHAR,
+    dtype               VARCHAR,           -- the model's compute dtype
+    attn_implementation VARCHAR,
+    versions            JSON,              -- library versions, {"torch": "2.13.0", ...}
+    config              JSON,              -- the run's whole config
+    n_samples           BIGINT,            -- set when the row map is registered
+    chunk_samples       INTEGER NOT NULL,  -- default samples per chunk
+    bf16_policy         VARCHAR NOT NULL,  -- fp16 | bits
+    overflow_policy     VARCHAR NOT NULL,  -- error | clip
+    status              VARCHAR NOT NULL,  -- running | finished | failed
+    host                VARCHAR,
+    pid                 INTEGER,
+    created_at          TIMESTAMP NOT NULL,
+    updated_at          TIMESTAMP,
+    finished_at         TIMESTAMP
+);
+
+CREATE TABLE stimuli (
+    stimulus  VARCHAR PRIMARY KEY,         -- '<dataset>/<id>'
+    dataset   VARCHAR NOT NULL,            -- the set name (folder name by default)
+    id        VARCHAR NOT NULL,
+    family    VARCHAR,
+    split     VARCHAR,
+    seed      BIGINT,
+    prompt    VARCHAR,
+    answer    VARCHAR,
+    prompts   JSON,
+    answers   JSON,
+    params    JSON,                        -- per-family parameters
+    truth     JSON,                        -- per-family ground truth (or a pointer to it)
+    image     VARCHAR,                     -- image path relative to set_path
+    set_path  VARCHAR,                     -- the stimulus set folder (holds truth.parquet)
+    digest    VARCHAR NOT NULL,            -- sha1 of the row: re-registering must match
+    added_at  TIMESTAMP NOT NULL
+);
+
+CREATE TABLE samples (
+    run          VARCHAR NOT NULL,
+    array_row    BIGINT  NOT NULL,         -- row in every array of the run
+    stimulus     VARCHAR NOT NULL,
+    seq_len      INTEGER,
+    image_start  INTEGER,
+    image_count  INTEGER,
+    grid_h       INTEGER,                  -- image tokens form grid_h x grid_w in raster order
+    grid_w       INTEGER,
+    last_prompt  INTEGER,                  -- position of the prompt's last token
+    answer_start INTEGER,
+    answer_count INTEGER,
+    spans        JSON,                     -- any other named spans
+    recorded_at  TIMESTAMP,                -- when the spans were committed
+    PRIMARY KEY (run, array_row),
+    UNIQUE (run, stimulus)
+);
+
+CREATE TABLE activations (
+    run            VARCHAR  NOT NULL,
+    tap            VARCHAR  NOT NULL,      -- vision | projector | llm | attn | logits
+    layer          INTEGER  NOT NULL,
+    site           VARCHAR  NOT NULL,      -- resid_post | pre_merger | in | out ...
+    tokens         VARCHAR  NOT NULL,      -- token kind: image | last | answer | ...
+    module         VARCHAR,                -- raw module path, e.g. model.visual.blocks.3
+    zarr_path      VARCHAR  NOT NULL UNIQUE,
+    layout         VARCHAR  NOT NULL,      -- dense | ragged
+    shape          BIGINT[] NOT NULL,      -- dense [samples, ...]; ragged [samples, -1, dim...]
+    dims           VARCHAR[] NOT NULL,
+    chunk_samples  INTEGER  NOT NULL,
+    n_chunks       INTEGER  NOT NULL,
+    dtype          VARCHAR  NOT NULL,      -- what the model produced
+    stored_dtype   VARCHAR  NOT NULL,      -- float16 | float32 | bfloat16 (raw bits as uint16)
+    codec          VARCHAR  NOT NULL,      -- none | zstd | bitround<k>
+    values_per_row BIGINT   NOT NULL,      -- values per sample (dense) or per token row (ragged)
+    bytes          BIGINT   NOT NULL DEFAULT 0,  -- bytes on disk of committed chunks
+    created_at     TIMESTAMP NOT NULL,
+    PRIMARY KEY (run, tap, layer, site, tokens)
+);
+
+CREATE TABLE chunks (
+    run          VARCHAR NOT NULL,
+    zarr_path    VARCHAR NOT NULL,
+    chunk        INTEGER NOT NULL,         -- sample chunk index
+    row_start    BIGINT  NOT NULL,
+    row_stop     BIGINT  NOT NULL,
+    n_rows       BIGINT  NOT NULL,         -- samples (dense) or token rows (ragged)
+    nbytes       BIGINT  NOT NULL,         -- bytes on disk
+    crc32c       BIGINT  NOT NULL,         -- CRC-32C of the stored values (C order)
+    n_nonfinite  BIGINT  NOT NULL,         -- NaN/inf in the source values
+    n_clipped    BIGINT  NOT NULL,         -- values saturated by overflow='clip'
+    committed_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (run, zarr_path, chunk)
+);
+
+CREATE TABLE tensors (                    -- run-level tensors (e.g. unembedding, final norm)
+    run       VARCHAR NOT NULL,
+    name      VARCHAR NOT NULL,
+    module    VARCHAR,
+    zarr_path VARCHAR NOT NULL,
+    shape     BIGINT[] NOT NULL,
+    dtype     VARCHAR NOT NULL,
+    stored_dtype VARCHAR NOT NULL,
+    nbytes    BIGINT NOT NULL,
+    crc32c    BIGINT NOT NULL,
+    created_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (run, name)
+);
+
+CREATE TABLE generations (
+    run         VARCHAR NOT NULL,
+    stimulus    VARCHAR NOT NULL,
+    array_row   BIGINT,
+    text        VARCHAR,
+    prediction  JSON,                      -- parsed prediction (matrix, number, word ...)
+    parse_ok    BOOLEAN,
+    correct     BOOLEAN,
+    score       DOUBLE,                    -- e.g. cell accuracy
+    metrics     JSON,                      -- e.g. {"cells_correct": 7, "cells_total": 9}
+    n_tokens    INTEGER,
+    recorded_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (run, stimulus)
+);
+
+CREATE TABLE probes (
+    run           VARCHAR NOT NULL,
+    tap           VARCHAR NOT NULL,
+    layer         INTEGER NOT NULL,
+    site          VARCHAR NOT NULL,
+    tokens        VARCHAR NOT NULL,
+    target        VARCHAR NOT NULL,
+    kind          VARCHAR NOT NULL,
+    seed          INTEGER NOT NULL,
+    n_train       INTEGER,
+    n_test        INTEGER,
+    metric        VARCHAR NOT NULL,
+    score         DOUBLE  NOT NULL,
+    control_score DOUBLE,
+    artifact      VARCHAR,                 -- safetensors / npz path of the weights
+    params        JSON,
+    created_at    TIMESTAMP NOT NULL,
+    PRIMARY KEY (run, tap, layer, site, tokens, target, kind, seed)
+);
+"""
+
+_VIEWS_V1 = """
+CREATE OR REPLACE VIEW v_samples AS
+SELECT s.run, s.array_row, s.stimulus, st.dataset, st.id, st.family, st.split, st.seed,
+       st.prompt, st.answer, st.params, st.truth, st.image, st.set_path,
+       s.seq_len, s.image_start, s.image_count, s.grid_h, s.grid_w, s.last_prompt,
+       s.answer_start, s.answer_count, s.spans,
+       g.text AS generated, g.prediction, g.parse_ok, g.correct, g.score
+FROM samples s
+JOIN stimuli st USING (stimulus)
+LEFT JOIN generations g ON g.run = s.run AND g.stimulus = s.stimulus;
+
+CREATE OR REPLACE VIEW v_arrays AS
+SELECT a.run, a.tap, a.layer, a.site, a.tokens, a.layout, a.shape, a.stored_dtype, a.codec,
+       a.n_chunks, count(c.chunk) AS chunks_committed,
+       coalesce(sum(c.n_rows), 0)::BIGINT AS rows_committed,
+       coalesce(sum(c.nbytes), 0)::BIGINT AS bytes,
+       coalesce(sum(c.nbytes), 0) / nullif(coalesce(sum(c.n_rows), 0) * a.values_per_row, 0) AS bytes_per_value,
+       coalesce(sum(c.n_nonfinite), 0)::BIGINT AS n_nonfinite,
+       coalesce(sum(c.n_clipped), 0)::BIGINT AS n_clipped,
+       a.module, a.zarr_path
+FROM activations a
+LEFT JOIN chunks c ON c.run = a.run AND c.zarr_path = a.zarr_path
+GROUP BY a.run, a.tap, a.layer, a.site, a.tokens, a.layout, a.shape, a.stored_dtype, a.codec,
+         a.n_chunks, a.values_per_row, a.module, a.zarr_path;
+
+CREATE OR REPLACE VIEW v_runs AS
+SELECT r.run, r.model, r.status, r.n_samples, r.created_at, r.finished_at,
+       count(a.zarr_path) AS arrays,
+       coalesce(sum(a.bytes), 0)::BIGINT AS bytes,
+       coalesce(sum(a.chunks_committed), 0)::BIGINT AS chunks_committed,
+       coalesce(sum(a.n_chunks), 0)::BIGINT AS chunks_expected,
+       coalesce(sum(a.n_nonfinite), 0)::BIGINT AS n_nonfinite,
+       coalesce(sum(a.n_clipped), 0)::BIGINT AS n_clipped
+FROM runs r
+LEFT JOIN v_arrays a USING (run)
+GROUP BY ALL;
+
+CREATE OR REPLACE VIEW v_probe_layers AS
+SELECT run, tap, layer, site, tokens, target, kind, metric,
+       avg(score) AS score, avg(control_score) AS control_score,
+       avg(score) - avg(control_score) AS selectivity, count(*) AS n_seeds
+FROM probes
+GROUP BY ALL;
+
+CREATE OR REPLACE VIEW v_best_probe AS
+SELECT *
+FROM v_probe_layers
+QUALIFY row_number() OVER (
+    PARTITION BY run, tap, site, tokens, target, kind, metric ORDER BY score DESC, layer) = 1;
+
+CREATE OR REPLACE VIEW v_accuracy AS
+SELECT g.run, st.family, count(*) AS n,
+       avg(g.correct::INTEGER) AS accuracy,
+       avg(g.parse_ok::INTEGER) AS parse_rate,
+       avg(g.score) AS mean_score
+FROM generations g
+JOIN stimuli st USING (stimulus)
+GROUP BY ALL;
+"""
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One schema step: ``apply`` runs inside the migration's transaction."""
+
+    version: int
+    description: str
+    apply: Callable[[duckdb.DuckDBPyConnection], None]
+
+
+def _v1(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(_TABLES_V1)
+    con.execute(_VIEWS_V1)
+
+
+MIGRATIONS: list[Migration] = [
+    Migration(1, "initial manifest: runs, stimuli, samples, activations, chunks, tensors, generations, probes", _v1),
+]
+
+
+def latest_version(migrations: list[Migration] | None = None) -> int:
+    return max(m.version for m in (migrations or MIGRATIONS))
+
+
+def current_version(con: duckdb.DuckDBPyConnection) -> int:
+    """0 for an empty file; the highest applied step otherwise."""
+    exists = con.execute(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'schema_version'"
+    ).fetchone()
+    if not exists or exists[0] == 0:
+        return 0
+    row = con.execute("SELECT max(version) FROM schema_version").fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
+
+
+def pending(version: int, migrations: list[Migration] | None = None) -> list[Migration]:
+    return sorted((m for m in (migrations or MIGRATIONS) if m.version > version), key=lambda m: m.version)
+
+
+def migrate(con: duckdb.DuckDBPyConnection, migrations: list[Migration] | None = None) -> list[int]:
+    """Apply every pending step, each in its own transaction; returns the versions applied."""
+    applied = []
+    for step in pending(current_version(con), migrations):
+        con.execute("BEGIN TRANSACTION")
+        try:
+            step.apply(con)
+            con.execute(
+                "INSERT INTO schema_version (version, description) VALUES (?, ?)", [step.version, step.description]
+            )
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+        applied.append(step.version)
+    return applied

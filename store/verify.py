@@ -1,0 +1,206 @@
+"""``verify``: is every committed chunk there, readable, and what the manifest says it is?
+
+Reads through zarr-python (not the reader's memory-map fast path), so a pass also proves the
+arrays are plain Zarr. Problems make ``python -m store verify`` exit non-zero; warnings (NaN/inf
+counts, clipped values, leftovers of interrupted writes) are reported but do not fail.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import duckdb
+import numpy as np
+import zarr
+
+from store import arrays as layout
+from store.checksum import crc32c
+from store.dtypes import numpy_dtype
+from store.errors import StoreError
+from store.lock import live_holder
+from store.schema import latest_version
+
+if TYPE_CHECKING:
+    from store.records import ArrayInfo
+    from store.workspace import Workspace
+
+_TABLES = ("runs", "stimuli", "samples", "activations", "chunks", "tensors", "generations", "probes")
+
+
+@dataclass
+class VerifyReport:
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    runs: int = 0
+    arrays: int = 0
+    chunks: int = 0
+    bytes_checked: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> VerifyReport:
+    started = time.perf_counter()
+    rep = VerifyReport()
+    try:
+        with ws.connect() as con:
+            for table in _TABLES:
+                con.sql(f"SELECT * FROM {table}").to_arrow_table()  # every block of every table is readable
+            runs = con.execute(
+                "SELECT run, status, n_samples FROM runs" + (" WHERE run = ?" if run else "") + " ORDER BY run",
+                [run] if run else [],
+            ).fetchall()
+            chunk_rows = con.execute(
+                "SELECT run, zarr_path, chunk, row_start, row_stop, n_rows, crc32c, n_nonfinite, n_clipped FROM chunks"
+                " ORDER BY run, zarr_path, chunk"
+            ).fetchall()
+            sample_stats = dict(
+                (r[0], r[1:])
+                for r in con.execute(
+                    "SELECT s.run, count(*), min(array_row), max(array_row), count(st.stimulus)"
+                    " FROM samples s LEFT JOIN stimuli st USING (stimulus) GROUP BY s.run"
+                ).fetchall()
+            )
+            tensors = con.execute("SELECT run, name, zarr_path, stored_dtype, crc32c FROM tensors").fetchall()
+            version = con.execute("SELECT max(version) FROM schema_version").fetchone()
+    except duckdb.Error as err:
+        rep.problems.append(f"manifest {ws.manifest_path} is unreadable: {type(err).__name__}: {err}")
+        rep.seconds = time.perf_counter() - started
+        return rep
+    if version and version[0] != latest_version():
+        rep.problems.append(f"manifest schema version {version[0]}, expected {latest_version()}")
+    if run and not runs:
+        rep.problems.append(f"no run {run!r} in the manifest")
+    by_array: dict[tuple[str, str], list[tuple]] = {}
+    for r in chunk_rows:
+        by_array.setdefault((r[0], r[1]), []).append(r[2:])
+    root_ok = (ws.zarr_path / "zarr.json").is_file()
+    if not root_ok:
+        rep.problems.append(f"the Zarr group {ws.zarr_path} is missing (no zarr.json)")
+    holder = live_holder(ws.path / "writer.lock")
+    for run_id, status, n_samples in runs:
+        rep.runs += 1
+        stats = sample_stats.get(run_id)
+        if n_samples is not None:
+            if stats is None or stats[0] != n_samples or stats[1] != 0 or stats[2] != n_samples - 1:
+                rep.problems.append(
+                    f"run {run_id}: samples table maps {stats[0] if stats else 0} rows, expected rows 0..{n_samples - 1}"
+                )
+            elif stats[3] != stats[0]:
+                rep.problems.append(f"run {run_id}: {stats[0] - stats[3]} sample rows point at unregistered stimuli")
+        if status == "running" and (holder is None or holder.run != run_id):
+            rep.warnings.append(f"run {run_id} is marked running but no writer holds it: it was interrupted; resume it")
+        for info in ws.arrays(run_id):
+            rep.arrays += 1
+            _check_array(ws, info, status, by_array.get((run_id, info.zarr_path), []), checksums, rep)
+    for run_id, name, path, stored, crc in tensors:
+        if run and run_id != run:
+            continue
+        try:
+            values = np.ascontiguousarray(zarr.open_array(str(ws.zarr_path / path), mode="r")[...])
+            if checksums and crc32c(values) != crc:
+                rep.problems.append(f"tensor {run_id}/{name}: checksum mismatch at {ws.zarr_path / path}")
+        except Exception as err:  # noqa: BLE001 - any failure to read is the finding
+            rep.problems.append(f"tensor {run_id}/{name} unreadable at {ws.zarr_path / path}: {err}")
+    if root_ok and run is None:
+        known = {r[0] for r in runs}
+        for child in sorted(ws.zarr_path.iterdir()):
+            if child.is_dir() and child.name not in known:
+                rep.warnings.append(f"Zarr folder {child} belongs to no run in the manifest (orphan; safe to delete)")
+        partial = list(ws.zarr_path.rglob("*.partial"))
+        if partial:
+            rep.warnings.append(f"{len(partial)} '.partial' file(s) left by interrupted writes, e.g. {partial[0]}")
+    rep.seconds = time.perf_counter() - started
+    return rep
+
+
+def _check_array(ws: Workspace, info: ArrayInfo, status: str, chunks: list[tuple], checksums: bool, rep: VerifyReport) -> None:
+    where = info.key()
+    folder = ws.zarr_path / info.zarr_path
+    if not (folder / "zarr.json").is_file():
+        rep.problems.append(f"{where}: array missing on disk (expected {folder}/zarr.json)")
+        return
+    try:
+        node = zarr.open(str(folder), mode="r")
+    except Exception as err:  # noqa: BLE001
+        rep.problems.append(f"{where}: cannot open {folder}: {err}")
+        return
+    if info.layout == "dense":
+        if not isinstance(node, zarr.Array):
+            rep.problems.append(f"{where}: expected a Zarr array at {folder}, found a group")
+            return
+        if tuple(node.shape) != info.shape:
+            rep.problems.append(f"{where}: shape on disk {tuple(node.shape)} != manifest {info.shape}")
+        if node.dtype != numpy_dtype(info.stored_dtype):
+            rep.problems.append(f"{where}: dtype on disk {node.dtype} != stored dtype {info.stored_dtype}")
+        if node.chunks[0] != info.chunk_samples:
+            rep.problems.append(f"{where}: chunks on disk {node.chunks} != {info.chunk_samples} samples per chunk")
+    elif not isinstance(node, zarr.Group):
+        rep.problems.append(f"{where}: expected a ragged group at {folder}, found an array")
+        return
+    committed = set()
+    total_bytes = 0
+    nonfinite = sum(c[5] for c in chunks)
+    clipped = sum(c[6] for c in chunks)
+    if nonfinite:
+        worst = [c[0] for c in chunks if c[5]][:5]
+        rep.warnings.append(f"{where}: {nonfinite} NaN/inf value(s) stored as the model produced them (chunks {worst}...)")
+    if clipped:
+        rep.warnings.append(f"{where}: {clipped} value(s) clipped to the float16 range (overflow='clip')")
+    for chunk, row_start, row_stop, n_rows, crc, _, _ in chunks:
+        rep.chunks += 1
+        committed.add(chunk)
+        expect = info.chunk_rows(chunk) if 0 <= chunk < info.n_chunks else None
+        if expect is None or (row_start, row_stop) != (expect.start, expect.stop):
+            rep.problems.append(f"{where}: chunk {chunk} rows [{row_start}, {row_stop}) do not match the chunk grid")
+            continue
+        try:
+            values = _read_chunk(ws, info, node, chunk, row_start, row_stop, n_rows)
+        except Exception as err:  # noqa: BLE001
+            rep.problems.append(f"{where}: chunk {chunk} unreadable: {type(err).__name__}: {err}")
+            continue
+        total_bytes += values.nbytes
+        if checksums and crc32c(values) != crc:
+            rep.problems.append(
+                f"{where}: chunk {chunk} (rows {row_start}-{row_stop - 1}) checksum mismatch: its bytes changed after"
+                f" commit ({_chunk_location(ws, info, chunk)})"
+            )
+    rep.bytes_checked += total_bytes
+    if status == "finished" and len(committed) != info.n_chunks:
+        missing = sorted(set(range(info.n_chunks)) - committed)
+        rep.problems.append(f"{where}: run is finished but {len(missing)} chunk(s) are not committed, e.g. {missing[:5]}")
+
+
+def _chunk_location(ws: Workspace, info: ArrayInfo, chunk: int) -> str:
+    if info.layout == "dense":
+        return str(layout.dense_chunk_file(ws.path, info.zarr_path, len(info.shape), chunk))
+    return str(ws.zarr_path / info.zarr_path / layout.block_name(chunk))
+
+
+def _read_chunk(ws: Workspace, info: ArrayInfo, node: object, chunk: int, start: int, stop: int, n_rows: int) -> np.ndarray:
+    if info.layout == "dense":
+        path = layout.dense_chunk_file(ws.path, info.zarr_path, len(info.shape), chunk)
+        if not path.is_file():
+            # zarr would silently return fill values for a missing chunk.
+            raise StoreError(f"chunk file {path} is missing")
+        assert isinstance(node, zarr.Array)
+        values = node[start:stop]
+        if values.shape[0] != n_rows:
+            raise StoreError(f"{values.shape[0]} rows read, manifest says {n_rows}")
+        return values
+    assert isinstance(node, zarr.Group)
+    block = node[layout.block_name(chunk)]
+    offsets = block["offsets"][...]
+    rows = block["rows"]
+    if len(offsets) != stop - start + 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
+        raise StoreError(f"offsets {offsets[:4]}... do not describe {stop - start} samples")
+    if int(offsets[-1]) != rows.shape[0] or rows.shape[0] != n_rows:
+        raise StoreError(f"block holds {rows.shape[0]} rows, offsets end at {offsets[-1]}, manifest says {n_rows}")
+    if n_rows and not (ws.zarr_path / info.zarr_path / layout.block_name(chunk) / "rows" / layout.chunk_file_key(rows.ndim, 0)).is_file():
+        raise StoreError("rows chunk file is missing")
+    return rows[...]

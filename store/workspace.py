@@ -1,0 +1,486 @@
+"""A workspace: one folder holding the Zarr group of arrays and the DuckDB manifest.
+
+::
+
+    <data>/                       default ./data, or $AGNOSIA_DATA, or --data PATH
+        manifest.duckdb           the manifest (tables and views of store/schema.py)
+        arrays/                   Zarr v3 group: <run>/<tap>/<layer>/<site>/<tokens>
+        writer.lock               who writes (pid, host, run); see store/lock.py
+        .trash/                   runs being dropped (removed at the next writer start)
+
+Everything that only reads opens the manifest read-only, for the length of one call.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from store import arrays as layout
+from store import db, reader
+from store import schema as schema_mod
+from store.errors import NotCommittedError, SchemaVersionError, StoreError, WorkspaceError
+from store.lock import WriterLock
+from store.records import ArrayInfo, ProbeResult, RunInfo, Selection, to_json
+
+if TYPE_CHECKING:
+    from store.verify import VerifyReport
+    from store.writer import Writer
+
+ENV_VAR = "AGNOSIA_DATA"
+DEFAULT_PATH = "data"
+MANIFEST = "manifest.duckdb"
+
+_ARRAY_COLUMNS = (
+    "run, tap, layer, site, tokens, module, zarr_path, layout, shape, dims, chunk_samples, n_chunks,"
+    " dtype, stored_dtype, codec, values_per_row, bytes"
+)
+
+
+def resolve_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """--data PATH wins, then $AGNOSIA_DATA, then ./data."""
+    if path is not None and str(path) != "":
+        return Path(path)
+    return Path(os.environ.get(ENV_VAR) or DEFAULT_PATH)
+
+
+def _array_info(row: Sequence[Any]) -> ArrayInfo:
+    return ArrayInfo(
+        run=row[0], tap=row[1], layer=int(row[2]), site=row[3], tokens=row[4], module=row[5], zarr_path=row[6],
+        layout=row[7], shape=tuple(int(s) for s in row[8]), dims=tuple(row[9]), chunk_samples=int(row[10]),
+        n_chunks=int(row[11]), dtype=row[12], stored_dtype=row[13], codec=row[14], values_per_row=int(row[15]),
+        bytes=int(row[16]),
+    )
+
+
+class Workspace:
+    """Open with :meth:`open`. Methods that read never change the workspace."""
+
+    def __init__(self, path: Path, timeout: float = db.DEFAULT_TIMEOUT) -> None:
+        self.path = path
+        self.manifest_path = path / MANIFEST
+        self.zarr_path = path / layout.ZARR_DIR
+        self.timeout = timeout
+        # Opening DuckDB costs ~25 ms, more than reading a few MB. What read() needs from the
+        # manifest (array rows, committed chunks, selections) is kept while the manifest file
+        # and its WAL are unchanged: any commit by any process changes their stat.
+        self._cache: dict[tuple[Any, ...], Any] = {}
+        self._cache_stamp: tuple[Any, ...] | None = None
+        self._cache_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        readonly: bool = False,
+        timeout: float = db.DEFAULT_TIMEOUT,
+        migrations: list[schema_mod.Migration] | None = None,
+    ) -> Workspace:
+        """Open (creating or migrating it unless ``readonly``) the workspace at ``path``."""
+        ws = cls(resolve_path(path).absolute(), timeout)
+        migrations = migrations or schema_mod.MIGRATIONS
+        latest = schema_mod.latest_version(migrations)
+        if not ws.manifest_path.exists():
+            if ws.zarr_path.exists():
+                raise WorkspaceError(
+                    f"{ws.path} has arrays ({ws.zarr_path}) but no manifest ({ws.manifest_path}): the arrays cannot"
+                    " be interpreted without it. Restore manifest.duckdb from a backup or choose another --data folder"
+                )
+            if readonly:
+                raise WorkspaceError(
+                    f"no workspace at {ws.path} (expected {ws.manifest_path}): create one with"
+                    f" `python -m store init --data {ws.path}` or by running an extraction"
+                )
+            ws.path.mkdir(parents=True, exist_ok=True)
+            with db.connect(ws.manifest_path, read_only=False, timeout=timeout) as con:
+                schema_mod.migrate(con, migrations)
+        else:
+            with db.connect(ws.manifest_path, read_only=True, timeout=timeout) as con:
+                version = ws._version(con)
+            if version > latest:
+                raise SchemaVersionError(
+                    f"{ws.manifest_path} has schema version {version}, newer than this agnosia reads (up to {latest}):"
+                    " upgrade agnosia (pip install -U agnosia / git pull) to open it"
+                )
+            if version < latest:
+                if readonly:
+                    raise SchemaVersionError(
+                        f"{ws.manifest_path} has schema version {version}; this agnosia needs {latest}. Open it once"
+                        f" for writing to migrate (`python -m store init --data {ws.path}`)"
+                    )
+                with db.connect(ws.manifest_path, read_only=False, timeout=timeout) as con:
+                    schema_mod.migrate(con, migrations)
+        if not (ws.zarr_path / "zarr.json").exists():
+            if readonly:
+                raise WorkspaceError(
+                    f"{ws.path} has a manifest but its Zarr group {ws.zarr_path} is missing: restore the arrays folder,"
+                    f" or run `python -m store init --data {ws.path}` to start an empty one"
+                )
+            group = layout.open_root(ws.path, read_only=False)
+            group.attrs["agnosia_layout"] = layout.LAYOUT_VERSION
+            layout.fsync_node_chain(ws.path, "")
+        return ws
+
+    def _version(self, con: duckdb.DuckDBPyConnection) -> int:
+        try:
+            return schema_mod.current_version(con)
+        except duckdb.Error as err:
+            raise db.manifest_error(self.manifest_path, err) from err
+
+    def schema_version(self) -> int:
+        with self.connect() as con:
+            return self._version(con)
+
+    # ------------------------------------------------------------------ SQL (read-only)
+
+    def connect(self) -> Any:
+        """A read-only DuckDB connection for a ``with`` block; keep the block short."""
+        return db.connect(self.manifest_path, read_only=True, timeout=self.timeout)
+
+    def query(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
+        """Run SQL on a read-only connection; a write through it is refused by DuckDB."""
+        with self.connect() as con:
+            try:
+                return con.sql(sql, params=params).to_arrow_table() if _returns_rows(sql) else _exec(con, sql, params)
+            except duckdb.Error as err:
+                raise StoreError(f"query failed: {type(err).__name__}: {err}") from err
+
+    def rows(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        with self.connect() as con:
+            return con.execute(sql, params or []).fetchall()
+
+    # ------------------------------------------------------------------ catalogue
+
+    def runs(self) -> list[dict[str, Any]]:
+        return self.query("SELECT * FROM v_runs ORDER BY created_at, run").to_pylist()
+
+    def arrays(self, run: str | None = None) -> list[ArrayInfo]:
+        sql = f"SELECT {_ARRAY_COLUMNS} FROM activations"
+        args: list[Any] = []
+        if run is not None:
+            sql += " WHERE run = ?"
+            args.append(run)
+        return [_array_info(r) for r in self.rows(sql + " ORDER BY run, tap, layer, site, tokens", args)]
+
+    def array_info_or_none(self, run: str, tap: str, layer: int, site: str, tokens: str) -> ArrayInfo | None:
+        with self.connect() as con:
+            return self._array_info(con, run, tap, layer, site, tokens, required=False)
+
+    def array_info(self, run: str, tap: str, layer: int, site: str = "resid_post", tokens: str = "image") -> ArrayInfo:
+        with self.connect() as con:
+            info = self._array_info(con, run, tap, layer, site, tokens, required=True)
+            assert info is not None
+            return info
+
+    def _array_info(
+        self, con: duckdb.DuckDBPyConnection, run: str, tap: str, layer: int, site: str, tokens: str, *, required: bool
+    ) -> ArrayInfo | None:
+        if layer == -1:  # DESIGN: -1 aliases the last layer
+            last = con.execute(
+                "SELECT max(layer) FROM activations WHERE run = ? AND tap = ? AND site = ? AND tokens = ?",
+                [run, tap, site, tokens],
+            ).fetchone()
+            layer = last[0] if last and last[0] is not None else -1
+        row = con.execute(
+            f"SELECT {_ARRAY_COLUMNS} FROM activations WHERE run = ? AND tap = ? AND layer = ? AND site = ? AND tokens = ?",
+            [run, tap, layer, site, tokens],
+        ).fetchone()
+        if row is not None:
+            return _array_info(row)
+        if not required:
+            return None
+        have = con.execute(
+            "SELECT tap, list(DISTINCT layer ORDER BY layer), list(DISTINCT site), list(DISTINCT tokens)"
+            " FROM activations WHERE run = ? GROUP BY tap ORDER BY tap",
+            [run],
+        ).fetchall()
+        if not have:
+            known = [r[0] for r in con.execute("SELECT run FROM runs ORDER BY run").fetchall()]
+            raise StoreError(f"run {run!r} has no arrays; runs in {self.path}: {known or 'none'}")
+        listing = "; ".join(f"{t}: layers {ls}, sites {ss}, tokens {ts}" for t, ls, ss, ts in have)
+        raise StoreError(
+            f"run {run} has no array tap={tap} layer={layer} site={site} tokens={tokens}. It has {listing}"
+        )
+
+    # ------------------------------------------------------------------ selecting and reading
+
+    def select(self, run: str, where: str | None = None, params: Sequence[Any] | None = None) -> Selection:
+        """Rows of ``run`` whose ``v_samples`` row matches ``where`` (SQL), ascending."""
+        key = ("select", run, where, tuple(params or ()))
+        stamp = self._stamp()
+        with self._cache_lock:
+            if stamp == self._cache_stamp and key in self._cache:
+                return self._cache[key]
+        with self.connect() as con:
+            sel = self._select(con, run, where, params)
+        with self._cache_lock:
+            if stamp == self._cache_stamp == self._stamp():
+                self._cache[key] = sel
+        return sel
+
+    def _select(
+        self, con: duckdb.DuckDBPyConnection, run: str, where: str | None, params: Sequence[Any] | None
+    ) -> Selection:
+        sql = "SELECT array_row, stimulus FROM v_samples WHERE run = ?"
+        if where:
+            sql += f" AND ({where})"
+        try:
+            got = con.execute(sql + " ORDER BY array_row", [run, *(params or [])]).fetchall()
+        except duckdb.Error as err:
+            raise StoreError(
+                f"the row filter {where!r} is not valid SQL over v_samples ({err}). Columns: family, split, seed,"
+                " params, truth (JSON: params->>'grid_size'), correct, parse_ok, image_count, ..."
+            ) from err
+        return Selection(run, np.array([g[0] for g in got], dtype=np.int64), tuple(g[1] for g in got))
+
+    def read(
+        self,
+        run: str,
+        tap: str,
+        layer: int,
+        site: str = "resid_post",
+        tokens: str = "image",
+        *,
+        where: str | None = None,
+        params: Sequence[Any] | None = None,
+        rows: Any = None,
+        index: tuple[Any, ...] | None = None,
+        lazy: bool = False,
+        committed_only: bool = False,
+        bf16_as: str = "float32",
+    ) -> Any:
+        """Values of one array for the selected rows (all rows by default), in row order.
+
+        ``where`` filters ``v_samples`` by SQL, or ``rows`` gives rows (a Selection, ints, slice).
+        ``index`` slices the per-sample dims (e.g. ``(5,)`` = token 5; ``(slice(None), 0)`` = dim 0).
+        Dense arrays come back as numpy ``[rows, *per_sample]`` (dask if ``lazy``), ragged ones as
+        :class:`Ragged`. bf16 raw-bits arrays decode to float32 unless ``bf16_as='bits'``.
+        Rows in uncommitted chunks raise :class:`NotCommittedError` unless ``committed_only``
+        (then they are left out; the returned order is still ascending rows).
+        """
+        if where is not None and rows is not None:
+            raise StoreError("give either where=SQL or rows=..., not both")
+        info, selected, committed = self._read_plan(
+            run, tap, layer, site, tokens, where if rows is None else None, params, want_rows=rows is None
+        )
+        chosen = selected.rows if rows is None else reader.as_rows(rows, info.n_samples)
+        chunks_of_rows = chosen // info.chunk_samples
+        missing = np.isin(chunks_of_rows, np.fromiter(committed, dtype=np.int64, count=len(committed)), invert=True)
+        if missing.any():
+            if not committed_only:
+                bad = sorted(set(chunks_of_rows[missing].tolist()))
+                raise NotCommittedError(
+                    f"{int(missing.sum())} selected rows of {info.key()} are in chunks not committed yet"
+                    f" ({len(bad)} chunk(s), first {bad[:5]}): the run is still being written or was interrupted."
+                    " Pass committed_only=True to read what is there, or finish the run"
+                )
+            chosen = chosen[~missing]
+        if info.layout == "ragged":
+            if lazy:
+                raise StoreError("lazy=True reads dense arrays; a ragged array comes back as Ragged (numpy)")
+            return reader.read_ragged(self.path, info, chosen, bf16_as)
+        if lazy:
+            return reader.read_lazy(self.path, info, chosen, index, bf16_as)
+        return reader.read_dense(self.path, info, chosen, index, bf16_as)
+
+    def _stamp(self) -> tuple[Any, ...]:
+        out: list[Any] = []
+        for p in (self.manifest_path, self.manifest_path.with_name(MANIFEST + ".wal")):
+            try:
+                st = p.stat()
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except FileNotFoundError:
+                out.append(None)
+        return tuple(out)
+
+    def _read_plan(
+        self,
+        run: str,
+        tap: str,
+        layer: int,
+        site: str,
+        tokens: str,
+        where: str | None,
+        params: Any,
+        *,
+        want_rows: bool,
+    ) -> tuple[ArrayInfo, Selection, frozenset[int]]:
+        """(array, selected rows, committed chunks) from the cache, or from one read-only connection."""
+        stamp = self._stamp()
+        k_info = ("info", run, tap, layer, site, tokens)
+        k_sel = ("select", run, where, tuple(params or ()))
+        with self._cache_lock:
+            if stamp != self._cache_stamp:
+                self._cache.clear()
+                self._cache_stamp = stamp
+            info = self._cache.get(k_info)
+            sel = self._cache.get(k_sel) if want_rows else Selection(run, np.zeros(0, np.int64), ())
+            committed = self._cache.get(("committed", run, info.zarr_path)) if info is not None else None
+        if info is None or sel is None or committed is None:
+            with self.connect() as con:
+                if info is None:
+                    info = self._array_info(con, run, tap, layer, site, tokens, required=True)
+                    assert info is not None
+                if sel is None:
+                    sel = self._select(con, run, where, params)
+                committed = frozenset(
+                    r[0]
+                    for r in con.execute(
+                        "SELECT chunk FROM chunks WHERE run = ? AND zarr_path = ?", [run, info.zarr_path]
+                    ).fetchall()
+                )
+            if self._stamp() == stamp:  # nothing committed meanwhile: safe to keep
+                with self._cache_lock:
+                    if self._cache_stamp == stamp:
+                        self._cache[k_info] = info
+                        if want_rows:
+                            self._cache[k_sel] = sel
+                        self._cache[("committed", run, info.zarr_path)] = committed
+        return info, sel, committed
+
+    def read_tensor(self, run: str, name: str) -> np.ndarray:
+        """A run-level tensor stored with ``Writer.write_tensor``."""
+        got = self.rows("SELECT zarr_path, stored_dtype FROM tensors WHERE run = ? AND name = ?", [run, name])
+        if not got:
+            known = [r[0] for r in self.rows("SELECT name FROM tensors WHERE run = ? ORDER BY name", [run])]
+            raise StoreError(f"run {run} has no tensor {name!r}; it has {known or 'none'}")
+        import zarr
+
+        from store.dtypes import decode_stored
+
+        path, stored = got[0]
+        if not (self.zarr_path / path / "zarr.json").is_file():
+            raise WorkspaceError(f"tensor {name} of run {run} is in the manifest but missing at {self.zarr_path / path}")
+        return decode_stored(zarr.open_array(str(self.zarr_path / path), mode="r")[...], stored)
+
+    def zarr_group(self) -> Any:
+        """The workspace's Zarr group, read-only."""
+        return layout.open_root(self.path, read_only=True)
+
+    # ------------------------------------------------------------------ writing
+
+    def writer(self, run: RunInfo, **options: Any) -> Writer:
+        """The writer for ``run`` (takes the workspace lock); see :class:`store.writer.Writer`."""
+        from store.writer import Writer
+
+        return Writer(self, run, **options)
+
+    def record_probes(self, results: Sequence[ProbeResult]) -> int:
+        """Insert or replace probe results (one short transaction). Safe while a writer runs."""
+        if not results:
+            return 0
+        now = _now()
+        table = pa.Table.from_pylist([
+            {
+                "run": r.run, "tap": r.tap, "layer": int(r.layer), "site": r.site, "tokens": r.tokens,
+                "target": r.target, "kind": r.kind, "seed": int(r.seed), "n_train": r.n_train, "n_test": r.n_test,
+                "metric": r.metric, "score": float(r.score),
+                "control_score": None if r.control_score is None else float(r.control_score),
+                "artifact": r.artifact, "params": to_json(r.params), "created_at": now,
+            }
+            for r in results
+        ])
+        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
+            con.register("new_probes", table)
+            con.execute("BEGIN TRANSACTION")
+            con.execute(
+                "DELETE FROM probes p USING new_probes n WHERE p.run = n.run AND p.tap = n.tap AND p.layer = n.layer"
+                " AND p.site = n.site AND p.tokens = n.tokens AND p.target = n.target AND p.kind = n.kind AND p.seed = n.seed"
+            )
+            con.execute(
+                "INSERT INTO probes SELECT run, tap, layer, site, tokens, target, kind, seed, n_train, n_test, metric,"
+                " score, control_score, artifact, params::JSON, created_at FROM new_probes"
+            )
+            con.execute("COMMIT")
+        return len(results)
+
+    def drop_run(self, run: str, *, timeout: float = 0.0) -> dict[str, int]:
+        """Remove a run, its arrays and every manifest row of it, atomically for readers.
+
+        Takes the writer lock. The run's Zarr folder is first renamed into ``.trash`` (one atomic
+        rename: readers see all arrays or none), then one transaction deletes its rows; if that
+        fails the folder is renamed back. The trash is emptied last (and at every writer start).
+        """
+        counts: dict[str, int] = {}
+        lock = WriterLock(self.path / "writer.lock", run=f"drop-run {run}")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                lock.acquire()
+                break
+            except StoreError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        try:
+            known = self.rows("SELECT count(*) FROM runs WHERE run = ?", [run])[0][0]
+            folder = self.zarr_path / run
+            if not known and not folder.exists():
+                raise StoreError(f"no run {run!r} in {self.path}; `python -m store info` lists the runs")
+            trash = self.path / ".trash"
+            parked = trash / f"{run}.{os.getpid()}.{int(time.time() * 1000)}"
+            if folder.exists():
+                trash.mkdir(exist_ok=True)
+                os.replace(folder, parked)
+                layout.fsync_path(self.zarr_path)
+            try:
+                with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
+                    con.execute("BEGIN TRANSACTION")
+                    for table in ("chunks", "activations", "samples", "generations", "probes", "tensors", "runs"):
+                        n = con.execute(f"SELECT count(*) FROM {table} WHERE run = ?", [run]).fetchone()
+                        counts[table] = int(n[0]) if n else 0
+                        con.execute(f"DELETE FROM {table} WHERE run = ?", [run])
+                    con.execute("COMMIT")
+            except BaseException:
+                if parked.exists():
+                    os.replace(parked, folder)
+                raise
+            shutil.rmtree(parked, ignore_errors=True)
+            try:
+                trash.rmdir()
+            except OSError:
+                pass  # not empty (another drop's leftovers) or never made
+        finally:
+            lock.release()
+        return counts
+
+    def purge_trash(self) -> None:
+        trash = self.path / ".trash"
+        if trash.is_dir():
+            shutil.rmtree(trash, ignore_errors=True)
+
+    # ------------------------------------------------------------------ integrity
+
+    def verify(self, *, run: str | None = None, checksums: bool = True) -> VerifyReport:
+        from store.verify import verify
+
+        return verify(self, run=run, checksums=checksums)
+
+
+def _returns_rows(sql: str) -> bool:
+    head = sql.lstrip().split(None, 1)[0].upper() if sql.strip() else ""
+    return head in ("SELECT", "WITH", "FROM", "SHOW", "DESCRIBE", "SUMMARIZE", "PRAGMA", "EXPLAIN", "VALUES", "TABLE")
+
+
+def _exec(con: duckdb.DuckDBPyConnection, sql: str, params: Any) -> pa.Table:
+    con.execute(sql, params or [])
+    return pa.table({})
+
+
+def _now() -> Any:
+    import datetime as _dt
+
+    return _dt.datetime.now()
+

@@ -1,0 +1,171 @@
+"""The workspace as a whole: creation, schema versions, read-only access, integrity, the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import duckdb
+import numpy as np
+import pytest
+from storetest_lib import python, write_run
+
+from store import (
+    ProbeResult,
+    SchemaVersionError,
+    StoreError,
+    Workspace,
+    WorkspaceError,
+    plan,
+    resolve_path,
+)
+from store import schema as schema_mod
+from store.cli import main as cli
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """One finished run, copied per test that damages it."""
+    path = tmp_path_factory.mktemp("store") / "ws"
+    write_run(Workspace.open(path), n=24, chunk=8)
+    return path
+
+
+def _copy(written, tmp_path):
+    dest = tmp_path / "ws"
+    shutil.copytree(written, dest)
+    return Workspace.open(dest)
+
+
+def test_open_creates_a_workspace_and_honours_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGNOSIA_DATA", str(tmp_path / "from-env"))
+    assert resolve_path() == tmp_path / "from-env" and resolve_path(tmp_path / "flag") == tmp_path / "flag"
+    monkeypatch.delenv("AGNOSIA_DATA")
+    assert str(resolve_path()) == "data"
+    ws = Workspace.open(tmp_path / "new" / "ws")
+    assert ws.manifest_path.is_file() and (ws.zarr_path / "zarr.json").is_file()
+    assert ws.schema_version() == schema_mod.latest_version()
+    with pytest.raises(WorkspaceError, match="no workspace"):
+        Workspace.open(tmp_path / "missing", readonly=True)
+
+
+def test_older_schema_is_migrated_newer_is_refused(tmp_path):
+    ws = Workspace.open(tmp_path / "ws")
+    step2 = schema_mod.Migration(2, "add runs.note", lambda con: con.execute("ALTER TABLE runs ADD COLUMN note VARCHAR"))
+    migrations = [*schema_mod.MIGRATIONS, step2]
+    with pytest.raises(SchemaVersionError, match="Open it once for writing"):
+        Workspace.open(ws.path, readonly=True, migrations=migrations)
+    Workspace.open(ws.path, migrations=migrations)  # migrates v1 -> v2
+    assert ws.rows("SELECT version FROM schema_version ORDER BY version") == [(1,), (2,)]
+    assert "note" in ws.query("SELECT * FROM runs").column_names
+    with pytest.raises(SchemaVersionError, match="newer than this agnosia reads"):
+        Workspace.open(ws.path)  # this agnosia only knows v1
+
+
+def test_read_only_connections_refuse_writes(written):
+    ws = Workspace.open(written, readonly=True)
+    before = ws.rows("SELECT count(*) FROM chunks")
+    with pytest.raises(StoreError, match="read-only"):
+        ws.query("DELETE FROM chunks")
+    with pytest.raises(StoreError, match="read-only"):
+        ws.query("INSERT INTO runs (run, model, chunk_samples, bf16_policy, overflow_policy, status, created_at)"
+                 " VALUES ('x', 'm', 1, 'fp16', 'error', 'running', now())")
+    with ws.connect() as con, pytest.raises(duckdb.Error, match="read-only"):
+        con.execute("DROP TABLE chunks")
+    assert ws.rows("SELECT count(*) FROM chunks") == before
+
+
+def test_truncated_manifest_and_missing_array_give_clear_errors(written, tmp_path):
+    ws = _copy(written, tmp_path)
+    shutil.rmtree(ws.zarr_path / "r1" / "llm" / "3" / "resid_post" / "image")
+    with pytest.raises(WorkspaceError, match=r"missing on disk .* verify"):
+        ws.read("r1", "llm", 3, tokens="image")
+    rep = ws.verify()
+    assert not rep.ok and any("array missing on disk" in p for p in rep.problems)
+    with open(ws.manifest_path, "r+b") as f:
+        f.truncate(4096)
+    with pytest.raises(WorkspaceError, match="not a readable DuckDB database.*truncated or corrupted"):
+        Workspace.open(ws.path, readonly=True)
+    assert cli(["verify", "--data", str(ws.path)]) == 2  # an error message, not a traceback
+
+
+def test_verify_finds_a_corrupted_chunk_and_the_cli_exits_non_zero(written, tmp_path, capsys):
+    ws = _copy(written, tmp_path)
+    assert cli(["verify", "--data", str(ws.path)]) == 0
+    chunk = ws.zarr_path / "r1" / "llm" / "3" / "resid_post" / "image" / "c.1.0.0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    block = ws.zarr_path / "r1" / "llm" / "3" / "resid_post" / "answer" / "b2" / "rows" / "c.0.0"
+    block.unlink()
+    capsys.readouterr()
+    assert cli(["verify", "--data", str(ws.path)]) == 1
+    out = capsys.readouterr().out
+    assert "chunk 1 (rows 8-15) checksum mismatch" in out and "c.1.0.0" in out
+    assert "chunk 2 unreadable" in out and "2 problem(s)" in out
+
+
+def test_probes_and_views_answer_common_questions(written, tmp_path):
+    ws = _copy(written, tmp_path)
+    ws.record_probes([
+        ProbeResult(run="r1", tap="llm", layer=layer, target="count", kind="linear", seed=seed,
+                    score=0.5 + 0.1 * layer - 0.01 * seed, control_score=0.3, n_train=16, n_test=8)
+        for layer in (1, 2, 3) for seed in (0, 1)
+    ])
+    ws.record_probes([ProbeResult(run="r1", tap="llm", layer=3, target="count", kind="linear", seed=0, score=0.2)])
+    assert ws.rows("SELECT count(*) FROM probes") == [(6,)]  # same key: replaced, not duplicated
+    best = ws.query("SELECT layer, n_seeds FROM v_best_probe").to_pylist()
+    assert best == [{"layer": 2, "n_seeds": 2}]
+    arrays = ws.query("SELECT tokens, chunks_committed, n_chunks, bytes_per_value FROM v_arrays ORDER BY tokens").to_pylist()
+    assert arrays[1] == {"tokens": "image", "chunks_committed": 3, "n_chunks": 3, "bytes_per_value": 2.0}
+    runs = ws.query("SELECT status, arrays, chunks_committed, chunks_expected FROM v_runs").to_pylist()
+    assert runs == [{"status": "finished", "arrays": 2, "chunks_committed": 6, "chunks_expected": 6}]
+
+
+def test_drop_run_removes_arrays_and_rows_atomically(written, tmp_path):
+    ws = _copy(written, tmp_path)
+    write_run(ws, run="r2", n=8)
+    assert cli(["drop-run", "r1", "--data", str(ws.path)]) == 2  # without --yes: only says what it would do
+    assert cli(["drop-run", "r1", "--yes", "--data", str(ws.path)]) == 0
+    assert ws.rows("SELECT DISTINCT run FROM activations") == [("r2",)]
+    assert ws.rows("SELECT count(*) FROM samples WHERE run = 'r1'") == [(0,)]
+    assert not (ws.zarr_path / "r1").exists() and not (ws.path / ".trash").exists()
+    assert ws.verify().ok
+    assert ws.rows("SELECT count(*) FROM stimuli") == [(24,)]  # stimuli outlive runs
+
+
+def test_plan_counts_bytes_before_running():
+    p = plan(samples=2048, layers=28, tokens=256, dim=1536, taps=2, models=1)
+    assert p.values == 2048 * 28 * 256 * 1536 * 2 and p.bytes == p.values * 2
+    assert plan(samples=10, layers=1, tokens=1, dim=10, codec="bitround7").bytes < 200
+    with pytest.raises(StoreError, match="--samples must be a positive integer"):
+        plan(samples=0, layers=1, tokens=1, dim=1)
+
+
+def test_cli_help_info_plan_query(written, tmp_path, capsys):
+    out = python("-m", "store", "--help")
+    assert out.returncode == 0 and all(c in out.stdout for c in ("info", "verify", "plan", "drop-run"))
+    assert cli(["info", "--data", str(written)]) == 0
+    text = capsys.readouterr().out
+    assert "r1" in text and "finished" in text and "6/6" in text
+    assert cli(["info", "--run", "r1", "--json", "--data", str(written)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {a["tokens"] for a in info["arrays"]} == {"image", "answer"}
+    assert cli(["plan", "--samples", "100", "--layers", "2", "--tokens", "4", "--dim", "8", "--json",
+                "--data", str(tmp_path / "none")]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes"] == 100 * 2 * 4 * 8 * 2
+    assert cli(["query", "SELECT tap, layer, count(*) AS n FROM activations GROUP BY ALL", "--json",
+                "--data", str(written)]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"tap": "llm", "layer": 3, "n": 2}]
+    assert cli(["info", "--data", str(tmp_path / "nothing")]) == 2
+
+
+def test_run_level_tensors(tmp_path):
+    from store import RunInfo
+
+    ws = Workspace.open(tmp_path / "ws")
+    unembed = np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32)
+    with ws.writer(RunInfo(run="r", model="m")) as w:
+        w.write_tensor("unembed", unembed, module="lm_head")
+    assert np.array_equal(ws.read_tensor("r", "unembed"), unembed)
+    assert ws.verify().ok
