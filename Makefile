@@ -12,7 +12,10 @@ STIMULI ?= stimuli
 # Stimulus sets written by `make stimuli` (small: seconds on 2 cores).
 STIMULI_ARGS ?= --seed 0
 
-.PHONY: help setup test stimuli demo bench clean
+MANIFEST ?= manifests/demo-tiny-qwen2vl.yaml
+TINY_MODEL := models/tiny-qwen2-vl
+
+.PHONY: help setup test stimuli extract info verify demo bench clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -32,8 +35,22 @@ test: setup ## run the test suite
 stimuli: setup ## write a small set of each stimulus family to $(STIMULI)/
 	$(PY) -m extract.stimuli all --out $(STIMULI) $(STIMULI_ARGS)
 
-demo: setup ## run the pipeline as far as it exists today on the default stimuli
+extract: setup ## run (or resume) an extraction manifest into $(DATA): make extract MANIFEST=manifests/x.yaml
+	$(PY) -m extract $(MANIFEST) --data $(DATA)
+
+info: setup ## what the workspace $(DATA) holds: runs, arrays, sizes
+	$(PY) -m store info --data $(DATA)
+
+verify: setup ## check every committed chunk of $(DATA) against the manifest (exit 1 on problems)
+	$(PY) -m store verify --data $(DATA)
+
+$(TINY_MODEL)/config.json: | setup
+	$(PY) -m extract.tiny qwen2_vl --out $(TINY_MODEL)
+
+demo: setup $(TINY_MODEL)/config.json ## the pipeline as far as it exists: stimuli, then extraction into $(DATA)
 	$(PY) -m extract.stimuli all --out $(STIMULI) $(STIMULI_ARGS)
+	$(PY) -m extract $(MANIFEST) --data $(DATA)
+	$(PY) -m store info --data $(DATA)
 
 bench: setup ## measure the performance aims side by side (figures go to docs/benchmarks.md by hand)
 	$(PY) -m bench
