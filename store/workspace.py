@@ -14,6 +14,7 @@ Everything that only reads opens the manifest read-only, for the length of one c
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -469,8 +470,12 @@ class Workspace:
         return verify(self, run=run, checksums=checksums)
 
 
+_LEADING_COMMENTS = re.compile(r"\A(?:\s+|--[^\n]*(?:\n|\Z)|/\*.*?\*/)*", re.DOTALL)
+
+
 def _returns_rows(sql: str) -> bool:
-    head = sql.lstrip().split(None, 1)[0].upper() if sql.strip() else ""
+    body = _LEADING_COMMENTS.sub("", sql, count=1)  # documented query files start with -- comments
+    head = body.split(None, 1)[0].upper() if body.strip() else ""
     return head in ("SELECT", "WITH", "FROM", "SHOW", "DESCRIBE", "SUMMARIZE", "PRAGMA", "EXPLAIN", "VALUES", "TABLE")
 
 

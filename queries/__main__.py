@@ -1,0 +1,109 @@
+"""``python -m queries NAME [--param key=value] [--format table|csv|json|parquet]``."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from queries.named import QueryError, available, get, run
+from store import StoreError, Workspace
+
+
+def render_table(table: pa.Table, max_rows: int = 200) -> str:
+    cols = table.column_names
+    rows = [[_cell(v) for v in r.values()] for r in table.slice(0, max_rows).to_pylist()]
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    if table.num_rows > max_rows:
+        lines.append(f"... {table.num_rows - max_rows} more rows (use --format csv)")
+    return "\n".join(lines)
+
+
+def render_schema(table: pa.Table) -> str:
+    lines, current = [], None
+    for row in table.to_pylist():
+        if row["table"] != current:
+            current = row["table"]
+            lines.append(("" if not lines else "\n") + current)
+        lines.append(f"  {row['column']:<16} {row['type']}")
+    return "\n".join(lines)
+
+
+def _cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m queries", description=__doc__)
+    parser.add_argument("name", nargs="?", help="a named query (see --list)")
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="a query parameter")
+    parser.add_argument("--format", choices=("table", "csv", "json", "parquet"), default="table")
+    parser.add_argument("--out", help="write to this file (required for parquet)")
+    parser.add_argument("--data", default=None, help="workspace (default: $AGNOSIA_DATA, else ./data)")
+    parser.add_argument("--list", action="store_true", help="list the named queries and their parameters")
+    parser.add_argument("--schema", action="store_true", help="print the manifest's tables and views with their columns")
+    parser.add_argument("--sql", help="run this ad-hoc SQL instead of a named query (read-only)")
+    args = parser.parse_args(argv)
+    try:
+        if args.list:
+            for q in available().values():
+                params = ", ".join(f"{p.name}={p.default}" if p.default is not None else p.name for p in q.params)
+                print(f"{q.name:<20} {q.description}" + (f"\n{'':<20} params: {params}" if params else ""))
+            return 0
+        ws = Workspace.open(args.data, readonly=True)
+        if args.schema:
+            table = ws.query("SELECT table_name AS \"table\", column_name AS \"column\", data_type AS type"
+                             " FROM information_schema.columns WHERE table_schema = 'main'"
+                             " ORDER BY table_name, ordinal_position")
+            if args.format == "table":
+                print(render_schema(table))
+                return 0
+        elif args.sql:
+            table = ws.query(args.sql)
+        elif args.name:
+            params = dict(p.split("=", 1) if "=" in p else (p, "") for p in args.param)
+            table = run(ws, args.name, params)
+        else:
+            parser.error("name a query, or pass --list, --schema or --sql")
+        return _emit(table, args.format, args.out)
+    except (QueryError, StoreError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _emit(table: pa.Table, fmt: str, out: str | None) -> int:
+    if fmt == "parquet":
+        if not out:
+            print("error: --format parquet needs --out FILE", file=sys.stderr)
+            return 2
+        pq.write_table(table, out)
+        return 0
+    if fmt == "csv":
+        buf = io.BytesIO()
+        pacsv.write_csv(table, buf)
+        text = buf.getvalue().decode()
+    elif fmt == "json":
+        text = json.dumps(table.to_pylist(), default=str, indent=1)
+    else:
+        text = render_table(table)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

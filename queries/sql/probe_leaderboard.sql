@@ -1,0 +1,9 @@
+-- Probe leaderboard: for every run, tap, target and probe kind, the best layer with its score,
+-- the shuffled-label control and the selectivity (score - control), averaged over seeds.
+-- param: run   a run id, or '%' for every run (default '%')
+SELECT run, tap, target, kind, metric, layer AS best_layer,
+       round(score, 4) AS score, round(control_score, 4) AS control, round(selectivity, 4) AS selectivity,
+       n_seeds
+FROM v_best_probe
+WHERE run LIKE $run
+ORDER BY run, target, tap, kind;

@@ -1,0 +1,110 @@
+"""Named queries on hand-built workspaces where the right answer is known."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from extract.scoring import score_answer
+from extract.stimuli import get_family
+from extract.stimuli.io import read_set, write_set
+from queries import QueryError, available, run
+from store import RunInfo, Workspace
+
+
+def build_run(data, set_path, run, answer_for):
+    """A run whose 'model' answers ``answer_for(row)`` for every stimulus of the set."""
+    rows = read_set(set_path).rows()
+    ws = Workspace.open(data)
+    with ws.writer(RunInfo(run=run, model="hand-built")) as w:
+        keys = w.register_stimulus_set(set_path)
+        w.set_samples(keys)
+        gens = [score_answer(r["family"], next(iter(r["prompts"])), answer_for(r), r["answer"], r["truth"]) for r in rows]
+        w.record_generations(0, gens)
+        w.finish()
+    return Workspace.open(data, readonly=True)
+
+
+@pytest.fixture(scope="module")
+def go_ws(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q")
+    go = get_family("go")
+    set_path = write_set(go, go.config(preset="small", counts="45-54,100-101"), n=2, seed=0, split="test",
+                         out=root / "go")
+    return build_run(root / "data", set_path, "always49", lambda r: "4 9")
+
+
+def table(ws, name, **params):
+    return run(ws, name, {k: str(v) for k, v in params.items()}).to_pylist()
+
+
+def test_a_model_that_always_answers_49(go_ws):
+    regimes = {r["regime"]: r for r in table(go_ws, "counting_regimes")}
+    assert regimes["ID"]["n"] == 10 and regimes["ID"]["accuracy"] == pytest.approx(0.2)  # the two 49-boards
+    assert regimes["VE"]["accuracy"] == 0 and regimes["FE"]["accuracy"] == 0
+    assert regimes["VE"]["mean_abs_error"] == pytest.approx(sum(abs(49 - c) for c in range(50, 55)) / 5)
+    assert regimes["FE"]["mean_digits"] == 2 and regimes["FE"]["empty_rate"] == 0
+    attractors = [r for r in table(go_ws, "attractors") if r["regime"] == "VE"]
+    assert attractors == [{"run": "always49", "regime": "VE", "prediction": 49, "n": 10, "share": 1.0,
+                           "lift": 1.0, "kind": "boundary"}]
+
+
+def test_accuracy_counts_every_sample(go_ws):
+    (row,) = table(go_ws, "accuracy")
+    assert (row["family"], row["n"], row["accuracy"], row["parse_rate"]) == ("go", 24, pytest.approx(2 / 24, abs=1e-4), 1.0)
+    assert table(go_ws, "accuracy", run="'nope'") == []
+
+
+def test_g2m_metrics_use_the_papers_denominators(tmp_path):
+    g2m = get_family("g2m")
+    set_path = write_set(g2m, g2m.config(grid_sizes=(3, 6), colors=(3,)), n=2, seed=0, split="test",
+                         out=tmp_path / "g2m")
+    # Perfect on 3x3 grids, unparseable on 6x6 grids.
+    ws = build_run(tmp_path / "data", set_path, "half",
+                   lambda r: r["answer"] if r["params"]["grid_size"] == 3 else "I cannot tell")
+    rows = {r["grid_size"]: r for r in table(ws, "g2m_metrics")}
+    assert (rows[3]["exact_match"], rows[3]["cell_accuracy"], rows[3]["parse_failures"]) == (1.0, 1.0, 0)
+    assert (rows[6]["exact_match"], rows[6]["cell_accuracy"], rows[6]["parse_failures"]) == (0.0, 0.0, 2)
+
+
+def test_every_named_query_runs_fast_on_a_workspace(go_ws):
+    for name in available():
+        started = time.perf_counter()
+        run(go_ws, name, {})
+        assert time.perf_counter() - started < 5  # the benchmark reports the real figure
+
+
+def test_unknown_query_and_parameter_name_the_fix(go_ws):
+    with pytest.raises(QueryError, match="choose one of"):
+        run(go_ws, "nope", {})
+    with pytest.raises(QueryError, match="has no parameter colour"):
+        run(go_ws, "accuracy", {"colour": "red"})
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "queries", *args], capture_output=True, text=True)
+
+
+def test_cli_is_read_only(go_ws):
+    data = str(go_ws.path)
+    refused = cli("--data", data, "--sql", "DELETE FROM generations")
+    assert refused.returncode == 2 and "read-only" in refused.stderr
+    assert go_ws.rows("SELECT count(*) FROM generations") == [(24,)]
+
+
+def test_cli_formats(go_ws, tmp_path):
+    data = str(go_ws.path)
+    out = cli("--data", data, "counting_regimes", "--format", "csv")
+    assert out.returncode == 0 and out.stdout.splitlines()[0].startswith('"run","regime"')
+    js = cli("--data", data, "accuracy", "--format", "json", "--param", "run=always49")
+    assert '"accuracy": 0.0833' in js.stdout
+    pq_out = tmp_path / "a.parquet"
+    assert cli("--data", data, "accuracy", "--format", "parquet", "--out", str(pq_out)).returncode == 0
+    assert pq_out.stat().st_size > 0
+    listing = cli("--list")
+    assert all(name in listing.stdout for name in available())
+    schema = cli("--data", data, "--schema")
+    assert "generations" in schema.stdout and "prediction" in schema.stdout
