@@ -15,7 +15,9 @@ STIMULI_ARGS ?= --seed 0
 MANIFEST ?= manifests/demo-tiny-qwen2vl.yaml
 TINY_MODEL := models/tiny-qwen2-vl
 
-.PHONY: help setup test stimuli extract info verify demo bench clean
+REPORT ?= report
+
+.PHONY: help setup browser test stimuli extract info verify report demo bench clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -29,7 +31,14 @@ $(STAMP): pyproject.toml requirements.lock
 	@touch $(STAMP)
 	@echo "agnosia installed in $(VENV)"
 
-test: setup ## run the test suite
+browser: ## install Debian's headless Chromium for the report test (root + apt), if missing
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium (Debian) for the report test"; \
+	    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "the report test needs Chromium: run 'apt-get install chromium' as root"; exit 1; fi; }
+
+test: setup browser ## run the test suite
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 stimuli: setup ## write a small set of each stimulus family to $(STIMULI)/
@@ -40,9 +49,13 @@ extract: setup ## run (or resume) an extraction manifest into $(DATA): make extr
 
 info: setup ## what the workspace $(DATA) holds: runs, arrays, sizes
 	$(PY) -m store info --data $(DATA)
+	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
 verify: setup ## check every committed chunk of $(DATA) against the manifest (exit 1 on problems)
 	$(PY) -m store verify --data $(DATA)
+
+report: setup ## write the HTML report of $(DATA) to $(REPORT)/index.html
+	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
 $(TINY_MODEL)/config.json: | setup
 	$(PY) -m extract.tiny qwen2_vl --out $(TINY_MODEL)
@@ -51,9 +64,10 @@ demo: setup $(TINY_MODEL)/config.json ## the pipeline as far as it exists: stimu
 	$(PY) -m extract.stimuli all --out $(STIMULI) $(STIMULI_ARGS)
 	$(PY) -m extract $(MANIFEST) --data $(DATA)
 	$(PY) -m store info --data $(DATA)
+	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
 bench: setup ## measure the performance aims side by side (figures go to docs/benchmarks.md by hand)
 	$(PY) -m bench
 
 clean: ## remove generated stimuli and the default workspace (keeps .venv)
-	rm -rf $(STIMULI) $(DATA)
+	rm -rf $(STIMULI) $(DATA) $(REPORT)

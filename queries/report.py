@@ -1,0 +1,243 @@
+"""``python -m queries.report``: one static HTML page of a workspace's headline figures.
+
+Everything comes from the store on read-only connections: the named queries for tables, the
+stored attention rows for the modality attention share. Each figure is a PNG with the CSV table
+behind it, so a reader can re-plot or cite the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display: figures go to files
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.csv as pacsv  # noqa: E402
+
+from queries.named import run as run_named  # noqa: E402
+from store import StoreError, Workspace  # noqa: E402
+
+
+@dataclass
+class Section:
+    title: str
+    note: str = ""
+    figures: list[str] = field(default_factory=list)
+    tables: list[tuple[str, pa.Table]] = field(default_factory=list)
+
+
+def modality_attention_share(ws: Workspace, run: str) -> pa.Table:
+    """MAS per LLM layer: the image-key share of the last prompt token's attention, mean over heads
+    and samples (CountingTricks' MAS_l at the query that produces the first answer token)."""
+    infos = [a for a in ws.arrays(run) if a.tap == "attn" and a.tokens == "last"]
+    spans = ws.rows("SELECT array_row, image_start, image_count FROM samples WHERE run = ? ORDER BY array_row", [run])
+    layers, shares = [], []
+    for info in sorted(infos, key=lambda a: a.layer):
+        att = ws.read(run, "attn", info.layer, site=info.site, tokens="last")
+        per_sample = []
+        for row, start, count in spans:
+            if start is None or not count:
+                continue
+            keys = att[row].astype(np.float64)  # [keys, heads]
+            total = keys.sum(0)
+            per_sample.append(float(np.mean(keys[start : start + count].sum(0) / np.where(total > 0, total, 1))))
+        if per_sample:
+            layers.append(info.layer)
+            shares.append(float(np.mean(per_sample)))
+    n = len(layers)
+    third = ["early" if i < n / 3 else "middle" if i < 2 * n / 3 else "late" for i in range(n)]
+    return pa.table({"layer": layers, "mas": shares, "third": third})
+
+
+def _save_table(out: Path, name: str, table: pa.Table) -> str:
+    # CSV has no nested types: lists and structs are written as their text.
+    flat = {c: (pa.array([None if v is None else str(v) for v in table[c].to_pylist()], pa.string())
+                if pa.types.is_nested(table[c].type) else table[c]) for c in table.column_names}
+    pacsv.write_csv(pa.table(flat), out / f"{name}.csv")
+    return f"{name}.csv"
+
+
+def _figure(out: Path, name: str, draw) -> str:
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    draw(ax)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png")
+    plt.close(fig)
+    return f"{name}.png"
+
+
+def build_sections(ws: Workspace, out: Path) -> list[Section]:
+    runs = ws.query("SELECT run, model, status, n_samples, arrays, bytes FROM v_runs ORDER BY run")
+    sections = [Section("Runs", "What the workspace holds.", tables=[("runs", runs)])]
+    sections.append(Section("Accuracy", "Per run and stimulus family; a failed parse counts as wrong.",
+                            tables=[("accuracy", run_named(ws, "accuracy"))]))
+
+    regimes = run_named(ws, "counting_regimes")
+    if regimes.num_rows:
+        sec = Section("Counting lab: regimes and attractors",
+                      "ID 0–49 (seen in vision training), VE 50–99 (text only), FE 100–120 (never seen).",
+                      tables=[("counting_regimes", regimes)])
+        per_count = ws.query(
+            "SELECT g.run, (st.truth->>'count')::INTEGER AS count, avg(g.correct::INTEGER) AS accuracy"
+            " FROM generations g JOIN stimuli st USING (stimulus) WHERE st.family = 'go' GROUP BY ALL ORDER BY 1, 2")
+        sec.figures.append(_figure(out, "counting_accuracy", lambda ax: _lines(
+            ax, per_count, "count", "accuracy", "black stones", "visual accuracy", spans=((49.5, "training edge"),))))
+        answers = ws.query(
+            "SELECT g.run, st.truth->>'regime' AS regime, g.prediction::INTEGER AS prediction, count(*) AS n"
+            " FROM generations g JOIN stimuli st USING (stimulus) WHERE st.family = 'go'"
+            " AND st.truth->>'regime' IN ('VE', 'FE') GROUP BY ALL ORDER BY 1, 2, 3")
+        sec.figures.append(_figure(out, "counting_answers", lambda ax: _answer_histogram(ax, answers)))
+        sec.tables.append(("attractors", run_named(ws, "attractors")))
+        sections.append(sec)
+
+    g2m = run_named(ws, "g2m_metrics")
+    if g2m.num_rows:
+        sections.append(Section("G2M: end-to-end transcription", "Exact Match and Cell Accuracy over grid size N.",
+                                figures=[_figure(out, "g2m_cell_accuracy", lambda ax: _lines(
+                                    ax, g2m, "grid_size", "cell_accuracy", "grid size N", "cell accuracy"))],
+                                tables=[("g2m_metrics", g2m)]))
+
+    cases = run_named(ws, "counting_cases")
+    if cases.num_rows:
+        sections.append(Section("CountingTricks: accuracy per case", tables=[("counting_cases", cases)]))
+
+    mas_rows = []
+    for (run,) in ws.rows("SELECT DISTINCT run FROM activations WHERE tap = 'attn' AND tokens = 'last' ORDER BY 1"):
+        t = modality_attention_share(ws, run)
+        mas_rows += [{"run": run, **r} for r in t.to_pylist()]
+    if mas_rows:
+        mas = pa.Table.from_pylist(mas_rows)
+        sections.append(Section("Modality attention share per layer",
+                                "Image-key share of the last prompt token's attention, mean over heads and samples.",
+                                figures=[_figure(out, "mas", lambda ax: _lines(ax, mas, "layer", "mas", "LLM layer",
+                                                                                "MAS"))],
+                                tables=[("mas", mas)]))
+
+    probes = ws.query("SELECT run, tap, site, tokens, target, kind, layer, score, control_score, selectivity"
+                      " FROM v_probe_layers ORDER BY run, target, tap, layer")
+    if probes.num_rows:
+        sections.append(Section("Probes per tap and layer", "Score (solid) and shuffled-label control (dotted).",
+                                figures=[_figure(out, "probes", lambda ax: _probe_lines(ax, probes))],
+                                tables=[("probe_leaderboard", run_named(ws, "probe_leaderboard"))]))
+    sections.append(Section("Storage", tables=[("storage", run_named(ws, "storage"))]))
+    return sections
+
+
+def _lines(ax, table: pa.Table, x: str, y: str, xlabel: str, ylabel: str, spans=()) -> None:
+    rows = table.to_pylist()
+    for run in sorted({r["run"] for r in rows}):
+        pts = [(r[x], r[y]) for r in rows if r["run"] == run and r[y] is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=run)
+    for at, label in spans:
+        ax.axvline(at, color="grey", ls="--", lw=1)
+        ax.text(at, ax.get_ylim()[1], f" {label}", va="top", fontsize=8, color="grey")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+
+
+def _answer_histogram(ax, table: pa.Table) -> None:
+    rows = table.to_pylist()
+    for regime, colour in (("VE", "tab:orange"), ("FE", "tab:red")):
+        pts = [(r["prediction"] if r["prediction"] is not None else -1, r["n"]) for r in rows if r["regime"] == regime]
+        if pts:
+            ax.bar([p[0] for p in pts], [p[1] for p in pts], color=colour, alpha=0.6, label=f"{regime} answers")
+    ax.set_xlabel("answered count (-1: no number)")
+    ax.set_ylabel("answers")
+    ax.legend(fontsize=7)
+
+
+def _probe_lines(ax, table: pa.Table) -> None:
+    rows = table.to_pylist()
+    keys = sorted({(r["run"], r["tap"], r["site"], r["target"], r["kind"]) for r in rows})
+    for key in keys[:12]:
+        pts = sorted((r["layer"], r["score"], r["control_score"]) for r in rows
+                     if (r["run"], r["tap"], r["site"], r["target"], r["kind"]) == key)
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"{key[1]}.{key[2]} {key[3]}")
+        if any(p[2] is not None for p in pts):
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color=line.get_color())
+    ax.set_xlabel("layer")
+    ax.set_ylabel("probe score")
+    ax.legend(fontsize=6)
+
+
+def render_html(ws: Workspace, sections: list[Section], out: Path) -> Path:
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>agnosia report</title>",
+        "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
+        "table{border-collapse:collapse;font-size:12px;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 6px}"
+        "img{max-width:100%;border:1px solid #eee}.note{color:#555}</style>",
+        # The page checks itself: a test (or a reader) sees data-images-ok / data-errors on <body>.
+        "<script>window.agnosiaErrors=[];window.onerror=function(m){window.agnosiaErrors.push(String(m));};"
+        "window.addEventListener('load',function(){var imgs=[].slice.call(document.images);"
+        "document.body.dataset.imagesOk=String(imgs.every(function(i){return i.complete&&i.naturalWidth>0;}));"
+        "document.body.dataset.images=String(imgs.length);"
+        "document.body.dataset.errors=String(window.agnosiaErrors.length);});</script>",
+        "</head><body>",
+        f"<h1>agnosia report</h1><p class='note'>workspace <code>{html.escape(str(ws.path))}</code></p>",
+    ]
+    for sec in sections:
+        parts.append(f"<h2>{html.escape(sec.title)}</h2>")
+        if sec.note:
+            parts.append(f"<p class='note'>{html.escape(sec.note)}</p>")
+        for fig in sec.figures:
+            parts.append(f"<p><img src='{fig}' alt='{html.escape(fig)}'></p>")
+        for name, table in sec.tables:
+            csv = _save_table(out, name, table)
+            parts.append(_html_table(table) + f"<p class='note'><a href='{csv}'>{csv}</a></p>")
+    parts.append("</body></html>")
+    index = out / "index.html"
+    index.write_text("\n".join(parts))
+    return index
+
+
+def _html_table(table: pa.Table, max_rows: int = 60) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in table.column_names)
+    body = []
+    for row in table.slice(0, max_rows).to_pylist():
+        cells = "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row.values())
+        body.append(f"<tr>{cells}</tr>")
+    more = f"<tr><td colspan='{table.num_columns}'>… {table.num_rows - max_rows} more rows in the CSV</td></tr>" \
+        if table.num_rows > max_rows else ""
+    return f"<table><tr>{head}</tr>{''.join(body)}{more}</table>"
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def write_report(data: str | Path | None, out: str | Path) -> Path:
+    ws = Workspace.open(data, readonly=True)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return render_html(ws, build_sections(ws, out), out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m queries.report", description=__doc__)
+    parser.add_argument("--data", default=None, help="workspace (default: $AGNOSIA_DATA, else ./data)")
+    parser.add_argument("--out", default="report", help="folder for index.html, PNGs and CSVs (default: report)")
+    args = parser.parse_args(argv)
+    try:
+        index = write_report(args.data, args.out)
+    except StoreError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"report -> {index}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

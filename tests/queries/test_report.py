@@ -1,0 +1,81 @@
+"""The report: figures from hand-built stores, opened in a real headless Chromium."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from extract.scoring import score_answer
+from extract.stimuli import get_family
+from extract.stimuli.io import read_set, write_set
+from queries.report import modality_attention_share, write_report
+from store import ArraySpec, RunInfo, TokenSpans, Workspace
+
+SEQ, IMAGE_START, IMAGE_COUNT, HEADS = 10, 2, 4, 2
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A Go run whose model always answers 49, with attention that falls only on image keys at
+    layer 0 and half on them at layer 1."""
+    root = tmp_path_factory.mktemp("report")
+    go = get_family("go")
+    set_path = write_set(go, go.config(preset="small", counts="40-60"), n=1, seed=0, split="test", out=root / "go")
+    rows = read_set(set_path).rows()
+    n = len(rows)
+    on_image = np.zeros((SEQ, HEADS), np.float32)
+    on_image[IMAGE_START:IMAGE_START + IMAGE_COUNT] = 1 / IMAGE_COUNT
+    half = np.full((SEQ, HEADS), 0.5 / (SEQ - IMAGE_COUNT), np.float32)
+    half[IMAGE_START:IMAGE_START + IMAGE_COUNT] = 0.5 / IMAGE_COUNT
+    ws = Workspace.open(root / "data")
+    with ws.writer(RunInfo(run="always49", model="hand-built", chunk_samples=8)) as w:
+        w.set_samples(w.register_stimulus_set(set_path))
+        layers = [w.array(ArraySpec(tap="attn", layer=i, site="probs", tokens="last", shape=(HEADS,), ragged=True))
+                  for i in range(2)]
+        spans = [TokenSpans(seq_len=SEQ, image_start=IMAGE_START, image_count=IMAGE_COUNT, last_prompt=SEQ - 1)] * n
+        gens = [score_answer("go", "multimodal_num", "4 9", r["answer"], r["truth"]) for r in rows]
+        w.write_batch(0, {layers[0]: [on_image] * n, layers[1]: [half] * n}, tokens=spans, generations=gens)
+        w.finish()
+    return Workspace.open(root / "data", readonly=True)
+
+
+def test_modality_attention_share_of_known_attention(workspace):
+    mas = modality_attention_share(workspace, "always49").to_pylist()
+    assert [r["layer"] for r in mas] == [0, 1]
+    assert mas[0]["mas"] == pytest.approx(1.0, abs=1e-3) and mas[1]["mas"] == pytest.approx(0.5, abs=1e-3)
+
+
+def test_report_tables_show_the_boundary_attractor(workspace, tmp_path):
+    index = write_report(workspace.path, tmp_path / "report")
+    attractors = (tmp_path / "report" / "attractors.csv").read_text()
+    assert '"always49","VE",49,11,1,1,"boundary"' in attractors
+    assert "counting_accuracy.png" in index.read_text() and "mas.png" in index.read_text()
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.fail("headless Chromium is needed for the report test: `make test` installs Debian's chromium"
+                    " (apt-get install chromium)")
+    return path
+
+
+def test_report_loads_in_headless_chromium(workspace, tmp_path):
+    index = write_report(workspace.path, tmp_path / "report")
+    pngs = sorted(p.name for p in index.parent.glob("*.png"))
+    dom = subprocess.run(
+        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'chrome'}", "--virtual-time-budget=5000", "--dump-dom", index.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    ).stdout
+    body = re.search(r"<body[^>]*>", dom)
+    assert body, "Chromium returned no page"
+    assert 'data-images-ok="true"' in body.group(0), body.group(0)
+    assert f'data-images="{len(pngs)}"' in body.group(0) and 'data-errors="0"' in body.group(0)
+    for png in pngs:
+        assert f"src=\"{png}\"" in dom
