@@ -17,7 +17,7 @@ TINY_MODEL := models/tiny-qwen2-vl
 
 REPORT ?= report
 
-.PHONY: help setup browser test stimuli extract info verify report demo bench clean
+.PHONY: help setup browser test stimuli extract info verify report toy-model demo bench clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -53,6 +53,9 @@ info: setup ## what the workspace $(DATA) holds: runs, arrays, sizes
 
 verify: setup ## check every committed chunk of $(DATA) against the manifest (exit 1 on problems)
 	$(PY) -m store verify --data $(DATA)
+
+toy-model: setup ## retrain the counting lab's toy VLM from scratch (lab/toy.yaml) into lab/checkpoints/toy-counter
+	$(PY) -m lab.train
 
 report: setup ## write the HTML report of $(DATA) to $(REPORT)/index.html
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from tiny_cases import ARCHS, IMAGE, noise_image
+from tiny_cases import ARCHS, IMAGE, IMAGE_ALL, noise_image
 
 from extract.models import RaggedTokens, capture, hook_points, prepare_batch, readout
 
@@ -135,14 +135,14 @@ def _zero_attention(lm) -> list:
     return handles
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", sorted(IMAGE_ALL))
 def test_image_tokens_are_raster_ordered(arch, tiny_lm):
     """Invert one pixel patch (r, c): exactly the tokens of grid cell (r, c) of every tap change."""
     import numpy as np
     from PIL import Image
 
     lm = tiny_lm(arch)
-    width, height, patch = IMAGE[arch]
+    width, height, patch = IMAGE_ALL[arch]
     rows, cols = height // patch, width // patch
     taps = ["vision.0", "vision.-1", "projector.0.in", "projector.0.out", "llm.0"]
     if "pre_merger" in lm.adapter.sites("vision"):

@@ -21,6 +21,9 @@ IMAGE = {
     "paligemma": (112, 112, 14),
 }
 ARCHS = sorted(IMAGE)
+# The project's own toy model (lab/): one 8-px patch per intersection of an 11x11 board.
+TOY_IMAGE = (88, 88, 8)
+IMAGE_ALL = {**IMAGE, "toy_counter": TOY_IMAGE}
 
 
 def noise_image(width: int, height: int, seed: int) -> Image.Image:

@@ -23,6 +23,7 @@ _FAMILY_MODULES = (
     "idefics3",
     "gemma3",
     "paligemma",
+    "toy",
 )
 _loaded = False
 

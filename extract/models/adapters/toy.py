@@ -1,0 +1,56 @@
+"""The counting lab's toy VLM (``lab/``, model_type ``toy_counter``).
+
+``vision.blocks.N`` (pre-LN ViT, one token per board intersection, raster order), ``projector``
+(its input is ``vision.norm``'s output: the "ViT output tokens" the study probes),
+``decoder.layers.N``, ``decoder.norm``, ``lm_head``. Prompts use the study's own template
+(``<|bos|> <|user_start|> <|image_start|> <|image|> <|image_end|> <|question_start|> Q ...``),
+not a chat template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lab  # noqa: F401  (registers the toy model with the transformers Auto classes)
+
+from .. import layout
+from ..layout import ImageGeometry
+from . import register
+from .base import Adapter
+
+
+@register
+class ToyCounterAdapter(Adapter):
+    family = "toy counter (agnosia lab)"
+    model_types = ("toy_counter",)
+    vision_layers = "vision.blocks"
+    vision_attention = "attn"
+    projector = "projector"
+    llm_layers = "decoder.layers"
+    llm_attention = "self_attn"
+    final_norm = "decoder.norm"
+    lm_head = "lm_head"
+    uses_chat_template = False
+
+    def geometry(self, inputs: Mapping[str, Any]) -> list[ImageGeometry]:
+        side = self.config.board_size
+        grid = layout.single(side, side)
+        n = inputs["pixel_values"].shape[0]
+        return [ImageGeometry(vision=grid, projector_in=grid, projector_out=grid, llm=grid) for _ in range(n)]
+
+    def plain_prompt(self, processor: Any, prompt: str) -> str:
+        from lab.processor import prompt as study_prompt
+
+        return study_prompt(prompt, image=True)
+
+    @classmethod
+    def build_tiny(cls, seed: int) -> tuple[Any, Any]:
+        import torch
+
+        from lab.config import ToyCounterConfig
+        from lab.model import ToyCounterForConditionalGeneration
+        from lab.processor import build_processor
+
+        torch.manual_seed(seed)
+        return ToyCounterForConditionalGeneration(ToyCounterConfig()).eval(), build_processor()

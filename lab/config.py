@@ -1,0 +1,137 @@
+"""Configuration of the toy counting VLM (a transformers config) and of its training (YAML)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import PreTrainedConfig
+
+MODEL_TYPE = "toy_counter"
+DEFAULT_TRAIN_YAML = Path(__file__).with_name("toy.yaml")
+
+
+class ToyCounterConfig(PreTrainedConfig):
+    """One flat config for both towers: the model is tiny and never mixes with other families.
+
+    ``board_size`` x ``board_size`` patches of ``patch_size`` px: one image token per
+    intersection, so ``image_seq_length = board_size**2``.
+    """
+
+    model_type = MODEL_TYPE
+
+    def __init__(
+        self,
+        vocab_size: int = 76,
+        hidden_size: int = 32,
+        num_attention_heads: int = 2,
+        intermediate_size: int = 64,
+        vision_layers: int = 2,
+        decoder_layers: int = 2,
+        board_size: int = 11,
+        patch_size: int = 8,
+        num_channels: int = 3,
+        vision_rope_theta: float = 100.0,
+        rope_theta: float = 10000.0,
+        layer_norm_eps: float = 1e-5,
+        image_token_id: int = 8,
+        bos_token_id: int = 1,
+        eos_token_id: int = 2,
+        pad_token_id: int = 0,
+        initializer_range: float = 0.02,
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.vision_layers = vision_layers
+        self.decoder_layers = decoder_layers
+        # transformers' cache and generation utilities read this name.
+        self.num_hidden_layers = decoder_layers
+        self.board_size = board_size
+        self.patch_size = patch_size
+        self.num_channels = num_channels
+        self.vision_rope_theta = vision_rope_theta
+        self.rope_theta = rope_theta
+        self.layer_norm_eps = layer_norm_eps
+        self.image_token_id = image_token_id
+        self.initializer_range = initializer_range
+        kwargs.pop("num_hidden_layers", None)
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         pad_token_id=pad_token_id, **kwargs)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def image_size(self) -> int:
+        return self.board_size * self.patch_size
+
+    @property
+    def image_seq_length(self) -> int:
+        return self.board_size * self.board_size
+
+
+@dataclass
+class StageConfig:
+    steps: int  # stage 1: batches; stage 2: (vision batch, text batch) pairs
+    lr: float  # stage 1: decoder; stage 2: decoder + projector
+    vision_lr: float = 0.0  # stage 2 only
+    warmup: int = 50
+    weight_decay: float = 0.01
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``python -m lab.train`` needs; the defaults live in ``lab/toy.yaml``."""
+
+    seed: int = 0
+    threads: int = 2
+    batch_size: int = 128
+    compile: bool = False
+    # Go-board geometry (goboard preset "small": 11x11 cells of 8 px, stones r=3).
+    board_size: int = 11
+    cell_px: int = 8
+    radius: int = 3
+    vision_max_count: int = 49  # the decoupled curriculum: vision sees n <= 49 only
+    text_max_count: int = 120  # text counts 0..120, so FE labels exist on the text side
+    variations: tuple[str, ...] = ("none", "mild", "strong")
+    hard_negative_share: float = 0.5  # unequal TF partners within +-hard_negative_span
+    hard_negative_span: int = 5
+    # Stage 2 leans harder on near misses: a precise comparison (difference of two counts) is
+    # the one that can carry over to counts vision never saw.
+    hard_negative_share_stage2: float = 0.5
+    tf_share_stage1: float = 0.4  # share of stage-1 batches that are text TF batches
+    # Unequal partners of the board/string TF task come from the vision range (0..vision_max_count),
+    # like the equal ones; otherwise "string count above 49 -> False" solves the training data.
+    vision_tf_partners_in_range: bool = True
+    tf_every_stage2: int = 3  # stage 2: every n-th step pair is contrastive (board/string TF)
+    model: dict[str, Any] = field(default_factory=dict)
+    stage1: StageConfig = field(default_factory=lambda: StageConfig(steps=5000, lr=3e-3))
+    stage2: StageConfig = field(
+        default_factory=lambda: StageConfig(steps=2000, lr=1e-4, vision_lr=2e-3))
+
+    @classmethod
+    def load(cls, path: str | Path = DEFAULT_TRAIN_YAML, **overrides: Any) -> TrainConfig:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        raw.update(overrides)
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown training keys {sorted(unknown)}; known: {sorted(known)}")
+        for stage in ("stage1", "stage2"):
+            if isinstance(raw.get(stage), dict):
+                raw[stage] = StageConfig(**raw[stage])
+        if "variations" in raw:
+            raw["variations"] = tuple(raw["variations"])
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["variations"] = list(self.variations)
+        return out

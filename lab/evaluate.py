@@ -1,0 +1,246 @@
+"""Evaluate a toy-counter checkpoint the way the model card reports it: ``python -m lab.evaluate CKPT``.
+
+On fresh Go boards from ``extract.stimuli.goboard`` (never the training renderer) it measures, per
+regime (ID 0-49, VE 50-99, FE 100-120):
+
+- greedy accuracy of the four tasks: visual count, text count, visual-vs-text "same number?"
+  (contrastive), text-vs-text "same number?";
+- the attractor table: the distribution of visual answers on VE and FE;
+- the hidden-number probe: a per-token 3-class logistic regression (black / white / empty) on the
+  ViT output tokens (after ``vision.norm``), trained on ID boards only; N_H = tokens labelled black.
+  Exact match 1[N_H = N_G] per regime, beside the same probe trained on shuffled labels (control);
+- Vision Gap = mean |N_H - N_G| and Language Gap = mean |N_H - N_P| per regime (N_G truth,
+  N_P the parsed visual answer; an empty answer counts as 0, as in the study's parser).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from extract.stimuli import goboard as G
+from extract.stimuli.answers import parse_digit_string
+
+from .processor import prompt
+
+REGIMES = ("ID", "VE", "FE")
+TASKS = ("multimodal_num", "text_only_num", "multimodal_tf", "text_only_tf")
+TASK_LABEL = {"multimodal_num": "visual count", "text_only_num": "text count",
+              "multimodal_tf": "contrastive (board vs string)", "text_only_tf": "text vs text"}
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    per_count: int = 4
+    counts: str = "0-120"
+    seed: int = 20260
+    variation: str = "mild"
+    probe_boards: int = 20  # ID probe-training boards per count (1..49)
+    probe_per_class: int = 4  # tokens per class per probe-training board
+    batch_size: int = 128
+
+
+def load(checkpoint: str) -> tuple[Any, Any]:
+    import lab  # noqa: F401  (registers the Auto classes)
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+def boards(model: Any, spec: EvalSpec, counts: str, n: int, seed: int, split: str) -> list:
+    cfg = G.Config(preset="small", board_size=model.config.board_size, cell_px=model.config.patch_size,
+                   counts=counts, variation=spec.variation)
+    return list(G.generate(cfg, n, seed, split))
+
+
+def _partner(s: Any) -> str:
+    return s.truth["text_eq"] if s.truth["tf_pair"] == "eq" else s.truth["text_ie"]
+
+
+def request(s: Any, task: str) -> tuple[str, bool]:
+    """(prompt, needs image) for one stimulus and task, exactly as in training."""
+    q = s.prompts[task]
+    if task == "multimodal_num":
+        return prompt(q, image=True), True
+    if task == "text_only_num":
+        return prompt(q, [s.truth["text_c"]]), False
+    if task == "multimodal_tf":
+        return prompt(q, [_partner(s)], image=True), True
+    return prompt(q, [s.truth["text_c"], _partner(s)]), False
+
+
+@torch.inference_mode()
+def answer(model: Any, processor: Any, stimuli: Sequence, task: str, batch_size: int) -> list[str]:
+    """Greedy answers (special tokens stripped) through ``generate``."""
+    out: list[str] = []
+    for i in range(0, len(stimuli), batch_size):
+        chunk = stimuli[i:i + batch_size]
+        texts, images = zip(*[(request(s, task)[0], s.image) for s in chunk])
+        with_image = request(chunk[0], task)[1]
+        inputs = processor(images=list(images) if with_image else None, text=list(texts))
+        seq = model.generate(**inputs, max_new_tokens=6, do_sample=False,
+                             pad_token_id=processor.tokenizer.pad_token_id)
+        out += processor.batch_decode(seq[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return [t.strip() for t in out]
+
+
+def correct(s: Any, task: str, text: str) -> bool:
+    if task.endswith("_tf"):
+        return text == s.answers[task]
+    return parse_digit_string(text) == s.truth["count"]
+
+
+@torch.inference_mode()
+def vit_tokens(model: Any, processor: Any, stimuli: Sequence, batch_size: int) -> np.ndarray:
+    """ViT output tokens after the final LayerNorm, [boards, patches, d], raster order."""
+    feats = []
+    for i in range(0, len(stimuli), batch_size):
+        px = processor.image_processor([s.image for s in stimuli[i:i + batch_size]])["pixel_values"]
+        feats.append(model.vision(px)[0].float().numpy())
+    return np.concatenate(feats)
+
+
+def probe_training_set(stimuli: Sequence, feats: np.ndarray, per_class: int, seed: int
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Up to ``per_class`` tokens of each class per board, boards with >= 1 white stone (the study's filter)."""
+    rng = np.random.default_rng(seed)
+    xs, ys = [], []
+    for s, f in zip(stimuli, feats):
+        labels = np.asarray(s.truth["labels"])
+        if (labels == G.WHITE).sum() == 0:
+            continue
+        for cls in (G.BLACK, G.WHITE, G.EMPTY):
+            idx = np.flatnonzero(labels == cls)
+            pick = rng.choice(idx, size=min(per_class, idx.size), replace=False) if idx.size else idx
+            xs.append(f[pick])
+            ys.append(np.full(pick.size, cls))
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def fit_probe(x: np.ndarray, y: np.ndarray) -> Any:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    return make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000)).fit(x, y)
+
+
+def hidden_numbers(probe: Any, feats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N_H per board, per-token predictions [boards, patches])."""
+    pred = probe.predict(feats.reshape(-1, feats.shape[-1])).reshape(feats.shape[:2])
+    return (pred == G.BLACK).sum(1), pred
+
+
+def evaluate(model: Any, processor: Any, spec: EvalSpec = EvalSpec()) -> dict[str, Any]:
+    torch.manual_seed(0)
+    stimuli = boards(model, spec, spec.counts, spec.per_count, spec.seed, "test")
+    regimes = np.array([s.truth["regime"] for s in stimuli])
+    truth = np.array([s.truth["count"] for s in stimuli])
+    answers = {task: answer(model, processor, stimuli, task, spec.batch_size) for task in TASKS}
+    ok = {task: np.array([correct(s, task, a) for s, a in zip(stimuli, answers[task])]) for task in TASKS}
+    visual = [parse_digit_string(a) for a in answers["multimodal_num"]]
+    n_p = np.array([0 if v is None else v for v in visual])
+
+    # Hidden-number probe: trained on separate ID boards, evaluated on every regime.
+    train_set = boards(model, spec, "1-49", spec.probe_boards, spec.seed + 1, "probe")
+    x, y = probe_training_set(train_set, vit_tokens(model, processor, train_set, spec.batch_size),
+                              spec.probe_per_class, spec.seed)
+    feats = vit_tokens(model, processor, stimuli, spec.batch_size)
+    token_truth = np.array([s.truth["labels"] for s in stimuli])
+    probe = fit_probe(x, y)
+    control = fit_probe(x, np.random.default_rng(spec.seed).permutation(y))
+    n_h, pred = hidden_numbers(probe, feats)
+    # Second control: the same probe on a randomly initialised tower of the same shape, which
+    # says how much of the decodability the training put there.
+    torch.manual_seed(spec.seed)
+    fresh = type(model)(model.config).eval()
+    xr, yr = probe_training_set(train_set, vit_tokens(fresh, processor, train_set, spec.batch_size),
+                                spec.probe_per_class, spec.seed)
+    n_hr, _ = hidden_numbers(fit_probe(xr, yr), vit_tokens(fresh, processor, stimuli, spec.batch_size))
+    n_hc, pred_c = hidden_numbers(control, feats)
+
+    table: dict[str, Any] = {}
+    for r in REGIMES:
+        m = regimes == r
+        if not m.any():
+            continue
+        row: dict[str, Any] = {"boards": int(m.sum())}
+        for task in TASKS:
+            row[task] = float(ok[task][m].mean())
+        row["visual_mae"] = float(np.abs(n_p[m] - truth[m]).mean())
+        row["visual_empty"] = float(np.mean([visual[i] is None for i in np.flatnonzero(m)]))
+        row["probe_exact"] = float((n_h[m] == truth[m]).mean())
+        row["probe_token_acc"] = float((pred[m] == token_truth[m]).mean())
+        row["control_exact"] = float((n_hc[m] == truth[m]).mean())
+        row["control_token_acc"] = float((pred_c[m] == token_truth[m]).mean())
+        row["random_init_exact"] = float((n_hr[m] == truth[m]).mean())
+        row["vision_gap"] = float(np.abs(n_h[m] - truth[m]).mean())
+        row["language_gap"] = float(np.abs(n_h[m] - n_p[m]).mean())
+        table[r] = row
+    attractors = {}
+    for r in ("VE", "FE"):
+        idx = np.flatnonzero(regimes == r)
+        if idx.size:
+            c = Counter("empty" if visual[i] is None else str(visual[i]) for i in idx)
+            attractors[r] = [(k, v / idx.size) for k, v in c.most_common(10)]
+    return {"spec": vars(spec), "regimes": table, "attractors": attractors,
+            "probe_train_tokens": int(len(y))}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    t = result["regimes"]
+    regs = [r for r in REGIMES if r in t]
+    pct = lambda v: f"{100 * v:.1f}%"  # noqa: E731
+    lines = ["| metric | " + " | ".join(f"{r} ({t[r]['boards']})" for r in regs) + " |",
+             "|---|" + "---|" * len(regs)]
+    for task in TASKS:
+        lines.append(f"| {TASK_LABEL[task]} accuracy | " + " | ".join(pct(t[r][task]) for r in regs) + " |")
+    rows = [("visual mean abs error", "visual_mae", "{:.2f}"), ("visual empty answers", "visual_empty", None),
+            ("probe N_H exact match", "probe_exact", None), ("probe token accuracy", "probe_token_acc", None),
+            ("control N_H exact match (shuffled labels)", "control_exact", None),
+            ("control token accuracy", "control_token_acc", None),
+            ("random-init ViT probe N_H exact match", "random_init_exact", None),
+            ("Vision Gap mean abs(N_H - N_G)", "vision_gap", "{:.2f}"),
+            ("Language Gap mean abs(N_H - N_P)", "language_gap", "{:.2f}")]
+    for name, key, fmt in rows:
+        lines.append(f"| {name} | " + " | ".join(fmt.format(t[r][key]) if fmt else pct(t[r][key])
+                                                 for r in regs) + " |")
+    lines.append("")
+    for r, dist in result["attractors"].items():
+        lines.append(f"Visual answers on {r} (top 10): " + ", ".join(f"{k}: {pct(v)}" for k, v in dist))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from . import DEFAULT_CHECKPOINT
+
+    ap = argparse.ArgumentParser(prog="python -m lab.evaluate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", nargs="?", default=str(DEFAULT_CHECKPOINT))
+    ap.add_argument("--per-count", type=int, default=EvalSpec.per_count, help="boards per count")
+    ap.add_argument("--counts", default=EvalSpec.counts)
+    ap.add_argument("--seed", type=int, default=EvalSpec.seed)
+    ap.add_argument("--variation", default=EvalSpec.variation, choices=("none", *G.VARIATIONS))
+    ap.add_argument("--probe-boards", type=int, default=EvalSpec.probe_boards)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the result here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    spec = EvalSpec(args.per_count, args.counts, args.seed, args.variation, args.probe_boards)
+    model, processor = load(args.checkpoint)
+    result = evaluate(model, processor, spec)
+    print(markdown(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
