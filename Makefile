@@ -12,8 +12,7 @@ STIMULI ?= stimuli
 # Stimulus sets written by `make stimuli` (small: seconds on 2 cores).
 STIMULI_ARGS ?= --seed 0
 
-MANIFEST ?= manifests/demo-tiny-qwen2vl.yaml
-TINY_MODEL := models/tiny-qwen2-vl
+MANIFEST ?= manifests/demo.yaml
 
 REPORT ?= report
 
@@ -60,13 +59,12 @@ toy-model: setup ## retrain the counting lab's toy VLM from scratch (lab/toy.yam
 report: setup ## write the HTML report of $(DATA) to $(REPORT)/index.html
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
-$(TINY_MODEL)/config.json: | setup
-	$(PY) -m extract.tiny qwen2_vl --out $(TINY_MODEL)
-
-demo: setup $(TINY_MODEL)/config.json ## the pipeline as far as it exists: stimuli, then extraction into $(DATA)
+demo: setup ## the whole pipeline on the committed toy model: stimuli, extraction, queries, report
 	$(PY) -m extract.stimuli all --out $(STIMULI) $(STIMULI_ARGS)
-	$(PY) -m extract $(MANIFEST) --data $(DATA)
-	$(PY) -m store info --data $(DATA)
+	$(PY) -m extract.stimuli go --preset small --variation mild --n 4 --seed 1 --out $(STIMULI)/go-toy --overwrite
+	$(PY) -m extract manifests/demo.yaml --data $(DATA)
+	$(PY) -m queries counting_regimes --data $(DATA)
+	$(PY) -m queries attractors --data $(DATA) --param min_share=0.1
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
 bench: setup ## measure the performance aims side by side (figures go to docs/benchmarks.md by hand)
