@@ -16,7 +16,9 @@ MANIFEST ?= manifests/demo.yaml
 
 REPORT ?= report
 
-.PHONY: help setup browser test stimuli extract info verify report toy-model demo bench clean
+PLAN ?= manifests/probes-demo.yaml
+
+.PHONY: help setup browser test stimuli extract probes info verify report toy-model demo bench clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -46,6 +48,9 @@ stimuli: setup ## write a small set of each stimulus family to $(STIMULI)/
 extract: setup ## run (or resume) an extraction manifest into $(DATA): make extract MANIFEST=manifests/x.yaml
 	$(PY) -m extract $(MANIFEST) --data $(DATA)
 
+probes: setup ## train a probe plan's probes on Dask from the stored activations: make probes PLAN=manifests/x.yaml
+	$(PY) -m probes $(PLAN) --data $(DATA)
+
 info: setup ## what the workspace $(DATA) holds: runs, arrays, sizes
 	$(PY) -m store info --data $(DATA)
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
@@ -59,10 +64,11 @@ toy-model: setup ## retrain the counting lab's toy VLM from scratch (lab/toy.yam
 report: setup ## write the HTML report of $(DATA) to $(REPORT)/index.html
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
-demo: setup ## the whole pipeline on the committed toy model: stimuli, extraction, queries, report
+demo: setup ## the whole pipeline on the committed toy model: stimuli, extraction, probes, queries, report
 	$(PY) -m extract.stimuli all --out $(STIMULI) $(STIMULI_ARGS)
 	$(PY) -m extract.stimuli go --preset small --variation mild --n 4 --seed 1 --out $(STIMULI)/go-toy --overwrite
 	$(PY) -m extract manifests/demo.yaml --data $(DATA)
+	$(PY) -m probes manifests/probes-demo.yaml --data $(DATA) --no-progress
 	$(PY) -m queries counting_regimes --data $(DATA)
 	$(PY) -m queries attractors --data $(DATA) --param min_share=0.1
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)

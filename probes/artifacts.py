@@ -1,0 +1,57 @@
+"""Probe weights on disk: safetensors with a JSON header, never pickle.
+
+``<workspace>/probes/<key>.safetensors`` holds a probe's tensors (numpy arrays) and, in the
+safetensors metadata under ``agnosia_probe``, its kind, parameters and whatever the kind needs
+to rebuild itself (classes, grid, ...). Writes go to a temporary file that is renamed into
+place, so a worker killed mid-write leaves no half file under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+META_KEY = "agnosia_probe"
+FOLDER = "probes"
+
+
+def artifact_path(workspace: str | os.PathLike[str], key: str) -> Path:
+    return Path(workspace) / FOLDER / f"{key}.safetensors"
+
+
+def save(path: str | os.PathLike[str], tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    if not arrays:
+        arrays = {"_empty": np.zeros(0, dtype=np.float32)}  # safetensors needs one tensor
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(arrays, str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True, default=_plain)})
+    os.replace(tmp, path)
+    return path
+
+
+def load(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no probe artifact at {path}: the probes table's artifact column is relative to the workspace")
+    with safe_open(str(path), framework="numpy") as f:
+        meta = json.loads((f.metadata() or {}).get(META_KEY, "{}"))
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "_empty"}
+    return tensors, meta
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise TypeError(f"cannot store {type(obj).__name__} in probe metadata")

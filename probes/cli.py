@@ -1,0 +1,110 @@
+"""``python -m probes PLAN``: train a probe plan's probes on Dask and record them in the workspace."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+EPILOG = """\
+examples:
+  python -m probes manifests/probes-demo.yaml --data data              # LocalCluster, 2 workers
+  python -m probes plan.yaml --dry-run                                 # list the probes, train nothing
+  python -m probes plan.yaml --scheduler tcp://10.0.0.5:8786           # an existing Dask cluster
+  DASK_SCHEDULER_ADDRESS=tcp://10.0.0.5:8786 python -m probes plan.yaml
+
+Results go to the workspace's `probes` table (one row per probe, params->>'key' identifies it)
+and weights to <workspace>/probes/<key>.safetensors. Re-running a plan skips finished probes.
+  python -m store query "SELECT run, tap, target, kind, layer, score, control_score, selectivity FROM v_best_probe"
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m probes", description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", help="probe plan YAML (see docs/probes.md)")
+    p.add_argument("--data", default=None, help="workspace folder (default: $AGNOSIA_DATA, else ./data)")
+    p.add_argument("--scheduler", default=os.environ.get("DASK_SCHEDULER_ADDRESS"), metavar="ADDRESS",
+                   help="Dask scheduler address (default: $DASK_SCHEDULER_ADDRESS; unset: start a LocalCluster)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="LocalCluster worker processes, one thread each (default: CPU count)")
+    p.add_argument("--in-process", action="store_true", help="no Dask: run the groups here, one by one (debugging)")
+    p.add_argument("--dry-run", action="store_true", help="list the probes and which are done; train nothing")
+    p.add_argument("--force", action="store_true", help="retrain probes that are already recorded")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true", help="with --dry-run: every probe, not the first 40")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workers is not None and args.workers < 1:
+        print(f"error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return 2
+    from probes.errors import ProbeError
+    from probes.farm import done_keys, open_workspace, plan_tasks, run_plan
+    from probes.plan import group_tasks, load_plan
+    from store.errors import StoreError
+
+    try:
+        plan = load_plan(args.plan)
+        if args.dry_run:
+            ws = open_workspace(args.data)
+            tasks = plan_tasks(plan, ws)
+            done = set() if args.force else done_keys(ws, sorted({t.run for t in tasks}))
+            todo = [t for t in tasks if t.key not in done]
+            groups = group_tasks(todo, plan.layers_per_task)
+            print(f"plan {plan.name} on {ws.path}: {len(tasks)} probes, {len(tasks) - len(todo)} done,"
+                  f" {len(todo)} to train in {len(groups)} Dask tasks")
+            shown = tasks if args.verbose else tasks[:40]
+            print(f"{'key':24}  {'status':6}  run / tap / layer / site / tokens -> target : kind (seed)")
+            for t in shown:
+                status = "done" if t.key in done else "todo"
+                print(f"{t.key}  {status:6}  {t.run} / {t.tap} / {t.layer} / {t.site} / {t.tokens} -> {t.record_target}"
+                      f" : {t.kind} ({t.seed})")
+            if len(shown) < len(tasks):
+                print(f"... {len(tasks) - len(shown)} more (-v lists all)")
+            per = Counter((t.kind, t.target) for t in todo)
+            for (kind, target), n in sorted(per.items()):
+                print(f"  to train: {n:6d}  {kind} -> {target}")
+            return 0
+        report = run_plan(plan, args.data, scheduler=args.scheduler, workers=args.workers, in_process=args.in_process,
+                          force=args.force, progress=not args.no_progress)
+        keys = {t.key for t in plan_tasks(plan, open_workspace(args.data))}
+    except (ProbeError, StoreError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished probes are recorded; run the same command to resume", file=sys.stderr)
+        return 130
+    _summary(report, args.data, keys)
+    return 1 if report.failed else 0
+
+
+def _summary(report, data, keys) -> None:
+    from probes.farm import open_workspace
+
+    rate = f"; {report.probes_per_s:.1f} probes/s, {report.gflops_per_s:.2f} GFLOP/s on {report.workers} worker(s)" if report.trained else ""
+    print(f"{report.trained} trained, {report.skipped} skipped (done), {report.failed} failed{rate}")
+    if not keys:
+        return
+    import pyarrow as pa
+
+    ws = open_workspace(data)
+    with ws.connect() as con:
+        con.register("plan_keys", pa.table({"key": sorted(keys)}))
+        rows = con.execute(
+            "WITH mine AS (SELECT * FROM probes WHERE params->>'key' IN (SELECT key FROM plan_keys)),"
+            " layers AS (SELECT run, tap || '/' || site AS tap, tokens, target, kind, metric, layer, avg(score) AS score,"
+            "  avg(control_score) AS ctrl FROM mine GROUP BY ALL)"
+            " SELECT * FROM layers QUALIFY row_number() OVER (PARTITION BY run, tap, tokens, target, kind, metric"
+            "  ORDER BY score DESC, layer) = 1 ORDER BY run, tap, target, kind LIMIT 40").fetchall()
+    if rows:
+        print(f"best layer per probe (mean over seeds):")
+        print(f"{'run':20} {'tap/site':20} {'tokens':6} {'target':22} {'kind':14} {'metric':13} {'layer':>5} {'score':>6}"
+              f" {'ctrl':>6} {'sel':>6}")
+        for r in rows:
+            ctrl = "-" if r[8] is None else f"{r[8]:.3f}"
+            sel = "-" if r[8] is None else f"{r[7] - r[8]:+.3f}"
+            print(f"{r[0][:20]:20} {r[1][:20]:20} {r[2]:6} {r[3][:22]:22} {r[4]:14} {r[5]:13} {r[6]:5d} {r[7]:6.3f} {ctrl:>6} {sel:>6}")

@@ -1,0 +1,427 @@
+"""The probe farm: a plan's probes trained on Dask workers, results written to the manifest.
+
+::
+
+    client (this process)                         workers (Dask, one thread each)
+    ─────────────────────                         ───────────────────────────────
+    expand the plan against the workspace
+    skip probes whose key is in `probes`
+    per group: rows, labels, splits (DuckDB) ──►  read the group's Zarr chunks
+                                                  train every probe (batched where it can)
+    record results in batches (one short     ◄──  small ProbeResult records
+    DuckDB transaction each: the only writer)     weights -> <workspace>/probes/<key>.safetensors
+
+A probe's key hashes everything that defines it (probes/plan.py), and lives in
+``probes.params->>'key'``; a re-run skips the keys already there, so a killed farm resumes
+where it stopped and never writes a probe twice (rows are also keyed by the table's primary
+key). A worker that dies takes only its in-flight group with it; Dask runs that group again
+elsewhere, and its results reach the manifest once, because only completed groups are
+recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from probes.errors import ProbeError
+from probes.kinds import get_kind
+from probes.plan import ArrayRow, Group, Plan, ProbeTask, expand, group_tasks
+from probes.splits import Fold, column_fold, hash_fold
+from probes.targets import SampleInfo, TargetValues, get_target, token_grid
+from probes.worker import GroupJob, GroupResult, run_group
+from store import ProbeResult, Workspace
+from store.errors import ManifestBusyError, StoreError
+
+ENV_SCHEDULER = "DASK_SCHEDULER_ADDRESS"
+
+
+@dataclass
+class FarmReport:
+    """What a farm run did. ``seconds`` is the training phase (cluster start excluded)."""
+
+    plan: str
+    workspace: str
+    tasks: int = 0
+    skipped: int = 0
+    empty: int = 0
+    trained: int = 0
+    failed: int = 0
+    groups: int = 0
+    workers: int = 0
+    seconds: float = 0.0
+    startup_seconds: float = 0.0
+    flops: float = 0.0
+    dashboard: str | None = None
+    failures: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def probes_per_s(self) -> float:
+        return self.trained / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def gflops_per_s(self) -> float:
+        return self.flops / self.seconds / 1e9 if self.seconds > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------- manifest side
+
+
+def open_workspace(data: str | os.PathLike[str] | None) -> Workspace:
+    return Workspace.open(data, readonly=True)
+
+
+def plan_tasks(plan: Plan, ws: Workspace) -> list[ProbeTask]:
+    arrays = [ArrayRow(a.run, a.tap, a.layer, a.site, a.tokens, a.layout) for a in ws.arrays()]
+    if not arrays:
+        raise ProbeError(f"the workspace {ws.path} holds no arrays yet: run an extraction first (python -m extract MANIFEST)")
+    return expand(plan, arrays)
+
+
+def done_keys(ws: Workspace, runs: Sequence[str]) -> set[str]:
+    """Keys of probes already in the manifest (params->>'key'; see the report for a column)."""
+    if not runs:
+        return set()
+    marks = ", ".join("?" for _ in runs)
+    rows = ws.rows(f"SELECT params->>'key' FROM probes WHERE run IN ({marks}) AND params->>'key' IS NOT NULL", list(runs))
+    return {r[0] for r in rows}
+
+
+class _Preparer:
+    """Builds GroupJobs; caches what layers of the same rows share (samples, labels, splits)."""
+
+    def __init__(self, ws: Workspace, plan: Plan) -> None:
+        self.ws, self.plan = ws, plan
+        self._samples: dict[tuple[str, str | None], tuple[np.ndarray, list[SampleInfo]]] = {}
+        self._targets: dict[tuple[Any, ...], TargetValues] = {}
+        self._folds: dict[tuple[Any, ...], Fold] = {}
+        self._masks: dict[tuple[Any, ...], np.ndarray] = {}
+        self._committed: dict[str, dict[str, set[int]]] = {}
+        self._arrays: dict[str, dict[tuple[str, int, str, str], Any]] = {}
+
+    def samples(self, run: str, where: str | None) -> tuple[np.ndarray, list[SampleInfo]]:
+        key = (run, where)
+        if key not in self._samples:
+            sql = ("SELECT array_row, stimulus, family, split, truth, params, grid_h, grid_w FROM v_samples"
+                   " WHERE run = ?" + (f" AND ({where})" if where else "") + " ORDER BY array_row")
+            try:
+                got = self.ws.rows(sql, [run])
+            except Exception as err:
+                raise ProbeError(f"where {where!r} is not valid SQL over v_samples ({err}); columns: family, split,"
+                                 " truth, params (JSON: truth->>'count'), grid_h, correct, ...") from None
+            rows = np.array([g[0] for g in got], dtype=np.int64)
+            infos = [SampleInfo(g[1], g[2], g[3], json.loads(g[4]) if g[4] else {}, json.loads(g[5]) if g[5] else {},
+                                g[6], g[7]) for g in got]
+            self._samples[key] = (rows, infos)
+        return self._samples[key]
+
+    def target(self, run: str, where: str | None, name: str, n_tokens: int | None) -> TargetValues:
+        key = (run, where, name, n_tokens)
+        if key not in self._targets:
+            _, infos = self.samples(run, where)
+            self._targets[key] = get_target(name)(infos, n_tokens)
+        return self._targets[key]
+
+    def fold(self, run: str, where: str | None, task: ProbeTask) -> Fold:
+        key = (run, where, task.fold_id)
+        if key not in self._folds:
+            rows, infos = self.samples(run, where)
+            if task.split == "hash":
+                fold = hash_fold([i.stimulus for i in infos], task.seed, task.test_fraction)
+            else:
+                fold = column_fold([i.split for i in infos], task.seed)
+            if task.train_where:
+                fold = fold.restrict_train(self.train_mask(run, where, task.train_where))
+                if not fold.train.any():
+                    raise ProbeError(f"run {run}: train_where {task.train_where!r} leaves no training rows")
+            self._folds[key] = fold
+        return self._folds[key]
+
+    def train_mask(self, run: str, where: str | None, train_where: str) -> np.ndarray:
+        key = (run, where, train_where)
+        if key not in self._masks:
+            rows, _ = self.samples(run, where)
+            combined = f"({where}) AND ({train_where})" if where else train_where
+            try:
+                keep = self.ws.select(run, combined).rows
+            except StoreError as err:
+                raise ProbeError(f"train_where {train_where!r}: {err}") from None
+            self._masks[key] = np.isin(rows, keep)
+        return self._masks[key]
+
+    def committed(self, run: str) -> dict[str, set[int]]:
+        if run not in self._committed:
+            got: dict[str, set[int]] = {}
+            for path, chunk in self.ws.rows("SELECT zarr_path, chunk FROM chunks WHERE run = ?", [run]):
+                got.setdefault(path, set()).add(int(chunk))
+            self._committed[run] = got
+        return self._committed[run]
+
+    def array(self, run: str, tap: str, layer: int, site: str, tokens: str) -> Any:
+        if run not in self._arrays:  # one manifest read per run, not one per layer
+            self._arrays[run] = {(a.tap, a.layer, a.site, a.tokens): a for a in self.ws.arrays(run)}
+        got = self._arrays[run].get((tap, layer, site, tokens))
+        return got if got is not None else self.ws.array_info(run, tap, layer, site, tokens)  # raises, listing what exists
+
+    def job(self, group: Group) -> GroupJob:
+        rows, infos = self.samples(group.run, group.where)
+        arrays = [self.array(group.run, group.tap, layer, group.site, group.tokens) for layer in group.layers]
+        for info in arrays:
+            need = set(np.unique(rows // info.chunk_samples).tolist())
+            missing = need - self.committed(group.run).get(info.zarr_path, set())
+            if missing:
+                raise ProbeError(
+                    f"{info.key()}: {len(missing)} chunk(s) holding selected rows are not committed (first {sorted(missing)[:3]});"
+                    " the extraction is still running or was interrupted: finish it, or narrow where:"
+                )
+        first = arrays[0]
+        n_tokens = first.shape[1] if first.layout == "dense" and len(first.shape) >= 3 else None
+        targets = {t.target: self.target(group.run, group.where, t.target, n_tokens) for t in group.tasks}
+        folds = {t.fold_id: self.fold(group.run, group.where, t) for t in group.tasks}
+        kinds = {t.kind: get_kind(t.kind) for t in group.tasks}
+        grid = None
+        if n_tokens and any(k.uses_grid for k in kinds.values()):
+            grids = {token_grid(i, n_tokens) for i in {(i.grid_h, i.grid_w): i for i in infos}.values()}
+            grid = grids.pop() if len(grids) == 1 else None
+        return GroupJob(workspace=str(self.ws.path), group=group.key, arrays=arrays, rows=rows, tasks=group.tasks,
+                        kinds=kinds, targets=targets, folds=folds, grid=grid, plan=self.plan.name)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+class _Recorder:
+    """Buffers results and writes them in short transactions (DuckDB has one writer: us)."""
+
+    def __init__(self, ws: Workspace, every: float, size: int, on_record: Callable[[list[ProbeResult]], None] | None):
+        self.ws, self.every, self.size, self.on_record = ws, every, size, on_record
+        self.buffer: list[ProbeResult] = []
+        self.last = time.monotonic()
+        self.written = 0
+
+    def add(self, records: list[ProbeResult]) -> None:
+        self.buffer.extend(records)
+        if len(self.buffer) >= self.size or time.monotonic() - self.last >= self.every:
+            self.flush(final=False)
+
+    def flush(self, final: bool = True) -> None:
+        if not self.buffer:
+            return
+        try:
+            self.ws.record_probes(self.buffer)
+        except ManifestBusyError:
+            if final:
+                raise
+            return  # someone holds the manifest; keep the buffer and try at the next result
+        if self.on_record is not None:
+            self.on_record(list(self.buffer))
+        self.written += len(self.buffer)
+        self.buffer = []
+        self.last = time.monotonic()
+
+
+def run_plan(
+    plan: Plan,
+    data: str | os.PathLike[str] | None = None,
+    *,
+    scheduler: str | None = None,
+    workers: int | None = None,
+    in_process: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    flush_every: float = 2.0,
+    flush_size: int = 500,
+    window: int | None = None,
+    log: Callable[[str], None] | None = None,
+    on_record: Callable[[list[ProbeResult]], None] | None = None,
+) -> FarmReport:
+    """Train every probe of ``plan`` not yet in the workspace's ``probes`` table.
+
+    ``scheduler``: a Dask scheduler address (default: $DASK_SCHEDULER_ADDRESS, else a new
+    LocalCluster of ``workers`` processes with one thread each). ``in_process`` runs the groups
+    here, one after another, without Dask (tests, debugging). ``force`` retrains done probes.
+    """
+    log = log or (lambda s: print(s, file=sys.stderr))
+    ws = open_workspace(data)
+    report = FarmReport(plan=plan.name, workspace=str(ws.path))
+    tasks = plan_tasks(plan, ws)
+    report.tasks = len(tasks)
+    done = set() if force else done_keys(ws, sorted({t.run for t in tasks}))
+    todo = [t for t in tasks if t.key not in done]
+    report.skipped = len(tasks) - len(todo)
+    groups = group_tasks(todo, plan.layers_per_task)
+    report.groups = len(groups)
+    if not todo:
+        log(f"plan {plan.name}: all {len(tasks)} probes are already in {ws.manifest_path.name}; nothing to train")
+        return report
+    prep = _Preparer(ws, plan)
+    jobs = []
+    for g in groups:  # every manifest read happens here, before any training
+        if len(prep.samples(g.run, g.where)[0]) == 0:
+            report.empty += len(g.tasks)  # e.g. runs: all with a where that fits only some runs
+            continue
+        jobs.append(prep.job(g))
+    if report.empty:
+        empty = sorted({(g.run, g.where) for g in groups if len(prep.samples(g.run, g.where)[0]) == 0})
+        log(f"plan {plan.name}: {report.empty} probes skipped, their where selects no samples in: "
+            + "; ".join(f"{r} ({w})" for r, w in empty))
+        if not jobs and not report.skipped:
+            raise ProbeError(f"plan {plan.name}: no probe has samples to train on; check the where: filters")
+    if not jobs:
+        log(f"plan {plan.name}: nothing left to train ({report.skipped} done)")
+        return report
+    n_todo = sum(len(j.tasks) for j in jobs)
+    log(f"plan {plan.name}: {n_todo} probes to train in {len(jobs)} groups ({report.skipped} already done)")
+    recorder = _Recorder(ws, flush_every, flush_size, on_record)
+    bar = _progress(n_todo, progress)
+
+    def take(res: GroupResult) -> None:
+        recorder.add(res.records)
+        report.trained += len(res.records)
+        report.flops += res.flops
+        report.failed += len(res.failures)
+        report.failures += res.failures
+        bar.update(len(res.records) + len(res.failures))
+
+    def lost(job: GroupJob, err: BaseException) -> None:
+        msg = f"{type(err).__name__}: {err}"
+        report.failed += len(job.tasks)
+        report.failures += [(t.key, msg) for t in job.tasks]
+        bar.update(len(job.tasks))
+
+    try:
+        if in_process:
+            report.workers = 1
+            t0 = time.perf_counter()
+            for job in jobs:
+                try:
+                    take(run_group(job))
+                except Exception as err:
+                    lost(job, err)
+            report.seconds = time.perf_counter() - t0
+        else:
+            _run_dask(jobs, report, take, lost, scheduler or os.environ.get(ENV_SCHEDULER) or None, workers, window, log,
+                      plan.plugins)
+    finally:
+        bar.close()
+        recorder.flush()
+    log(f"plan {plan.name}: trained {report.trained} probes in {report.seconds:.1f} s ({report.probes_per_s:.1f} probes/s)"
+        f" on {report.workers} worker(s); {report.failed} failed; {report.skipped} skipped as done")
+    for key, msg in report.failures[:5]:
+        log(f"  failed {key}: {msg.splitlines()[0]}")
+    return report
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="probe", disable=not enabled, file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+
+
+def _run_dask(jobs: list[GroupJob], report: FarmReport, take: Callable[[GroupResult], None],
+              lost: Callable[[GroupJob, BaseException], None], scheduler: str | None, workers: int | None,
+              window: int | None, log: Callable[[str], None], plugins: Sequence[str] = ()) -> None:
+    import logging
+
+    from dask.distributed import Client, LocalCluster, as_completed
+
+    started = time.perf_counter()
+    cluster = None
+    if scheduler:
+        client = Client(scheduler, timeout="30s")
+        report.workers = len(client.scheduler_info().get("workers", {}))
+        if report.workers == 0:
+            client.wait_for_workers(1, timeout=60)
+            report.workers = len(client.scheduler_info().get("workers", {}))
+    else:
+        n = workers or max(1, min(os.cpu_count() or 1, len(jobs)))
+        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0",
+                               silence_logs=logging.ERROR)
+        client = Client(cluster)
+        report.workers = n
+    report.dashboard = client.dashboard_link
+    client.run(warm_worker, list(plugins))  # imports and first-call costs belong to start-up, not to the probes
+    report.startup_seconds = time.perf_counter() - started
+    log(f"dask: {report.workers} worker(s) at {client.scheduler.address}; dashboard {report.dashboard}"
+        + ("" if _has_bokeh() else " (pip install bokeh for its plots)"))
+    t0 = time.perf_counter()
+    try:
+        # A bounded window keeps only a few groups' labels in the scheduler's memory at a time;
+        # three per worker keeps every worker busy while the next one queues.
+        limit = window or max(3 * max(report.workers, 1), 4)
+        pending = iter(jobs)
+        by_key: dict[str, GroupJob] = {}
+        ac = as_completed()
+
+        def submit_next() -> bool:
+            job = next(pending, None)
+            if job is None:
+                return False
+            fut = client.submit(run_group, job, key=f"probes-{job.group}", pure=False, retries=1)
+            by_key[fut.key] = job
+            ac.add(fut)
+            return True
+
+        for _ in range(limit):
+            if not submit_next():
+                break
+        for fut in ac:
+            job = by_key.pop(fut.key)
+            try:
+                take(fut.result())
+            except Exception as err:
+                lost(job, err)
+            fut.release()
+            submit_next()
+    finally:
+        report.seconds = time.perf_counter() - t0
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def warm_worker(plugins: Sequence[str] = ()) -> bool:
+    """Import the kinds, the reader and the plan's plugins and run one tiny batched fit, so a
+    worker's first group runs warm (imports cost seconds on a busy 2-core machine)."""
+    import importlib
+
+    import torch
+    import zarr  # noqa: F401
+
+    import probes.kinds  # noqa: F401
+    import store.reader  # noqa: F401
+    from probes.logreg import fit_logistic
+    from probes.worker import tune_malloc
+
+    tune_malloc()
+    for name in plugins:
+        importlib.import_module(name)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fit_logistic(torch.randn(1, 8, 2), np.array([[0], [1]] * 4), [2], max_iter=2)
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
+def _has_bokeh() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bokeh") is not None
+
+
+def load_probe(data: str | os.PathLike[str] | None, key: str) -> Any:
+    """The fitted probe saved for ``key`` (see the ``artifact`` column)."""
+    from probes.kinds.base import Probe
+
+    return Probe.load(Path(open_workspace(data).path) / "probes" / f"{key}.safetensors")

@@ -1,0 +1,133 @@
+"""Shared pieces of the small neural probes (conv_spatial, detect): the optimisation loop with
+the papers' schedule, feature standardisation, and module <-> safetensors state."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from probes.errors import ProbeError
+
+
+@dataclass
+class TrainInfo:
+    iters: int = 0
+    best_iter: int = 0
+    best_valid: float | None = None
+    stopped_early: bool = False
+    final_loss: float = float("nan")
+
+
+def warmup_cosine(total: int, warmup: float, floor: float = 0.0) -> Callable[[int], float]:
+    """Linear warmup over ``warmup`` of the steps, then cosine from 1 down to ``floor``."""
+    w = int(round(total * warmup))
+
+    def factor(step: int) -> float:
+        if w and step < w:
+            return (step + 1) / w
+        t = (step - w) / max(total - w, 1)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+    return factor
+
+
+def train(
+    model: torch.nn.Module,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    n: int,
+    *,
+    iters: int,
+    batch_size: int,
+    lr: float,
+    weight_decay: float,
+    warmup: float,
+    clip: float,
+    seed: int,
+    floor: float = 0.0,
+    valid: Callable[[], float] | None = None,
+    eval_every: int | None = None,
+    patience: int = 3,
+) -> TrainInfo:
+    """AdamW over shuffled mini-batches of sample indices; ``loss_of(idx)`` gives the batch loss.
+
+    With ``valid`` and ``eval_every`` the best-scoring weights (higher is better) are kept and
+    training stops after ``patience`` evaluations without improvement (the G2M recipe)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(iters, warmup, floor))
+    info = TrainInfo()
+    best_state: dict[str, torch.Tensor] | None = None
+    bad = 0
+    order = torch.randperm(n, generator=gen)
+    pos = 0
+    model.train()
+    for step in range(iters):
+        if pos + min(batch_size, n) > n:
+            order, pos = torch.randperm(n, generator=gen), 0
+        idx = order[pos : pos + batch_size]
+        pos += batch_size
+        loss = loss_of(idx)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        sched.step()
+        info.iters = step + 1
+        info.final_loss = float(loss.detach())
+        if valid is not None and eval_every and (step + 1) % eval_every == 0:
+            model.eval()
+            with torch.no_grad():
+                score = valid()
+            model.train()
+            if info.best_valid is None or score > info.best_valid:
+                info.best_valid, info.best_iter, bad = score, step + 1, 0
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            else:
+                bad += 1
+                if bad >= patience:
+                    info.stopped_early = True
+                    break
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    model.eval()
+    return info
+
+
+def stats(X: np.ndarray, standardize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean / std over all samples and tokens of X [n, T, d]."""
+    d = X.shape[-1]
+    if not standardize:
+        return np.zeros(d, np.float32), np.ones(d, np.float32)
+    flat = X.reshape(-1, d).astype(np.float64)
+    mean, std = flat.mean(0), flat.std(0)
+    std[std < 1e-8] = 1.0
+    return mean.astype(np.float32), std.astype(np.float32)
+
+
+def module_state(model: torch.nn.Module, prefix: str = "net.") -> dict[str, np.ndarray]:
+    return {prefix + k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def load_module_state(model: torch.nn.Module, tensors: dict[str, Any], prefix: str = "net.") -> None:
+    state = {k[len(prefix):]: torch.from_numpy(np.array(v)) for k, v in tensors.items() if k.startswith(prefix)}
+    model.load_state_dict(state)
+    model.eval()
+
+
+def grid_of(n_tokens: int, grid: tuple[int, int] | None, kind: str) -> tuple[int, int]:
+    if grid is not None:
+        h, w = int(grid[0]), int(grid[1])
+        if h * w != n_tokens:
+            raise ProbeError(f"{kind}: grid {h}x{w} does not hold the array's {n_tokens} tokens")
+        return h, w
+    r = math.isqrt(n_tokens)
+    if r * r != n_tokens:
+        raise ProbeError(f"{kind}: {n_tokens} tokens are not a square grid; pass grid: [h, w] (the farm passes the manifest's)")
+    return r, r

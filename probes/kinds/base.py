@@ -1,0 +1,224 @@
+"""The surface every probe kind shares, and the registry that finds kinds by name.
+
+A kind is a small class: ``fit(X, y)``, ``predict(X)``, ``score(X, y)``, ``save(path)``,
+``load(path)``, with its hyper-parameters as a pydantic model (unknown keys are refused, so a
+typo in a plan fails before any training). ``X`` is the array the store returns for one
+(run, tap, layer, site, tokens): ``[n, T, d]`` (or :class:`store.Ragged` where a kind says so);
+``y`` has the shape of the target (see ``probes.targets``).
+
+The farm calls the classmethod :meth:`Probe.evaluate` with every job of one kind that shares
+the same features; the default fits them one by one, and kinds that can batch (linear,
+pooled, hidden_number) override it. Register a kind with ``@register_kind("name")``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from probes import artifacts
+from probes.errors import ProbeError, did_you_mean
+from probes.splits import Fold, control_permutation
+from probes.targets import Shape, TargetValues
+
+
+class ProbeParams(BaseModel):
+    """Hyper-parameters of a kind; subclasses add fields with defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One probe to train and score on a group's features (rows = the group's selection)."""
+
+    key: str
+    target: TargetValues
+    fold: Fold
+    params: dict[str, Any] = field(default_factory=dict)
+    control: bool = True
+    grid: tuple[int, int] | None = None
+
+
+@dataclass
+class Outcome:
+    """What one probe scored; ``probe`` is the fitted model (saved by the farm)."""
+
+    metric: str
+    score: float
+    control_score: float | None
+    n_train: int
+    n_test: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+    probe: Probe | None = None
+    flops: float = 0.0
+
+
+KINDS: dict[str, type[Probe]] = {}
+P = TypeVar("P", bound="type[Probe]")
+
+
+def register_kind(name: str) -> Callable[[P], P]:
+    """Class decorator: make a :class:`Probe` subclass available to plans as ``name``."""
+
+    def deco(cls: P) -> P:
+        if not (isinstance(cls, type) and issubclass(cls, Probe)):
+            raise TypeError(f"@register_kind({name!r}) decorates a Probe subclass, got {cls!r}")
+        if not cls.accepts:
+            raise TypeError(f"kind {name!r}: set accepts = ('token' | 'sample' | 'grid' | 'boxes', ...)")
+        cls.name = name
+        KINDS[name] = cls
+        return cls
+
+    return deco
+
+
+def get_kind(name: str) -> type[Probe]:
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ProbeError(f"unknown probe kind {name!r}{did_you_mean(name, KINDS)}") from None
+
+
+def take(X: Any, index: np.ndarray) -> Any:
+    """Rows ``index`` (bool mask or ints) of a dense array or a Ragged."""
+    from store import Ragged
+
+    if isinstance(X, Ragged):
+        idx = np.flatnonzero(index) if index.dtype == bool else index
+        pieces = [X[int(i)] for i in idx]
+        lengths = np.array([len(p) for p in pieces], dtype=np.int64)
+        values = np.concatenate(pieces) if pieces else X.values[:0]
+        return Ragged(values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    return X[index]
+
+
+class Probe:
+    """Base class of probe kinds (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[ProbeParams]] = ProbeParams
+    #: target shapes the kind can learn
+    accepts: ClassVar[tuple[Shape, ...]] = ()
+    metric: ClassVar[str] = "accuracy"
+    #: the farm passes the image-token grid (h, w) as the ``grid`` parameter when it is unset
+    uses_grid: ClassVar[bool] = False
+    #: reads store.Ragged arrays (variable tokens per sample), not only dense [n, T, d]
+    accepts_ragged: ClassVar[bool] = False
+
+    def __init__(self, *, random_state: int = 0, **params: Any) -> None:
+        self.params = self.check_params(params)
+        self.random_state = int(random_state)
+        self.state_: dict[str, np.ndarray] = {}
+        self.meta_: dict[str, Any] = {}
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> Any:
+        try:
+            return cls.Params(**params)
+        except ValidationError as err:
+            lines = []
+            for e in err.errors():
+                where = ".".join(str(p) for p in e["loc"]) or "(params)"
+                if e["type"] == "extra_forbidden":
+                    lines.append(f"unknown parameter {where!r}{did_you_mean(str(e['loc'][-1]), cls.Params.model_fields)}")
+                else:
+                    lines.append(f"{where}: {e['msg']} (got {e.get('input')!r})")
+            raise ProbeError(f"kind {cls.name or cls.__name__} parameters: " + "; ".join(lines)) from None
+
+    def __repr__(self) -> str:
+        given = {k: v for k, v in self.params.model_dump().items() if v != self.Params.model_fields[k].default}
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in given.items())})"
+
+    # ------------------------------------------------------------------ the sklearn-like surface
+
+    def fit(self, X: Any, y: Any) -> Probe:
+        raise NotImplementedError
+
+    def predict(self, X: Any) -> Any:
+        raise NotImplementedError
+
+    def score(self, X: Any, y: Any) -> float:
+        raise NotImplementedError
+
+    def metrics(self, X: Any, y: Any) -> dict[str, Any]:
+        """Extra numbers beside the score (recorded in the probe's params)."""
+        return {}
+
+    # ------------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return dict(self.state_)
+
+    def load_state(self, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        self.state_ = dict(tensors)
+        self.meta_ = dict(meta)
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        meta = {"kind": self.name, "params": self.params.model_dump(mode="json"), "random_state": self.random_state,
+                "meta": self.meta_, **(extra or {})}
+        return artifacts.save(path, self.state_dict(), meta)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Probe:
+        """Rebuild a saved probe (the kind comes from the file; import plugin kinds first)."""
+        tensors, meta = artifacts.load(path)
+        kind = get_kind(meta["kind"]) if cls is Probe else cls
+        if cls is not Probe and meta.get("kind") != cls.name:
+            raise ProbeError(f"{path} holds a {meta.get('kind')!r} probe, not {cls.name!r}: load it with Probe.load")
+        probe = kind(random_state=meta.get("random_state", 0), **meta.get("params", {}))
+        probe.load_state(tensors, meta.get("meta", {}))
+        return probe
+
+    # ------------------------------------------------------------------ the farm's entry point
+
+    @classmethod
+    def build(cls, job: Job, seed: int) -> Probe:
+        params = dict(job.params)
+        if cls.uses_grid and params.get("grid") is None and job.grid is not None:
+            params["grid"] = tuple(job.grid)
+        return cls(random_state=seed, **params)
+
+    @classmethod
+    def evaluate(cls, Xs: list[Any], jobs: list[Job]) -> list[list[Outcome]]:
+        """Outcomes [feature set][job]: fit each job on its fold's train rows, score on its test
+        rows; the control is the same probe on labels shuffled across samples."""
+        out: list[list[Outcome]] = []
+        for X in Xs:
+            row: list[Outcome] = []
+            for job in jobs:
+                row.append(cls.evaluate_one(X, job))
+            out.append(row)
+        return out
+
+    @classmethod
+    def evaluate_one(cls, X: Any, job: Job) -> Outcome:
+        fold = job.fold
+        y = _wide(job.target.values)
+        train = fold.train & job.target.labelled()
+        test = fold.test & job.target.labelled()
+        probe = cls.build(job, fold.seed).fit(take(X, train), y[train])
+        score = float(probe.score(take(X, test), y[test]))
+        metrics = probe.metrics(take(X, test), y[test])
+        control = None
+        if job.control:
+            yc = job.target.permuted(control_permutation(len(y), fold.seed))
+            ctr, cte = fold.train & yc.labelled(), fold.test & yc.labelled()
+            ctrl = cls.build(job, fold.seed).fit(take(X, ctr), _wide(yc.values)[ctr])
+            control = float(ctrl.score(take(X, cte), _wide(yc.values)[cte]))
+        return Outcome(cls.metric, score, control, int(train.sum()), int(test.sum()), metrics, probe)
+
+
+def _wide(y: np.ndarray) -> np.ndarray:
+    # Labels travel as int8/int16; a kind's fit/score gets plain int64 codes.
+    return y.astype(np.int64) if y.dtype.kind == "i" else y
+
+
+def params_json(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, default=str)

@@ -1,0 +1,158 @@
+"""``pooled``: one vector per sample (mean / max / first / last token) -> a per-sample target:
+a count as classes or as a number (ridge), a relation, equal / not equal.
+
+Classification goes through the same batched logistic regression as ``linear``; regression is
+closed-form ridge (``sklearn.linear_model.Ridge(alpha)`` on standardised features), scored by R^2.
+Works on dense ``[n, T, d]`` arrays and on ragged ones (e.g. the answer tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from probes.errors import ProbeError
+from probes.kinds.base import Job, Outcome, register_kind
+from probes.kinds.linear import LinearParams, LinearProbe, _as_float, _stats, evaluate_batched
+from probes.logreg import fit_ridge
+from probes.splits import control_permutation
+
+
+class PooledParams(LinearParams):
+    pool: Literal["mean", "max", "first", "last"] = Field("mean", description="how tokens become one vector")
+    task: Literal["auto", "classify", "regress"] = Field(
+        "auto", description="auto: classes unless the target's values are non-integer numbers")
+    alpha: float = Field(1.0, gt=0, description="ridge strength when regressing")
+
+
+def pool(X: Any, how: str) -> np.ndarray:
+    """[n, T, d] or Ragged -> [n, d] float32."""
+    if hasattr(X, "offsets"):  # store.Ragged: variable rows per sample
+        vals, offs = np.asarray(X.values, dtype=np.float32), np.asarray(X.offsets)
+        lengths = np.diff(offs)
+        if (lengths == 0).any():
+            raise ProbeError(f"{int((lengths == 0).sum())} samples have no tokens in this ragged array: select them out with where:")
+        if how == "mean":
+            return _as_float(np.add.reduceat(vals, offs[:-1], axis=0) / lengths[:, None])
+        if how == "max":
+            return _as_float(np.maximum.reduceat(vals, offs[:-1], axis=0))
+        return _as_float(vals[offs[:-1]] if how == "first" else vals[offs[1:] - 1])
+    X = np.asarray(X)
+    if X.ndim == 2:
+        return _as_float(X)
+    if X.ndim != 3:
+        raise ProbeError(f"pooled reads X [n, T, d] or a Ragged array, got shape {X.shape}")
+    if how == "mean":
+        return _as_float(X.mean(1, dtype=np.float32))  # float32 accumulate: fp16 sums overflow
+    if how == "max":
+        return _as_float(X.max(1))
+    return _as_float(X[:, 0] if how == "first" else X[:, -1])
+
+
+def _regress(params: Any, y: np.ndarray | None, numeric: np.ndarray | None) -> bool:
+    if params.task != "auto":
+        return params.task == "regress"
+    vals = numeric if numeric is not None else (y if y is not None and np.asarray(y).dtype.kind == "f" else None)
+    if vals is None:
+        return False
+    v = np.asarray(vals, dtype=np.float64)
+    v = v[~np.isnan(v)]
+    return bool(len(v) and not np.all(v == np.round(v)))
+
+
+@register_kind("pooled")
+class PooledProbe(LinearProbe):
+    """Pooled vector -> target: ``X [n, T, d]`` (or Ragged), ``y [n]`` codes or numbers."""
+
+    Params = PooledParams
+    accepts = ("sample",)
+    accepts_ragged = True
+
+    @classmethod
+    def sample_rows(cls, X: Any, params: Any) -> np.ndarray:
+        return pool(X, params.pool)[:, None, :]
+
+    @classmethod
+    def sample_labels(cls, y: np.ndarray, n_rows: int) -> np.ndarray:
+        y = np.asarray(y)
+        if y.ndim != 1:
+            raise ProbeError(f"pooled needs one label per sample, y [n]; got shape {y.shape} (use linear for per-token targets)")
+        return y.astype(np.int64)[:, None]
+
+    @property
+    def regressor(self) -> bool:
+        return bool(self.meta_.get("task") == "regress")
+
+    def fit(self, X: Any, y: Any) -> PooledProbe:
+        y = np.asarray(y)
+        if not _regress(self.params, y, None):
+            super().fit(X, y)
+            self.meta_["task"] = "classify"
+            return self
+        F = self.sample_rows(X, self.params)
+        self._fit_ridge(torch.from_numpy(F[:, 0][None]), [y.astype(np.float64)], 0, 0)
+        return self
+
+    def _fit_ridge(self, Xtr: torch.Tensor, ys: list[np.ndarray], g: int, col: int) -> tuple[Any, Any, Any, Any]:
+        mean, scale = _stats(Xtr, self.params.standardize)
+        W, B = fit_ridge((Xtr - mean) / scale, np.stack(ys, 1), alpha=self.params.alpha)
+        self.state_ = {"mean": mean[g, 0].numpy(), "scale": scale[g, 0].numpy(), "coef": W[g, :, col].numpy()[None],
+                       "intercept": B[g, col].numpy()[None], "classes": np.zeros(0, np.int64)}
+        self.meta_ = {"task": "regress"}
+        return mean, scale, W, B
+
+    def predict(self, X: Any) -> np.ndarray:
+        if not self.regressor:
+            return super().predict(X)[:, 0]
+        F = self.sample_rows(X, self.params)[:, 0]
+        s = self.state_
+        return ((F - s["mean"]) / s["scale"]) @ s["coef"][0] + s["intercept"][0]
+
+    def score(self, X: Any, y: Any) -> float:
+        if not self.regressor:
+            return super().score(X, y)
+        return r2(np.asarray(y, dtype=np.float64), self.predict(X))
+
+    @classmethod
+    def evaluate(cls, Xs: list[Any], jobs: list[Job]) -> list[list[Outcome]]:
+        regress = [_regress(cls.check_params(j.params), None, j.target.numeric) or j.target.classes is None for j in jobs]
+        out: list[list[Outcome | None]] = [[None] * len(jobs) for _ in Xs]
+        classify = [j for j, r in enumerate(regress) if not r]
+        if classify:
+            got = evaluate_batched(cls, Xs, [jobs[j] for j in classify])
+            for g in range(len(Xs)):
+                for k, j in enumerate(classify):
+                    out[g][j] = got[g][k]
+        for j in (j for j, r in enumerate(regress) if r):
+            for g, X in enumerate(Xs):
+                out[g][j] = cls._evaluate_regression(X, jobs[j])
+        return out  # type: ignore[return-value]
+
+    @classmethod
+    def _evaluate_regression(cls, X: Any, job: Job) -> Outcome:
+        params = cls.check_params(job.params)
+        F = cls.sample_rows(X, params)[:, 0]
+        y = job.target.as_numeric()
+        fold = job.fold
+        ys = [y] + ([y[control_permutation(len(y), fold.seed)]] if job.control else [])
+        tr = fold.train & ~np.isnan(y)
+        te = fold.test & ~np.isnan(y)
+        probe = cls.build(job, fold.seed)
+        Xtr = torch.from_numpy(F[fold.train][None])
+        mean, scale, W, B = probe._fit_ridge(Xtr, [v[fold.train] for v in ys], 0, 0)
+        Xte = ((torch.from_numpy(F[fold.test][None]) - mean) / scale)[0]
+        preds = (Xte @ W[0] + B[0]).numpy()                                  # [m, 1 or 2]
+        scores = [r2(v[fold.test], preds[:, c]) for c, v in enumerate(ys)]
+        mae = float(np.nanmean(np.abs(preds[:, 0] - y[fold.test])))
+        return Outcome("r2", scores[0], scores[1] if job.control else None, int(tr.sum()), int(te.sum()),
+                       {"mae": mae, "task": "regress"}, probe)
+
+
+def r2(y: np.ndarray, pred: np.ndarray) -> float:
+    ok = ~np.isnan(y)
+    y, pred = y[ok], pred[ok]
+    ss = float(((y - y.mean()) ** 2).sum())
+    return float(1.0 - ((y - pred) ** 2).sum() / ss) if ss > 0 else float("nan")

@@ -1,0 +1,433 @@
+"""Probe plans: one YAML file says which probes to train over which stored activations.
+
+```yaml
+name: go-counting                    # recorded with every probe (params.plan)
+plugins: [my_lab.probes]             # modules to import first (they register kinds / targets)
+layers_per_task: 1                   # layers packed into one Dask task (one batched solve)
+defaults:                            # apply to every entry unless it says otherwise
+  seeds: [0]
+  test_fraction: 0.2                 # hash split by stimulus key (probes/splits.py)
+  split: hash                        # or column: the stimuli's split column (train / test)
+  control: shuffle                   # or none
+  sites: [resid_post]
+  tokens: [image]
+probes:
+  - runs: all                        # or [run-a, run-b]
+    taps: [vision, llm]              # or all (every tap except attn)
+    layers: all                      # or 3, [0, 5, -1], '2-7' (inclusive)
+    where: "family = 'go'"           # SQL over v_samples: which samples
+    train_where: "(truth->>'count')::INT <= 49"   # optional: restricts training rows only
+    targets: [go.intersection]
+    kinds: {linear: {}, hidden_number: {per_board: 2}}   # or [linear, pooled]
+    params: {}                       # given to every kind of this entry
+    seeds: [0, 1]
+    tag: null                        # recorded as target#tag: tells apart entries that differ only in where/params
+```
+
+Validation happens in two steps, both before any training: the file itself (unknown keys,
+kinds, targets, kind parameters, kind/target shapes) and then against the workspace (runs,
+taps, layers, token arrays that exist, SQL that runs). Messages name the key, what was
+expected and what was found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from probes.errors import PlanError, ProbeError, did_you_mean
+from probes.kinds import get_kind
+from probes.targets import get_target
+
+#: Part of every probe key: bump when a change to the farm makes old results incomparable.
+KEY_VERSION = 1
+_NOT_FEATURE_TAPS = ("attn",)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Layers = Literal["all"] | int | list[int] | str
+
+
+def _listify(v: Any) -> Any:
+    return [v] if isinstance(v, (str, int)) and v != "all" else v
+
+
+class Defaults(_Strict):
+    seeds: list[int] = [0]
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    split: Literal["hash", "column"] = "hash"
+    control: Literal["shuffle", "none"] = "shuffle"
+    sites: list[str] = ["resid_post"]
+    tokens: list[str] = ["image"]
+
+    _lists = field_validator("seeds", "sites", "tokens", mode="before")(_listify)
+
+
+class Entry(_Strict):
+    runs: Literal["all"] | list[str] = "all"
+    taps: Literal["all"] | list[str] = "all"
+    layers: Layers = "all"
+    sites: Literal["all"] | list[str] | None = None
+    tokens: list[str] | None = None
+    where: str | None = None
+    train_where: str | None = None
+    targets: list[str]
+    kinds: dict[str, dict[str, Any]]
+    params: dict[str, Any] = {}
+    seeds: list[int] | None = None
+    test_fraction: float | None = Field(None, gt=0, lt=1)
+    split: Literal["hash", "column"] | None = None
+    control: Literal["shuffle", "none"] | None = None
+    tag: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+
+    _lists = field_validator("runs", "taps", "sites", "tokens", "targets", "seeds", mode="before")(_listify)
+
+    @field_validator("kinds", mode="before")
+    @classmethod
+    def _kinds(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return {v: {}}
+        if isinstance(v, list):
+            if not all(isinstance(k, str) for k in v):
+                raise ValueError("kinds is a list of names or a mapping name -> parameters")
+            return {k: {} for k in v}
+        if isinstance(v, dict):
+            return {k: (p or {}) for k, p in v.items()}
+        return v
+
+    @model_validator(mode="after")
+    def _nonempty(self) -> Entry:
+        if not self.targets:
+            raise ValueError("targets is empty: name at least one (e.g. go.intersection, truth:count)")
+        if not self.kinds:
+            raise ValueError("kinds is empty: name at least one (e.g. linear, pooled)")
+        return self
+
+
+class Plan(_Strict):
+    name: str = Field("probes", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    plugins: list[str] = []
+    layers_per_task: int = Field(1, ge=1, le=1024)
+    defaults: Defaults = Defaults()
+    probes: list[Entry] = Field(min_length=1)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Plan:
+        return load_plan(path)
+
+
+# ----------------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True)
+class ProbeTask:
+    """One probe of a plan, fully resolved; ``key`` identifies it across runs of the farm."""
+
+    run: str
+    tap: str
+    layer: int
+    site: str
+    tokens: str
+    target: str
+    kind: str
+    seed: int
+    params: dict[str, Any] = field(hash=False, compare=False)
+    where: str | None = None
+    train_where: str | None = None
+    split: str = "hash"
+    test_fraction: float = 0.2
+    control: str = "shuffle"
+    tag: str | None = None
+    key: str = field(default="", compare=False)
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            "v": KEY_VERSION, "run": self.run, "tap": self.tap, "layer": self.layer, "site": self.site,
+            "tokens": self.tokens, "target": self.target, "kind": self.kind, "seed": self.seed, "params": self.params,
+            "where": self.where, "train_where": self.train_where, "split": self.split,
+            "test_fraction": self.test_fraction if self.split == "hash" else None, "control": self.control,
+            "tag": self.tag,
+        }
+
+    @property
+    def record_target(self) -> str:
+        return self.target if self.tag is None else f"{self.target}#{self.tag}"
+
+    @property
+    def fold_id(self) -> str:
+        frac = self.test_fraction if self.split == "hash" else None
+        return f"{self.split}|{self.seed}|{frac}|{self.train_where or ''}"
+
+
+def task_key(identity: dict[str, Any]) -> str:
+    """Deterministic probe key: sha256 of the canonical JSON identity (24 hex digits)."""
+    blob = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _make_task(**kw: Any) -> ProbeTask:
+    t = ProbeTask(**kw)
+    return ProbeTask(**{**kw, "key": task_key(t.identity())})
+
+
+@dataclass
+class Group:
+    """Tasks that share features (run, tap, site, tokens, rows) over a few layers: one Dask task."""
+
+    run: str
+    tap: str
+    site: str
+    tokens: str
+    where: str | None
+    layers: list[int]
+    tasks: list[ProbeTask]
+
+    @property
+    def key(self) -> str:
+        return task_key({"g": [self.run, self.tap, self.site, self.tokens, self.where, self.layers],
+                         "t": sorted(t.key for t in self.tasks)})[:16]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def parse_plan(data: Any, source: str = "plan") -> Plan:
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: expected a YAML mapping at the top level (name, defaults, probes), got {type(data).__name__}")
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as err:
+        raise _friendly(err, source) from None
+    import_plugins(plan.plugins)
+    check_static(plan, source)
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(f"probe plan {path} does not exist: pass a YAML file, e.g. manifests/probes-demo.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise PlanError(f"{path} is not valid YAML: {err}") from None
+    return parse_plan(data, str(path))
+
+
+def import_plugins(modules: Sequence[str]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise PlanError(f"plugin {name!r} cannot be imported ({err}): it must be a module on PYTHONPATH that registers kinds/targets") from None
+
+
+def kind_params(entry: Entry, kind: str) -> dict[str, Any]:
+    """The kind's full parameter set (defaults filled in), validated."""
+    cls = get_kind(kind)
+    merged = {**entry.params, **entry.kinds[kind]}
+    return cls.check_params(merged).model_dump(mode="json")
+
+
+def check_static(plan: Plan, source: str = "plan") -> None:
+    problems: list[str] = []
+    for i, entry in enumerate(plan.probes):
+        where = f"probes.{i}"
+        for kind in entry.kinds:
+            try:
+                cls = get_kind(kind)
+                kind_params(entry, kind)
+            except ProbeError as err:
+                problems.append(f"  {where}.kinds.{kind}: {err}")
+                continue
+            for target in entry.targets:
+                try:
+                    spec = get_target(target)
+                except ProbeError as err:
+                    problems.append(f"  {where}.targets: {err}")
+                    continue
+                if spec.shape not in cls.accepts:
+                    fits = sorted(k for k, c in _kinds().items() if spec.shape in c.accepts)
+                    problems.append(
+                        f"  {where}: kind {kind} learns {'/'.join(cls.accepts)} targets; {target} is a {spec.shape} target."
+                        f" Kinds for {spec.shape} targets: {', '.join(fits)}"
+                    )
+    if problems:
+        raise PlanError(f"{source} is not a valid probe plan:\n" + "\n".join(dict.fromkeys(problems)))
+
+
+def _kinds() -> dict[str, Any]:
+    from probes.kinds import KINDS
+
+    return KINDS
+
+
+def _friendly(err: ValidationError, source: str) -> PlanError:
+    lines = []
+    for e in err.errors():
+        loc = [p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            key = str(loc[-1])
+            parent = _fields_at(loc[:-1])
+            lines.append(f"  {where}: unknown key {key!r}{did_you_mean(key, parent)}")
+        elif e["type"] == "missing":
+            lines.append(f"  {where}: required key is missing")
+        else:
+            lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})")
+    return PlanError(f"{source} is not a valid probe plan:\n" + "\n".join(dict.fromkeys(lines)))
+
+
+def _fields_at(loc: Sequence[Any]) -> list[str]:
+    model: type[BaseModel] = Plan
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if part not in model.model_fields:
+            return []
+        ann = model.model_fields[part].annotation
+        inner = [a for a in _flat_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)
+
+
+def _flat_args(ann: Any) -> list[Any]:
+    args = getattr(ann, "__args__", None)
+    if not args:
+        return [ann]
+    return [x for a in args for x in _flat_args(a)]
+
+
+# ----------------------------------------------------------------------------- expansion
+
+
+@dataclass(frozen=True)
+class ArrayRow:
+    run: str
+    tap: str
+    layer: int
+    site: str
+    tokens: str
+    layout: str
+
+
+def resolve_layers(spec: Layers, available: list[int], what: str) -> list[int]:
+    """'all' | int | [ints] | 'a-b' against the layers a tap stored; negatives count from the end."""
+    if spec == "all":
+        return list(available)
+    if isinstance(spec, str):
+        m = re.fullmatch(r"\s*(-?\d+)\s*-\s*(-?\d+)\s*", spec)
+        if not m:
+            raise PlanError(f"layers {spec!r}: expected 'all', an integer, a list, or an inclusive range like '2-7'")
+        lo, hi = int(m[1]), int(m[2])
+        wanted = [l for l in available if lo <= l <= hi]
+        if not wanted:
+            raise PlanError(f"layers {spec!r}: {what} stored layers {available}, none in that range")
+        return wanted
+    values = [spec] if isinstance(spec, int) else list(spec)
+    out = []
+    for v in values:
+        layer = available[v] if v < 0 and -len(available) <= v else v
+        if layer not in available:
+            raise PlanError(f"layer {v} of {what} is not stored; stored layers: {available}")
+        out.append(layer)
+    return sorted(set(out))
+
+
+def expand(plan: Plan, arrays: Sequence[ArrayRow]) -> list[ProbeTask]:
+    """Every probe the plan asks for, in plan order, against the arrays a workspace holds."""
+    by_run: dict[str, list[ArrayRow]] = defaultdict(list)
+    for a in arrays:
+        by_run[a.run].append(a)
+    tasks: list[ProbeTask] = []
+    seen: dict[tuple[Any, ...], ProbeTask] = {}
+    d = plan.defaults
+    for i, entry in enumerate(plan.probes):
+        where = f"probes.{i}"
+        runs = sorted(by_run) if entry.runs == "all" else entry.runs
+        for run in runs:
+            if run not in by_run:
+                raise PlanError(f"{where}.runs: run {run!r} has no arrays in this workspace{did_you_mean(run, by_run)}")
+        sites = d.sites if entry.sites is None else entry.sites
+        tokens_list = entry.tokens or d.tokens
+        params = {k: kind_params(entry, k) for k in entry.kinds}
+        before = len(tasks)
+        missing: list[str] = []
+        for run in runs:
+            have = by_run[run]
+            taps = sorted({a.tap for a in have if a.tap not in _NOT_FEATURE_TAPS}) if entry.taps == "all" else entry.taps
+            for tap in taps:
+                site_list = sorted({a.site for a in have if a.tap == tap}) if sites == "all" else sites
+                for site in site_list:
+                    for tok in tokens_list:
+                        rows = [a for a in have if (a.tap, a.site, a.tokens) == (tap, site, tok)]
+                        if not rows:
+                            missing.append(f"{run}:{tap}/{site}/{tok}")
+                            continue
+                        what = f"{run} {tap}/{site}/{tok}"
+                        layers = resolve_layers(entry.layers, sorted(a.layer for a in rows), what)
+                        layout = rows[0].layout
+                        for kind in entry.kinds:
+                            cls = get_kind(kind)
+                            if layout == "ragged" and not cls.accepts_ragged:
+                                raise PlanError(
+                                    f"{where}: {what} is ragged (a variable number of tokens per sample); kind {kind}"
+                                    " needs fixed token arrays. Use kind pooled for ragged tokens"
+                                )
+                        for layer in layers:
+                            for target in entry.targets:
+                                for kind in entry.kinds:
+                                    for seed in entry.seeds if entry.seeds is not None else d.seeds:
+                                        task = _make_task(
+                                            run=run, tap=tap, layer=layer, site=site, tokens=tok, target=target, kind=kind,
+                                            seed=seed, params=params[kind], where=entry.where, train_where=entry.train_where,
+                                            split=entry.split or d.split,
+                                            test_fraction=entry.test_fraction or d.test_fraction,
+                                            control=entry.control or d.control, tag=entry.tag,
+                                        )
+                                        pk = (run, tap, layer, site, tok, task.record_target, kind, seed)
+                                        other = seen.get(pk)
+                                        if other is not None and other.key != task.key:
+                                            raise PlanError(
+                                                f"{where}: two probes share the probes-table key {pk} but differ in"
+                                                " where/params/split; give one entry a tag: (recorded as target#tag)"
+                                            )
+                                        if other is None:
+                                            seen[pk] = task
+                                            tasks.append(task)
+        if len(tasks) == before:
+            listing = sorted({f"{a.run}:{a.tap}/{a.site}/{a.tokens}" for a in arrays})
+            raise PlanError(
+                f"{where} selects no stored array ({', '.join(missing[:6]) or 'nothing matched'}); the workspace has: "
+                + ", ".join(listing[:12]) + (" ..." if len(listing) > 12 else "")
+            )
+    return tasks
+
+
+def group_tasks(tasks: Sequence[ProbeTask], layers_per_task: int = 1) -> list[Group]:
+    """Tasks sharing (run, tap, site, tokens, where) and a block of layers -> one Group."""
+    by_feat: dict[tuple[Any, ...], dict[int, list[ProbeTask]]] = defaultdict(lambda: defaultdict(list))
+    for t in tasks:
+        by_feat[(t.run, t.tap, t.site, t.tokens, t.where)][t.layer].append(t)
+    groups: list[Group] = []
+    for (run, tap, site, tok, where), per_layer in by_feat.items():
+        layers = sorted(per_layer)
+        for s in range(0, len(layers), layers_per_task):
+            block = layers[s : s + layers_per_task]
+            groups.append(Group(run, tap, site, tok, where, block, [t for l in block for t in per_layer[l]]))
+    return groups

@@ -1,0 +1,26 @@
+"""docs/new-probe.md's example is real: its code, as written, registers a kind and runs it."""
+
+from __future__ import annotations
+
+import re
+
+from probetest_lib import REPO, build_workspace, python
+
+from probes.farm import open_workspace
+
+
+def test_new_probe_example_runs_as_written(tmp_path):
+    text = (REPO / "docs" / "new-probe.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    lines = [line for line in code.splitlines() if line.strip()]
+    assert len(lines) <= 30, f"the example should stay under 30 lines of code, it has {len(lines)}"
+    script = tmp_path / "my_probes.py"
+    script.write_text(code)
+    build_workspace(tmp_path / "data", n=96, families=("spatial",))
+    got = python(str(script), str(tmp_path / "data"), timeout=180)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "trained 2 centroid probes" in got.stdout
+    rows = open_workspace(tmp_path / "data").rows(
+        "SELECT layer, score, control_score, artifact FROM probes WHERE kind = 'centroid' ORDER BY layer")
+    assert [r[0] for r in rows] == [0, 1]
+    assert rows[1][1] > rows[1][2] + 0.2 and rows[1][1] > rows[0][1] and rows[1][3].endswith(".safetensors")

@@ -1,0 +1,183 @@
+"""Plans: validation messages, expansion, deterministic keys, re-runs that skip finished probes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+from probetest_lib import REPO, build_workspace, probe_rows, python
+
+from probes import PlanError, parse_plan, run_plan
+from probes.farm import plan_tasks
+from probes.plan import group_tasks
+
+QUIET = {"progress": False, "log": lambda s: None}
+
+PLAN = {
+    "name": "farm",
+    "defaults": {"seeds": [0, 1]},
+    "probes": [
+        {"runs": ["go"], "layers": "all", "targets": ["go.intersection"], "kinds": ["linear"]},
+        {"runs": "all", "taps": ["vision"], "layers": [-1], "where": "family = 'spatial'",
+         "targets": ["spatial.relation", "truth:flag_1"], "kinds": {"pooled": {"C": 0.5}}},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("farm") / "ws"
+    build_workspace(path, n=96, families=("go", "spatial"))
+    return path
+
+
+@pytest.fixture
+def ws_path(base, tmp_path):
+    path = tmp_path / "ws"
+    shutil.copytree(base, path)
+    return path
+
+
+def test_plan_errors_say_what_is_wrong_and_how_to_fix_it():
+    cases = [
+        ({"probes": [{"targets": ["go.count"], "kinds": ["pooled"], "layer": 3}]}, "unknown key 'layer' — did you mean 'layers'"),
+        ({"probes": [{"targets": ["go.count"], "kinds": ["lineer"]}]}, "unknown probe kind 'lineer' — did you mean 'linear'"),
+        ({"probes": [{"targets": ["go.cnt"], "kinds": ["pooled"]}]}, "unknown target 'go.cnt' — did you mean 'go.count'"),
+        ({"probes": [{"targets": ["go.count"], "kinds": ["linear"]}]}, "kind linear learns token targets; go.count is a sample target. Kinds for sample targets: pooled"),
+        ({"probes": [{"targets": ["go.count"], "kinds": {"pooled": {"pool": "median"}}}]}, "pool: Input should be 'mean', 'max', 'first' or 'last'"),
+        ({"probes": [{"targets": ["go.count"], "kinds": {"pooled": {"Cc": 1}}}]}, "unknown parameter 'Cc' — did you mean 'C'"),
+        ({"probes": []}, "probes: List should have at least 1 item"),
+        ({"defaults": {"test_fraction": 1.5}, "probes": [{"targets": ["go.count"], "kinds": "pooled"}]}, "test_fraction: Input should be less than 1"),
+        ({"probes": [{"kinds": "pooled"}]}, "probes.0.targets: required key is missing"),
+    ]
+    for data, message in cases:
+        with pytest.raises(PlanError) as err:
+            parse_plan(data, "p.yaml")
+        assert message in str(err.value), (message, str(err.value))
+        assert str(err.value).startswith("p.yaml is not a valid probe plan")
+
+
+def test_expansion_against_the_workspace(ws_path):
+    from probes.farm import open_workspace
+
+    ws = open_workspace(ws_path)
+    tasks = plan_tasks(parse_plan(PLAN), ws)
+    # go: 2 layers x 1 target x 2 seeds; runs: all -> the last layer of both runs x 2 targets
+    # x 2 seeds (the where selects no rows of run go: the farm skips those, see below)
+    assert len(tasks) == 4 + 2 * 2 * 2
+    assert len({t.key for t in tasks}) == len(tasks)
+    assert {t.layer for t in tasks if t.kind == "pooled"} == {1}
+    assert all(t.params["C"] == 0.5 for t in tasks if t.kind == "pooled")
+    assert tasks == plan_tasks(parse_plan(PLAN), ws) and [t.key for t in tasks] == [t.key for t in plan_tasks(parse_plan(PLAN), ws)]
+    groups = group_tasks(tasks, layers_per_task=2)
+    assert sorted(len(g.layers) for g in groups) == [1, 1, 2]
+    with pytest.raises(PlanError, match=r"layer 7 of go vision/resid_post/image is not stored; stored layers: \[0, 1\]"):
+        plan_tasks(parse_plan({"probes": [{"runs": ["go"], "layers": [7], "targets": ["go.count"], "kinds": "pooled"}]}), ws)
+    with pytest.raises(PlanError, match="run 'og' has no arrays in this workspace; known: go, spatial"):
+        plan_tasks(parse_plan({"probes": [{"runs": ["og"], "targets": ["go.count"], "kinds": "pooled"}]}), ws)
+    with pytest.raises(PlanError, match="selects no stored array"):
+        plan_tasks(parse_plan({"probes": [{"runs": ["go"], "tokens": ["answer"], "targets": ["go.count"], "kinds": "pooled"}]}), ws)
+
+
+def test_rerun_skips_finished_probes_and_resumes_after_loss(ws_path):
+    plan = parse_plan(PLAN)
+    first = run_plan(plan, ws_path, in_process=True, **QUIET)
+    assert first.tasks == 12 and first.empty == 4  # run go has no spatial rows
+    assert first.trained == 8 and first.failed == 0 and first.skipped == 0
+    from probes.farm import open_workspace
+
+    ws = open_workspace(ws_path)
+    rows = probe_rows(ws)
+    stamp = ws.rows("SELECT params->>'key', created_at FROM probes ORDER BY 1")
+    again = run_plan(plan, ws_path, in_process=True, **QUIET)
+    assert again.trained == 0 and again.skipped == 8
+    assert ws.rows("SELECT params->>'key', created_at FROM probes ORDER BY 1") == stamp  # untouched
+    # Lose some results (a farm killed before its last flush): only those are trained again.
+    from store import db
+
+    with db.connect(ws.manifest_path, read_only=False) as con:
+        con.execute("DELETE FROM probes WHERE kind = 'pooled' AND seed = 1")
+    resumed = run_plan(plan, ws_path, in_process=True, **QUIET)
+    assert resumed.trained == 2 and resumed.skipped == 6
+    assert probe_rows(ws) == rows  # same rows, same scores, no duplicates
+    assert ws.rows("SELECT count(*), count(DISTINCT params->>'key') FROM probes") == [(8, 8)]
+    # Packing layers into one batched solve gives the same probes (keys) and near-identical scores.
+    other = ws_path.parent / "packed"
+    shutil.copytree(ws_path, other)
+    with db.connect(other / "manifest.duckdb", read_only=False) as con:
+        con.execute("DELETE FROM probes")
+    packed = run_plan(parse_plan({**plan.model_dump(), "layers_per_task": 2}), other, in_process=True, **QUIET)
+    assert packed.groups < first.groups
+    got = probe_rows(open_workspace(other))
+    assert [r[:7] for r in got] == [r[:7] for r in rows]
+    assert max(abs(a[7] - b[7]) for a, b in zip(got, rows)) <= 0.03
+
+
+def test_cli_dry_run_lists_probes_and_bad_plans_exit_2(ws_path, tmp_path, capsys):
+    from probes.cli import main
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({**PLAN, "probes": PLAN["probes"][:1]}))
+    got = python("-m", "probes", str(plan), "--data", str(ws_path), "--dry-run")
+    assert got.returncode == 0, got.stderr
+    assert "4 probes, 0 done, 4 to train in 2 Dask tasks" in got.stdout
+    assert "go / vision / 1 / resid_post / image -> go.intersection : linear (1)" in got.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("probes:\n  - {targets: [go.count], kinds: [linear]}\n")
+    assert main([str(bad), "--data", str(ws_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Kinds for sample targets: pooled" in err
+    assert main([str(plan), "--data", str(tmp_path / "nowhere"), "--dry-run"]) == 2
+    assert "no workspace at" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "manifests").glob("probes-*.yaml")), ids=lambda p: p.name)
+def test_shipped_plans_are_valid(path):
+    from probes import load_plan
+
+    plan = load_plan(path)
+    assert plan.probes
+
+
+def test_killed_farm_process_resumes_without_duplicates(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from probetest_lib import HERE, build_spatial_layers, wait_for
+
+    from probes.farm import open_workspace
+    from store.errors import ManifestBusyError
+
+    plan = {"name": "resume", "plugins": ["probetest_slow"],
+            "probes": [{"targets": ["spatial.relation", "truth:flag_0"], "kinds": ["slow_pooled"]}]}
+    total = 8 * 2
+    build_spatial_layers(tmp_path / "ws", layers=8)
+    shutil.copytree(tmp_path / "ws", tmp_path / "ref")
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
+    proc = subprocess.Popen([sys.executable, "-m", "probes", str(tmp_path / "plan.yaml"), "--data", str(tmp_path / "ws"),
+                             "--in-process", "--no-progress"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    ws = open_workspace(tmp_path / "ws")
+
+    def recorded() -> int:
+        try:
+            return ws.rows("SELECT count(*) FROM probes")[0][0]
+        except ManifestBusyError:
+            return 0
+
+    try:
+        wait_for(lambda: recorded() > 0 or proc.poll() is not None, timeout=60, step=0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    before = recorded()
+    assert 0 < before < total, f"the kill must land mid-plan, {before} of {total} recorded"
+    resumed = run_plan(parse_plan(plan), tmp_path / "ws", in_process=True, **QUIET)
+    assert resumed.skipped == before and resumed.trained == total - before
+    assert ws.rows("SELECT count(*), count(DISTINCT params->>'key') FROM probes") == [(total, total)]
+    run_plan(parse_plan(plan), tmp_path / "ref", in_process=True, **QUIET)
+    assert probe_rows(ws) == probe_rows(open_workspace(tmp_path / "ref"))

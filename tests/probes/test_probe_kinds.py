@@ -1,0 +1,139 @@
+"""Each kind learns the synthetic target planted for it, its control stays near chance, and a
+saved probe re-scores to the recorded value from the artifact and the recorded split alone."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from probetest_lib import build_workspace
+
+from probes import Probe, parse_plan, run_plan
+from probes.splits import hash_fold
+
+PLAN = {
+    "name": "kinds",
+    "probes": [
+        {"runs": ["go"], "targets": ["go.intersection"], "kinds": ["linear", "hidden_number"]},
+        {"runs": ["g2m"], "targets": ["g2m.cell_color"], "kinds": ["linear"]},
+        {"runs": ["g2m"], "targets": ["g2m.matrix"], "kinds": {"conv_spatial": {"iters": 150}}},
+        {"runs": ["count"], "targets": ["counting.boxes"], "kinds": {"detect": {"iters": 150, "hidden": 32}}},
+        {"runs": ["count"], "targets": ["counting.count"], "kinds": ["pooled"]},
+        {"runs": ["spatial"], "targets": ["spatial.relation", "truth:flag_0"], "kinds": {"pooled": {"pool": "max"}}},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kinds") / "ws"
+    ws = build_workspace(path)
+    report = run_plan(parse_plan(PLAN), path, in_process=True, progress=False, log=lambda s: None)
+    rows = ws.query("SELECT * FROM probes ORDER BY run, target, kind, layer").to_pylist()
+    for r in rows:
+        r["params"] = json.loads(r["params"])
+    return ws, report, rows
+
+
+def _get(rows, run, target, kind, layer):
+    (hit,) = [r for r in rows if (r["run"], r["target"], r["kind"], r["layer"]) == (run, target, kind, layer)]
+    return hit
+
+
+# (run, target, kind, metric, min score at the strong layer, max control score)
+EXPECT = [
+    ("go", "go.intersection", "linear", "accuracy", 0.95, None),
+    ("go", "go.intersection", "hidden_number", "exact_match", 0.8, 0.2),
+    ("g2m", "g2m.cell_color", "linear", "accuracy", 0.95, 0.5),
+    ("g2m", "g2m.matrix", "conv_spatial", "cell_accuracy", 0.9, 0.5),
+    ("count", "counting.boxes", "detect", "ap50", 0.4, 0.1),
+    ("count", "counting.count", "pooled", "accuracy", 0.6, 0.5),
+    ("spatial", "spatial.relation", "pooled", "accuracy", 0.9, 0.5),
+    ("spatial", "truth:flag_0", "pooled", "accuracy", 0.85, 0.7),
+]
+
+
+@pytest.mark.parametrize("run,target,kind,metric,min_score,max_control", EXPECT, ids=[f"{e[2]}-{e[1]}" for e in EXPECT])
+def test_kind_learns_its_target_and_control_stays_near_chance(farm, run, target, kind, metric, min_score, max_control):
+    _, report, rows = farm
+    assert report.failed == 0, report.failures
+    strong, weak = _get(rows, run, target, kind, 1), _get(rows, run, target, kind, 0)
+    assert strong["metric"] == metric
+    assert strong["score"] >= min_score, strong
+    assert strong["score"] > weak["score"], "the planted signal is stronger in layer 1"
+    if max_control is None:  # chance is the majority class here
+        max_control = strong["params"]["metrics"]["majority"] + 0.05
+    assert strong["control_score"] <= max_control, strong
+    p = strong["params"]
+    assert p["selectivity"] == pytest.approx(strong["score"] - strong["control_score"])
+    assert p["split"]["by"] == "hash" and p["split"]["seed"] == 0 and p["split"]["test_fraction"] == 0.2
+    assert strong["n_train"] > 3 * strong["n_test"] > 0
+
+
+def test_hidden_number_reports_regimes(farm):
+    _, _, rows = farm
+    m = _get(rows, "go", "go.intersection", "hidden_number", 1)["params"]["metrics"]
+    assert {"ID", "VE"} <= set(m["per_regime"]) and m["mean_abs_error"] < 1.0
+    assert all(v["n"] > 0 for v in m["per_regime"].values())
+
+
+def test_saved_probe_rescores_from_artifact_and_recorded_split(farm):
+    ws, _, rows = farm
+    for run, target, kind in [("go", "go.intersection", "linear"), ("g2m", "g2m.matrix", "conv_spatial"),
+                              ("spatial", "spatial.relation", "pooled")]:
+        row = _get(rows, run, target, kind, 1)
+        probe = Probe.load(ws.path / row["artifact"])
+        assert probe.name == kind and row["artifact"].endswith(".safetensors")
+        assert not list((ws.path / "probes").glob("*.pkl"))
+        # Everything needed is recorded: the rows (where), the split rule and seed, the target.
+        sel = ws.select(run, row["params"]["where"])
+        split = row["params"]["split"]
+        fold = hash_fold(sel.stimuli, split["seed"], split["test_fraction"])
+        X = ws.read(run, "vision", 1, rows=sel.rows[fold.test])
+        from probes.farm import _Preparer
+
+        prep = _Preparer(ws, parse_plan(PLAN))
+        y = prep.target(run, row["params"]["where"], target, X.shape[1]).values[fold.test]
+        assert probe.score(X, y) == pytest.approx(row["score"], abs=1e-9)
+
+
+def test_sklearn_like_surface_on_plain_arrays():
+    from probes.kinds import LinearProbe, PooledProbe
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, (120, 5))
+    X = np.eye(3, 8, dtype=np.float32)[y] * 3 + rng.standard_normal((120, 5, 8)).astype(np.float32) * 0.3
+    p = LinearProbe(C=0.5).fit(X[:100], y[:100])
+    assert p.predict(X[100:]).shape == (20, 5) and p.score(X[100:], y[100:]) > 0.95
+    counts = (y == 0).sum(1).astype(float) + rng.normal(0, 0.1, 120)
+    r = PooledProbe(task="regress").fit(X[:100], counts[:100])
+    assert r.score(X[100:], counts[100:]) > 0.8  # R^2
+    with pytest.raises(ValueError, match="unknown parameter 'c' — did you mean 'C'"):
+        LinearProbe(c=1.0)
+
+
+def test_pooled_reads_ragged_answer_tokens_and_linear_refuses_them(tmp_path):
+    from probetest_lib import D, RELATIONS, spatial_family
+
+    from probes import PlanError
+    from store import ArraySpec, RunInfo, TokenSpans, Workspace
+
+    rows, rel, _ = spatial_family(120)
+    rng = np.random.default_rng(5)
+    protos = rng.standard_normal((len(RELATIONS), D)).astype(np.float32) * 2
+    answers = [protos[r] + rng.standard_normal((1 + i % 3, D)).astype(np.float32) * 0.5 for i, r in enumerate(rel)]
+    ws = Workspace.open(tmp_path / "ws")
+    with ws.writer(RunInfo(run="rag", model="synthetic", dtype="float32", chunk_samples=32)) as w:
+        w.set_samples(w.register_stimuli(rows, dataset="rag"))
+        h = w.array(ArraySpec(tap="llm", layer=0, tokens="answer", shape=(D,), ragged=True))
+        w.write_batch(0, {h: answers}, tokens=[TokenSpans(seq_len=10, answer_start=6, answer_count=len(a)) for a in answers])
+        w.finish()
+    plan = {"probes": [{"tokens": ["answer"], "targets": ["spatial.relation"], "kinds": {"pooled": {"pool": "mean"}}}]}
+    report = run_plan(parse_plan(plan), ws.path, in_process=True, progress=False, log=lambda s: None)
+    assert report.trained == 1 and report.failed == 0
+    (score, control), = ws.rows("SELECT score, control_score FROM probes")
+    assert score > 0.9 and control < 0.5
+    with pytest.raises(PlanError, match="is ragged .* Use kind pooled for ragged tokens"):
+        run_plan(parse_plan({"probes": [{"tokens": ["answer"], "targets": ["go.intersection"], "kinds": ["linear"]}]}),
+                 ws.path, in_process=True, progress=False, log=lambda s: None)
