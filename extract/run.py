@@ -135,8 +135,8 @@ def tap_request(lm: LoadedModel, manifest: Manifest) -> dict[str, list[str]]:
         kinds = ["image"] if t.tap in IMAGE_ONLY else list(t.tokens)
         site = f".{t.site}" if t.site else ""
         for layer in layers:
-            request.setdefault(f"{t.tap}.{layer}{site}", [])
-            request[f"{t.tap}.{layer}{site}"] += [k for k in kinds if k not in request[f"{t.tap}.{layer}{site}"]]
+            wanted = request.setdefault(f"{t.tap}.{layer}{site}", [])
+            wanted += [k for k in kinds if k not in wanted]
     if manifest.attention:
         try:
             layers = expand_layers(manifest.attention.layers, lm.adapter.n_layers("attn"))
@@ -265,11 +265,9 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
     stop = _stop_ids(lm)
     computed, correct, scored = 0, 0, 0
     with ws.writer(info) as w:
-        keys = []
         for path, dataset in sets:
             w.register_stimulus_set(path, dataset=dataset)
-        keys = [s.key for s in samples]
-        w.set_samples(keys)
+        w.set_samples([s.key for s in samples])
         specs = array_specs(lm, request, samples[0], dense_images, describe["dtype"], codec)
         handles = {key: w.array(spec) for key, spec in specs.items()}
         if lens is not None:
