@@ -144,13 +144,22 @@ def _lines(ax, table: pa.Table, x: str, y: str, xlabel: str, ylabel: str, spans=
     ax.legend(fontsize=7)
 
 
+ANSWER_CAP = 130  # answers above the largest count (e.g. format collapse to "910") share one bar
+
+
 def _answer_histogram(ax, table: pa.Table) -> None:
     rows = table.to_pylist()
     for regime, colour in (("VE", "tab:orange"), ("FE", "tab:red")):
-        pts = [(r["prediction"] if r["prediction"] is not None else -1, r["n"]) for r in rows if r["regime"] == regime]
-        if pts:
-            ax.bar([p[0] for p in pts], [p[1] for p in pts], color=colour, alpha=0.6, label=f"{regime} answers")
-    ax.set_xlabel("answered count (-1: no number)")
+        bins: dict[int, int] = {}
+        for r in rows:
+            if r["regime"] == regime:
+                x = -1 if r["prediction"] is None else min(r["prediction"], ANSWER_CAP)
+                bins[x] = bins.get(x, 0) + r["n"]
+        if bins:
+            ax.bar(list(bins), list(bins.values()), width=1.0, color=colour, alpha=0.6, label=f"{regime} answers")
+    ax.axvline(49.5, color="grey", ls="--", lw=1)
+    ax.set_xlim(-3, ANSWER_CAP + 3)
+    ax.set_xlabel(f"answered count (-1: no number; {ANSWER_CAP}: anything larger)")
     ax.set_ylabel("answers")
     ax.legend(fontsize=7)
 
