@@ -11,37 +11,9 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from queries.named import QueryError, available, get, run
+from queries.named import QueryError, available, run
+from queries.render import render_schema, render_table
 from store import StoreError, Workspace
-
-
-def render_table(table: pa.Table, max_rows: int = 200) -> str:
-    cols = table.column_names
-    rows = [[_cell(v) for v in r.values()] for r in table.slice(0, max_rows).to_pylist()]
-    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
-    if table.num_rows > max_rows:
-        lines.append(f"... {table.num_rows - max_rows} more rows (use --format csv)")
-    return "\n".join(lines)
-
-
-def render_schema(table: pa.Table) -> str:
-    lines, current = [], None
-    for row in table.to_pylist():
-        if row["table"] != current:
-            current = row["table"]
-            lines.append(("" if not lines else "\n") + current)
-        lines.append(f"  {row['column']:<16} {row['type']}")
-    return "\n".join(lines)
-
-
-def _cell(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.csv as pacsv  # noqa: E402
 
 from queries.named import run as run_named  # noqa: E402
+from queries.render import format_cell  # noqa: E402
 from store import StoreError, Workspace  # noqa: E402
 
 
@@ -212,19 +213,11 @@ def _html_table(table: pa.Table, max_rows: int = 60) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in table.column_names)
     body = []
     for row in table.slice(0, max_rows).to_pylist():
-        cells = "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row.values())
+        cells = "".join(f"<td>{html.escape(format_cell(v))}</td>" for v in row.values())
         body.append(f"<tr>{cells}</tr>")
     more = f"<tr><td colspan='{table.num_columns}'>… {table.num_rows - max_rows} more rows in the CSV</td></tr>" \
         if table.num_rows > max_rows else ""
     return f"<table><tr>{head}</tr>{''.join(body)}{more}</table>"
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
 
 
 def write_report(data: str | Path | None, out: str | Path) -> Path:

@@ -1,0 +1,35 @@
+"""Plain-text rendering of query results (the CLI's table format, also used by the report)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+
+def render_table(table: pa.Table, max_rows: int = 200) -> str:
+    cols = table.column_names
+    rows = [[format_cell(v) for v in r.values()] for r in table.slice(0, max_rows).to_pylist()]
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    if table.num_rows > max_rows:
+        lines.append(f"... {table.num_rows - max_rows} more rows (use --format csv)")
+    return "\n".join(lines)
+
+
+def render_schema(table: pa.Table) -> str:
+    lines, current = [], None
+    for row in table.to_pylist():
+        if row["table"] != current:
+            current = row["table"]
+            lines.append(("" if not lines else "\n") + current)
+        lines.append(f"  {row['column']:<16} {row['type']}")
+    return "\n".join(lines)
+
+
+def format_cell(v) -> str:
+    """A value as a table shows it: empty for NULL, 4 significant digits for floats."""
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
