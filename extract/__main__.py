@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from extract.dry_run import dry_run
 
-            print(dry_run(manifest, workspace=args.data, codec=args.codec))
+            print(dry_run(manifest, codec=args.codec))
             return 0
         from extract.run import run_extraction
 

@@ -77,7 +77,7 @@ def hidden_size(lm: LoadedModel, spec: TapSpec) -> int:
     return dim if dim is not None else _linears(module)[0].in_features
 
 
-def dry_run(manifest: Manifest, *, workspace: str | None = None, codec: str = "none") -> str:
+def dry_run(manifest: Manifest, *, codec: str = "none") -> str:
     sets, samples = collect_samples(manifest)
     lm = meta_model(manifest)
     request = tap_request(lm, manifest)
@@ -114,6 +114,6 @@ def dry_run(manifest: Manifest, *, workspace: str | None = None, codec: str = "n
     for a in planned:
         lines.append(f"{a.name:<28} {a.kind:<7} {a.values_per_sample:>14,} {human(a.values_per_sample * n * STORED_BYTES):>12}")
     ratio = CODEC_RATIO.get(codec, 1.0)
-    lines += ["", f"{len(planned)} arrays, {human(raw)} as float16 ({human(raw / ratio)} with codec {codec});"
-              f" plus the unembedding for the logit lens" if manifest.logit_lens else ""]
+    lens = "; plus the unembedding and final norm for the logit lens" if manifest.logit_lens else ""
+    lines += ["", f"{len(planned)} arrays, {human(raw)} as float16 ({human(raw / ratio)} with codec {codec}){lens}"]
     return "\n".join(lines)

@@ -181,3 +181,11 @@ def test_dry_run_plans_the_arrays_the_run_writes(extracted, g2m_set):
             name = f"{info.tap}.{info.layer}.{info.site}"
             per_sample = int(np.prod(info.item_shape))
             assert any(line.split()[:3] == [name, info.tokens, f"{per_sample:,}"] for line in text.splitlines()), name
+
+
+def test_dry_run_summary_holds_without_the_logit_lens(extracted, g2m_set):
+    from extract.dry_run import dry_run
+
+    model, _, _ = extracted
+    text = dry_run(manifest_for(model, g2m_set, logit_lens=False))
+    assert "arrays," in text.splitlines()[-1] and "logit lens" not in text
