@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="validate the manifest and stimuli, print the plan and the bytes it will write; load no weights")
     parser.add_argument("--codec", default="none",
                         help="array codec: none (default, fastest), zstd (lossless), bitround7 / bitround8 (lossy)")
+    parser.add_argument("--shard", default=None, metavar="I/K",
+                        help="fill only chunk I of every K (start K processes, I = 0..K-1, e.g. one per GPU with"
+                        " CUDA_VISIBLE_DEVICES=I): together they write the run once, into one workspace")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     from extract.models.errors import ModelError
@@ -28,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         manifest = load_manifest(args.manifest)
+        if args.shard is not None:
+            from extract.manifest import parse_manifest
+
+            manifest = parse_manifest({**manifest.model_dump(exclude_unset=True), "shard": args.shard}, "--shard")
         if args.dry_run:
             from extract.dry_run import dry_run
 

@@ -122,6 +122,7 @@ class Manifest(_Strict):
     chunk_samples: int = Field(default=64, ge=1)
     workspace: str | None = None
     logit_lens: bool = True
+    shard: str | None = None  # "i/k": this process fills chunk i of every k (`--shard` overrides)
 
     @field_validator("run")
     @classmethod
@@ -129,6 +130,16 @@ class Manifest(_Strict):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
             raise ValueError("run ids use letters, digits, '-', '_' and '.', start with a letter or digit, at most 64 characters")
         return v
+
+    @field_validator("shard")
+    @classmethod
+    def _shard(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(v))
+        if not m or not 0 <= int(m[1]) < int(m[2]):
+            raise ValueError("a shard is i/k with 0 <= i < k, e.g. 0/4 for the first of four processes")
+        return f"{int(m[1])}/{int(m[2])}"
 
     @model_validator(mode="after")
     def _something_to_do(self) -> Manifest:

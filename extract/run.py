@@ -252,7 +252,7 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
     request = tap_request(lm, manifest)
     dense_images = uniform_image_size(samples)
     lens = readout(lm) if manifest.logit_lens else None
-    config = manifest.model_dump(exclude={"workspace"})
+    config = manifest.model_dump(exclude={"workspace", "shard"})  # shards of one run share its identity
     if lens is not None:
         config["logit_lens"] = {"norm": lens.norm.kind, "eps": lens.norm.eps, "weight_offset": lens.norm.weight_offset,
                                 "logit_softcap": lens.logit_softcap, "norm_module": lens.norm.module_path,
@@ -264,13 +264,13 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
     ws = Workspace.open(workspace or manifest.workspace)
     stop = _stop_ids(lm)
     computed, correct, scored = 0, 0, 0
-    with ws.writer(info) as w:
+    with ws.writer(info, shard=manifest.shard) as w:
         for path, dataset in sets:
             w.register_stimulus_set(path, dataset=dataset)
         w.set_samples([s.key for s in samples])
         specs = array_specs(lm, request, samples[0], dense_images, describe["dtype"], codec)
         handles = {key: w.array(spec) for key, spec in specs.items()}
-        if lens is not None:
+        if lens is not None and (w.shard is None or w.shard.index == 0):
             w.write_tensor("lm_head.weight", lens.unembed, dtype=describe["dtype"], module=lens.unembed_path)
             if lens.unembed_bias is not None:
                 w.write_tensor("lm_head.bias", lens.unembed_bias, dtype=describe["dtype"], module=lens.unembed_path)

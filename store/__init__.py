@@ -41,6 +41,7 @@ from store.records import (
     Ragged,
     RunInfo,
     Selection,
+    Shard,
     TokenSpans,
 )
 from store.verify import VerifyReport
@@ -50,6 +51,6 @@ from store.writer import ArrayHandle, Writer, WriterStats
 __all__ = [
     "ArrayHandle", "ArrayInfo", "ArraySpec", "DtypeOverflowError", "Generation", "ManifestBusyError",
     "NotCommittedError", "Plan", "ProbeResult", "Ragged", "RunInfo", "SchemaVersionError", "Selection",
-    "SpecMismatchError", "StoreError", "TokenSpans", "VerifyReport", "Workspace", "WorkspaceError", "Writer",
+    "Shard", "SpecMismatchError", "StoreError", "TokenSpans", "VerifyReport", "Workspace", "WorkspaceError", "Writer",
     "WriterError", "WriterLockError", "WriterStats", "plan", "resolve_path",
 ]

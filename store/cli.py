@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from store.errors import StoreError
-from store.lock import live_holder
+from store.lock import live_writers
 from store.plan import human, plan
 from store.workspace import ENV_VAR, Workspace, resolve_path
 
@@ -39,9 +39,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         runs = [r for r in runs if r["run"] == args.run]
         if not runs:
             raise StoreError(f"no run {args.run!r} in {ws.path}")
-    holder = live_holder(ws.path / "writer.lock")
+    writing = {h.run for h in live_writers(ws.path)}
     for r in runs:
-        if r["status"] == "running" and (holder is None or holder.run != r["run"]):
+        if r["status"] == "running" and r["run"] not in writing:
             r["status"] = "interrupted"  # marked running, but its writer is gone: resume it
     arrays = ws.query(
         "SELECT run, tap, layer, site, tokens, layout, shape, stored_dtype, codec, chunks_committed, n_chunks, bytes,"

@@ -1,4 +1,9 @@
-"""One writer per workspace: an exclusive ``flock`` on ``writer.lock`` holding the holder's identity.
+"""Who may write a workspace: ``flock`` on ``writer.lock``, holding the holder's identity.
+
+One writer per workspace takes ``writer.lock`` exclusively. Shards of one sharded run
+(``--shard i/k``: k processes filling one run, each its own chunks) instead take it *shared*, so
+they exclude every unsharded writer but not each other, and each takes its own exclusive
+``locks/<run>.shard-<i>-of-<k>.lock``, which names it and stops two processes claiming one shard.
 
 The kernel drops a ``flock`` when its process dies (even on ``kill -9``), so liveness never
 depends on the file's content: a lock file whose flock is free is stale by definition and is
@@ -27,11 +32,13 @@ class Holder:
     host: str
     run: str | None
     since: float
+    shard: str | None = None  # "i/k" for a shard of a sharded run
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         run = f", run {self.run}" if self.run else ""
-        return f"pid {self.pid} on host {self.host}{run}, since {when}"
+        shard = f" shard {self.shard}" if self.shard else ""
+        return f"pid {self.pid} on host {self.host}{run}{shard}, since {when}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -60,39 +67,61 @@ def live_holder(path: Path) -> Holder | None:
 def read_holder(path: Path) -> Holder | None:
     try:
         data: dict[str, Any] = json.loads(path.read_text() or "{}")
-        return Holder(int(data["pid"]), str(data["host"]), data.get("run"), float(data.get("since", 0)))
+        return Holder(int(data["pid"]), str(data["host"]), data.get("run"), float(data.get("since", 0)),
+                      data.get("shard"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-class WriterLock:
-    """Acquire with :meth:`acquire`; ``took_over`` names a stale holder that was replaced."""
+def shard_lock_path(workspace: Path, run: str, index: int, count: int) -> Path:
+    return workspace / "locks" / f"{run}.shard-{index}-of-{count}.lock"
 
-    def __init__(self, path: Path, run: str | None = None) -> None:
+
+def live_shards(workspace: Path, run: str | None = None) -> list[Holder]:
+    """The shard writers named in ``locks/`` that still run (by pid, on this host)."""
+    folder = workspace / "locks"
+    if not folder.is_dir():
+        return []
+    out = []
+    for f in sorted(folder.glob("*.shard-*.lock")):
+        holder = live_holder(f)
+        if holder is not None and (run is None or holder.run == run):
+            out.append(holder)
+    return out
+
+
+def live_writers(workspace: Path) -> list[Holder]:
+    """Every live writer of a workspace: the exclusive one, or the shards of sharded runs."""
+    holder = live_holder(workspace / "writer.lock")
+    return [holder] if holder is not None else live_shards(workspace)
+
+
+class WriterLock:
+    """Acquire with :meth:`acquire`; ``took_over`` names a stale holder that was replaced.
+
+    ``shared=True`` is the shards' mode: a shared flock, no identity written (the shard's own
+    lock file carries it).
+    """
+
+    def __init__(self, path: Path, run: str | None = None, *, shared: bool = False, shard: str | None = None) -> None:
         self.path = path
         self.run = run
+        self.shared = shared
+        self.shard = shard
         self.took_over: Holder | None = None
         self._fd: int | None = None
 
     def acquire(self) -> "WriterLock":
         if self._fd is not None:
             return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(10):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                holder = read_holder(self.path)
-                who = holder.describe() if holder else "a process that has not written its name yet"
-                alive = "" if holder is None or holder.host != socket.gethostname() or _pid_alive(holder.pid) else (
-                    " (that pid is gone on this host, yet the lock is held: a child process inherited it?)"
-                )
-                raise WriterLockError(
-                    f"the workspace {self.path.parent} is being written by {who}{alive}. One writer per"
-                    f" workspace: wait for pid {holder.pid if holder else '?'} to finish, stop it, or write to"
-                    " another workspace (--data / AGNOSIA_DATA)"
-                ) from None
+                raise self._busy() from None
             # The file may have been unlinked and recreated between open and flock; lock the live one.
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
@@ -101,10 +130,14 @@ class WriterLock:
             if not same:
                 os.close(fd)
                 continue
+            if self.shared:
+                self._fd = fd
+                return self
             previous = read_holder(self.path)
             if previous is not None and previous.pid != os.getpid():
                 self.took_over = previous
-            me = {"pid": os.getpid(), "host": socket.gethostname(), "run": self.run, "since": time.time()}
+            me = {"pid": os.getpid(), "host": socket.gethostname(), "run": self.run, "since": time.time(),
+                  "shard": self.shard}
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
             os.fsync(fd)
@@ -112,13 +145,40 @@ class WriterLock:
             return self
         raise WriterLockError(f"could not lock {self.path}: it kept being replaced; is another agnosia cleaning it?")
 
+    def _busy(self) -> WriterLockError:
+        holder = read_holder(self.path)
+        if holder is None and self.path.name == "writer.lock":
+            shards = live_shards(self.path.parent)
+            if shards:
+                names = "; ".join(h.describe() for h in shards)
+                return WriterLockError(
+                    f"the workspace {self.path.parent} is being written by the shards of a sharded run ({names})."
+                    " Shards of one run share a workspace with each other only: wait for them to finish, or"
+                    " write to another workspace (--data / AGNOSIA_DATA)"
+                )
+        who = holder.describe() if holder else "a process that has not written its name yet"
+        alive = "" if holder is None or holder.host != socket.gethostname() or _pid_alive(holder.pid) else (
+            " (that pid is gone on this host, yet the lock is held: a child process inherited it?)"
+        )
+        if self.shard is not None and self.path.name != "writer.lock":
+            return WriterLockError(
+                f"shard {self.shard} of run {self.run} is already being written by {who}{alive}: each shard"
+                " index goes to one process; give this one another --shard i/k, or wait for that one"
+            )
+        return WriterLockError(
+            f"the workspace {self.path.parent} is being written by {who}{alive}. One writer per"
+            f" workspace (or the shards of one sharded run): wait for pid {holder.pid if holder else '?'} to"
+            " finish, stop it, or write to another workspace (--data / AGNOSIA_DATA)"
+        )
+
     def release(self) -> None:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
         try:
             # Empty the file before unlocking so nobody reads our identity as a live holder.
-            os.ftruncate(fd, 0)
+            if not self.shared:
+                os.ftruncate(fd, 0)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)

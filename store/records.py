@@ -58,6 +58,44 @@ def _json_default(obj: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """Shard ``index`` of ``count``: the writer that fills chunks ``c`` with ``c % count == index``.
+
+    k processes (k GPUs) fill one run of one workspace, each its own chunks, so no row is written
+    twice and none is left out; a chunk is the unit of resume, so it is the unit of sharing too.
+    """
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.count, int) and isinstance(self.index, int) and self.count >= 1
+                and 0 <= self.index < self.count):
+            raise StoreError(
+                f"a shard is i/k with k >= 1 and 0 <= i < k (shard 0/2 and 1/2 split a run in two),"
+                f" got {self.index}/{self.count}"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """``"i/k"`` -> Shard(i, k)."""
+        parts = str(text).strip().split("/")
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            index, count = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise StoreError(f"a shard is written i/k (e.g. 0/4 for the first of four), got {text!r}") from None
+        return cls(index, count)
+
+    def owns(self, chunk: int) -> bool:
+        return chunk % self.count == self.index
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+@dataclass(frozen=True)
 class RunInfo:
     """What a run is: provenance recorded in ``runs``, and the storage policy of its arrays.
 

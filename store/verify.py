@@ -19,7 +19,7 @@ from store import arrays as layout
 from store.checksum import crc32c
 from store.dtypes import numpy_dtype
 from store.errors import StoreError
-from store.lock import live_holder
+from store.lock import live_writers
 from store.schema import latest_version
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
     root_ok = (ws.zarr_path / "zarr.json").is_file()
     if not root_ok:
         rep.problems.append(f"the Zarr group {ws.zarr_path} is missing (no zarr.json)")
-    holder = live_holder(ws.path / "writer.lock")
+    writing = {h.run for h in live_writers(ws.path)}
     for run_id, status, n_samples in runs:
         rep.runs += 1
         stats = sample_stats.get(run_id)
@@ -93,7 +93,7 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
                 )
             elif stats[3] != stats[0]:
                 rep.problems.append(f"run {run_id}: {stats[0] - stats[3]} sample rows point at unregistered stimuli")
-        if status == "running" and (holder is None or holder.run != run_id):
+        if status == "running" and run_id not in writing:
             rep.warnings.append(f"run {run_id} is marked running but no writer holds it: it was interrupted; resume it")
         for info in ws.arrays(run_id):
             rep.arrays += 1

@@ -28,6 +28,11 @@ Guarantees:
 * Resume: a re-run with the same ``RunInfo`` asks the manifest which chunks are committed;
   :meth:`todo` names the rows still missing, and blocks already committed are skipped if the
   producer writes them again, so no row is ever stored twice.
+* Shards: ``ws.writer(info, shard=Shard(i, k))`` lets k processes fill one run together. Shard i
+  owns the chunks ``c % k == i`` of every array (all arrays of a sharded run share the run's
+  ``chunk_samples``, so a row belongs to one shard in every array); :meth:`todo` names only its
+  own rows and writing another shard's rows is refused. The run is marked finished by whichever
+  shard commits the last missing chunk; run tensors are written by shard 0.
 """
 
 from __future__ import annotations
@@ -55,14 +60,15 @@ from store import arrays as layout
 from store.checksum import crc32c
 from store import db
 from store.dtypes import as_numpy, cast, count_nonfinite, default_stored, numpy_dtype
-from store.errors import ManifestBusyError, SpecMismatchError, StoreError, WriterError
-from store.lock import Holder, WriterLock
+from store.errors import ManifestBusyError, SpecMismatchError, StoreError, WriterError, WriterLockError
+from store.lock import Holder, WriterLock, live_shards, shard_lock_path
 from store.records import (
     ArrayInfo,
     ArraySpec,
     Generation,
     Ragged,
     RunInfo,
+    Shard,
     TokenSpans,
     check_name,
     to_json,
@@ -197,7 +203,8 @@ _FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 
 
 class Writer:
-    """The one writer of a workspace for one run. Create with :meth:`Workspace.writer`."""
+    """The one writer of a workspace for one run, or one shard of a sharded run.
+    Create with :meth:`Workspace.writer`."""
 
     def __init__(
         self,
@@ -208,24 +215,27 @@ class Writer:
         commit_every: float = 1.0,
         min_commit_gap: float = 0.2,
         manifest_timeout: float = db.DEFAULT_TIMEOUT,
+        shard: Shard | str | None = None,
     ) -> None:
         self.ws = ws
         self.info = info
         self.run = info.run
+        self.shard: Shard | None = Shard.parse(shard) if isinstance(shard, str) else shard
         self.stats = WriterStats()
         self._commit_every = commit_every
         self._min_gap = min_commit_gap
         self._manifest_timeout = manifest_timeout
-        self._lock = WriterLock(ws.path / "writer.lock", run=info.run).acquire()
-        self.took_over: Holder | None = self._lock.took_over
+        self._locks = self._acquire_locks()
+        self.took_over: Holder | None = self._locks[-1].took_over
         self._handles: dict[str, ArrayHandle] = {}
         try:
-            ws.purge_trash()
+            if self.shard is None:
+                ws.purge_trash()  # shards share the workspace: a peer may be mid-drop (never; but be safe)
             self._begin_run(info)
             self._stimuli: list[str] | None = self._load_samples()
             self._root = layout.open_root(ws.path, read_only=False)
         except BaseException:
-            self._lock.release()
+            self._release_locks()
             raise
         self._queue: queue.Queue[Any] = queue.Queue()
         self._budget = _Budget(max_pending_bytes)
@@ -249,6 +259,44 @@ class Writer:
         self._syncers = ThreadPoolExecutor(4, thread_name_prefix=f"agnosia-fsync-{self.run}")
         self._thread = threading.Thread(target=self._loop, name=f"agnosia-writer-{self.run}", daemon=True)
         self._thread.start()
+
+    # ------------------------------------------------------------------ locks and shards
+
+    def _acquire_locks(self) -> list[WriterLock]:
+        if self.shard is None:
+            return [WriterLock(self.ws.path / "writer.lock", run=self.run).acquire()]
+        shard = str(self.shard)
+        shared = WriterLock(self.ws.path / "writer.lock", run=self.run, shared=True, shard=shard).acquire()
+        try:
+            own = WriterLock(
+                shard_lock_path(self.ws.path, self.run, self.shard.index, self.shard.count), run=self.run, shard=shard
+            ).acquire()
+        except BaseException:
+            shared.release()
+            raise
+        # Shards of different k would claim overlapping chunks (0/2 and 0/3 both own chunk 0).
+        others = [h for h in live_shards(self.ws.path, self.run)
+                  if h.shard and h.shard.split("/")[-1] != str(self.shard.count)]
+        if others:
+            own.release()
+            shared.release()
+            raise WriterLockError(
+                f"run {self.run} is being written by shard(s) of another split ({'; '.join(h.describe() for h in others)});"
+                f" this writer is shard {shard}. All concurrent shards of a run use the same k"
+            )
+        return [shared, own]
+
+    def _release_locks(self) -> None:
+        for lock in reversed(self._locks):
+            lock.release()
+
+    def _peer_shards(self) -> list[Holder]:
+        me = str(self.shard)
+        return [h for h in live_shards(self.ws.path, self.run) if not (h.pid == os.getpid() and h.shard == me)]
+
+    def owns(self, chunk: int) -> bool:
+        """Whether this writer fills ``chunk`` (always, unless it is a shard)."""
+        return self.shard is None or self.shard.owns(chunk)
 
     # ------------------------------------------------------------------ run setup (synchronous)
 
@@ -379,15 +427,18 @@ class Writer:
         if len(set(keys)) != len(keys):
             raise StoreError("set_samples: each stimulus may appear once per run (a row map), got repeats")
         if self._stimuli is not None:
-            if self._stimuli != keys:
-                first = next((i for i, (a, b) in enumerate(zip(self._stimuli, keys)) if a != b), min(len(keys), len(self._stimuli)))
-                raise SpecMismatchError(
-                    f"run {self.run} already maps {len(self._stimuli)} rows; this call gives {len(keys)} and differs"
-                    f" at row {first}. Resume with the same stimuli in the same order, or use a new run id"
-                )
+            self._check_same_samples(self._stimuli, keys)
             return
         table = pa.table({"array_row": np.arange(len(keys), dtype=np.int64), "stimulus": keys})
         with db.connect(self.ws.manifest_path, read_only=False, timeout=self._manifest_timeout) as con:
+            # Asked again inside the write connection: a peer shard may have mapped the rows meanwhile.
+            stored = con.execute(
+                "SELECT stimulus FROM samples WHERE run = ? ORDER BY array_row", [self.run]
+            ).fetchall()
+            if stored:
+                self._check_same_samples([r[0] for r in stored], keys)
+                self._stimuli = keys
+                return
             con.register("new_rows", table)
             missing = con.execute(
                 "SELECT stimulus FROM new_rows WHERE stimulus NOT IN (SELECT stimulus FROM stimuli) LIMIT 5"
@@ -403,12 +454,25 @@ class Writer:
             con.execute("COMMIT")
         self._stimuli = keys
 
+    def _check_same_samples(self, stored: list[str], keys: list[str]) -> None:
+        if stored != keys:
+            first = next((i for i, (a, b) in enumerate(zip(stored, keys)) if a != b), min(len(keys), len(stored)))
+            raise SpecMismatchError(
+                f"run {self.run} already maps {len(stored)} rows; this call gives {len(keys)} and differs"
+                f" at row {first}. Resume with the same stimuli in the same order, or use a new run id"
+            )
+
     def array(self, spec: ArraySpec) -> ArrayHandle:
         """Declare (or, on resume, reopen) one array of this run."""
         self._check_open()
         n = self.n_samples
         stored = spec.stored_dtype or default_stored(spec.dtype, self.info.bf16)
         codec = layout.parse_codec(spec.codec, stored)
+        if self.shard is not None and spec.chunk_samples not in (None, self.info.chunk_samples):
+            raise StoreError(
+                f"{spec.tap}.{spec.layer}: a sharded run needs every array at the run's chunk_samples"
+                f" ({self.info.chunk_samples}), got {spec.chunk_samples}; a chunk is the unit a shard owns"
+            )
         # Zarr chunks never exceed the array, so neither does the recorded chunk size.
         chunk = min(spec.chunk_samples or self.info.chunk_samples, n)
         path = layout.array_path(self.run, spec.tap, spec.layer, spec.site, spec.tokens)
@@ -446,18 +510,27 @@ class Writer:
                 node = self._create_node(info, codec)
             handle = ArrayHandle(known, codec, node, committed, id(self))
         else:
-            node = self._create_node(info, codec)
             with db.connect(self.ws.manifest_path, read_only=False, timeout=self._manifest_timeout) as con:
-                con.execute(
-                    "INSERT INTO activations (run, tap, layer, site, tokens, module, zarr_path, layout, shape, dims,"
-                    " chunk_samples, n_chunks, dtype, stored_dtype, codec, values_per_row, bytes, created_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                    [
-                        info.run, info.tap, info.layer, info.site, info.tokens, info.module, info.zarr_path,
-                        info.layout, list(info.shape), list(info.dims), info.chunk_samples, info.n_chunks,
-                        info.dtype, info.stored_dtype, info.codec, info.values_per_row, _now(),
-                    ],
-                )
+                # Created while holding the write connection, so a peer shard declaring the same
+                # array waits, then finds it declared (and never re-creates it over our chunks).
+                row = con.execute(
+                    "SELECT count(*) FROM activations WHERE run = ? AND zarr_path = ?", [self.run, path]
+                ).fetchone()
+                raced = bool(row and row[0])
+                if not raced:
+                    node = self._create_node(info, codec)
+                    con.execute(
+                        "INSERT INTO activations (run, tap, layer, site, tokens, module, zarr_path, layout, shape, dims,"
+                        " chunk_samples, n_chunks, dtype, stored_dtype, codec, values_per_row, bytes, created_at)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+                        [
+                            info.run, info.tap, info.layer, info.site, info.tokens, info.module, info.zarr_path,
+                            info.layout, list(info.shape), list(info.dims), info.chunk_samples, info.n_chunks,
+                            info.dtype, info.stored_dtype, info.codec, info.values_per_row, _now(),
+                        ],
+                    )
+            if raced:
+                return self.array(spec)  # declared by a peer shard meanwhile: reopen it as on resume
             handle = ArrayHandle(info, codec, node, set(), id(self))
         self._handles[path] = handle
         return handle
@@ -502,6 +575,11 @@ class Writer:
         """
         self._check_open()
         check_name("tensor name", name)
+        if self.shard is not None and self.shard.index != 0:
+            raise StoreError(
+                f"run tensors of a sharded run are written by shard 0 (this is shard {self.shard}): skip"
+                " write_tensor on the other shards"
+            )
         arr, kind = as_numpy(values, dtype)
         if stored_dtype is None:
             stored_dtype = {"float64": "float32", "float32": "float32", "float16": "float16"}.get(kind) or default_stored(
@@ -550,12 +628,17 @@ class Writer:
         Ranges are unions of whole chunks, so writing them in order fills whole blocks.
         """
         n = self.n_samples
-        if not self._handles:
+        if not self._handles and self.shard is None:
             return [range(0, n)]
         need = np.zeros(n, dtype=bool)
+        if not self._handles:
+            for k in range(-(-n // min(self.info.chunk_samples, n))):
+                if self.owns(k):
+                    r = range(k * self.info.chunk_samples, min((k + 1) * self.info.chunk_samples, n))
+                    need[r.start : r.stop] = True
         for h in self._handles.values():
             for k in range(h.info.n_chunks):
-                if k not in h.committed:
+                if k not in h.committed and self.owns(k):
                     r = h.info.chunk_rows(k)
                     need[r.start : r.stop] = True
         out, i = [], 0
@@ -700,11 +783,12 @@ class Writer:
         done: dict[int, set[int]] = {id(h): set(h.committed) for h in self._handles.values()}
         for rec in extra or []:
             done[id(rec.handle)].add(rec.chunk)
-        return {
-            h.info.key(): h.info.n_chunks - len(done[id(h)])
-            for h in self._handles.values()
-            if len(done[id(h)]) < h.info.n_chunks
-        }
+        out = {}
+        for h in self._handles.values():
+            mine = sum(1 for k in range(h.info.n_chunks) if self.owns(k) and k not in done[id(h)])
+            if mine:
+                out[h.info.key()] = mine
+        return out
 
     def close(self) -> None:
         """Drain the queue, commit what is durable, stop the threads and release the lock.
@@ -728,6 +812,8 @@ class Writer:
             status = "failed" if (producer_failed or self._error is not None) else None
             if status is None and self._finished:
                 return  # finish() already recorded the status in the last commit
+            if status is None and self.shard is not None and self._peer_shards():
+                return  # peers still write the run: the last shard standing says how it ended
             try:
                 with db.connect(self.ws.manifest_path, read_only=False, timeout=self._manifest_timeout) as con:
                     con.execute(
@@ -739,7 +825,7 @@ class Writer:
                 if self._error is None and not producer_failed:
                     self._error = err
         finally:
-            self._lock.release()
+            self._release_locks()
 
     def __enter__(self) -> Writer:
         return self
@@ -773,6 +859,14 @@ class Writer:
             raise StoreError(
                 f"rows [{start}, {start + count}) must lie inside the run's {n} samples [0, {n}) and be non-empty"
             )
+        if self.shard is not None:
+            size = min(self.info.chunk_samples, n)
+            foreign = [k for k in range(start // size, (start + count - 1) // size + 1) if not self.shard.owns(k)]
+            if foreign:
+                raise StoreError(
+                    f"rows [{start}, {start + count}) reach chunk(s) {foreign[:5]} of another shard (this is shard"
+                    f" {self.shard}, chunks of {size} samples): write only the rows todo() names"
+                )
 
     def _put(self, item: tuple[Any, ...], nbytes: int) -> None:
         self.stats.producer_wait_s += self._budget.take(nbytes, self._abort)
@@ -1097,7 +1191,7 @@ class Writer:
                         " QUALIFY row_number() OVER (PARTITION BY stimulus ORDER BY recorded_at DESC) = 1"
                     )
                     con.unregister("new_gens")
-                if finish is not None and (finish or not self._missing(chunks)):
+                if finish is not None and (finish or self._run_complete(con, chunks)):
                     con.execute(
                         "UPDATE runs SET status = 'finished', finished_at = ?, updated_at = ? WHERE run = ?",
                         [now, now, self.run],
@@ -1116,6 +1210,21 @@ class Writer:
         self._last_commit = time.monotonic()
         self.stats.commits += 1
         self.stats.commit_s += time.perf_counter() - started
+
+
+    def _run_complete(self, con: Any, chunks: list[_ChunkRecord]) -> bool:
+        """Whether every chunk of the run is committed once ``chunks`` are (asked of the manifest
+        for a shard, whose peers commit the chunks it does not own)."""
+        if self._missing(chunks):
+            return False
+        if self.shard is None:
+            return True
+        row = con.execute(
+            "SELECT count(*) FROM activations a WHERE a.run = ? AND a.n_chunks >"
+            " (SELECT count(*) FROM chunks c WHERE c.run = a.run AND c.zarr_path = a.zarr_path)",
+            [self.run],
+        ).fetchone()
+        return not (row and row[0])
 
 
 def _check_same_array(known: ArrayInfo, wanted: ArrayInfo) -> None:

@@ -1,4 +1,4 @@
-"""A writer process for the store tests: ``python storetest_writer.py WORKSPACE [--sleep S] [--hold]``.
+"""A writer process for the store tests: ``python storetest_writer.py WORKSPACE [--sleep S] [--shard I/K] [--hold]``.
 
 Prints JSON lines: {"event": "started", "pid": ...} once it holds the lock, then {"event": "done", ...}.
 """
@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=8)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--shard", default=None, help="i/k: write one shard of the run")
     p.add_argument("--hold", action="store_true", help="take the lock and wait to be killed")
     a = p.parse_args()
     ws = Workspace.open(a.workspace)
@@ -36,7 +37,8 @@ def main() -> None:
         return
     print(json.dumps({"event": "started", "pid": os.getpid()}), flush=True)
     # min_commit_gap 0: commit each chunk as soon as the queue idles, so a kill lands between commits.
-    result = write_run(ws, n=a.n, chunk=a.chunk, batch=a.batch, sleep=a.sleep, min_commit_gap=0.0, commit_every=0.2)
+    result = write_run(ws, n=a.n, chunk=a.chunk, batch=a.batch, sleep=a.sleep, min_commit_gap=0.0, commit_every=0.2,
+                       shard=a.shard)
     print(json.dumps({"event": "done", **result}), flush=True)
 
 
