@@ -45,6 +45,7 @@ from extract.models import (
 )
 from extract.models.layout import Grid, SampleLayout
 from extract.scoring import score_answer
+from extract.stimuli import get_family
 from extract.stimuli.io import read_set
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
@@ -53,7 +54,8 @@ IMAGE_ONLY = ("vision", "projector")
 
 @dataclass(frozen=True)
 class Sample:
-    """One row of the run: which stimulus, which prompt, and where its image is."""
+    """One row of the run: which stimulus, which prompt, where its image is (None: the task is
+    text-only) and the strings the task shows before its question."""
 
     key: str
     family: str
@@ -62,7 +64,8 @@ class Sample:
     answer: str
     truth: dict[str, Any]
     params: dict[str, Any]
-    image: Path
+    image: Path | None
+    strings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,18 +106,22 @@ def collect_samples(manifest: Manifest) -> tuple[list[tuple[Path, str]], list[Sa
             raise ManifestError(f"stimuli.{i}.task: {task!r} is not a task of {spec.set}; its tasks are {tasks}")
         sets.append((stim_set.path, dataset))
         for row in rows:
+            shown = get_family(row["family"]).task_inputs(row["truth"], task)
             samples.append(Sample(
                 key=f"{dataset}/{row['id']}", family=row["family"], task=task, prompt=row["prompts"][task],
                 answer=row["answers"][task], truth=row["truth"], params=row["params"],
-                image=stim_set.path / row["image"],
+                image=stim_set.path / row["image"] if shown.image else None, strings=tuple(shown.strings),
             ))
     return sets, samples
 
 
 def uniform_image_size(samples: list[Sample]) -> bool:
-    """Whether every image has one size (PNG headers only), so image tokens can be dense."""
+    """Whether every sample has an image and all have one size (PNG headers only), so image
+    tokens can be dense."""
     sizes = set()
     for s in samples:
+        if s.image is None:
+            return False
         with Image.open(s.image) as im:
             sizes.add(im.size)
         if len(sizes) > 1:
@@ -124,9 +131,19 @@ def uniform_image_size(samples: list[Sample]) -> bool:
 
 # ------------------------------------------------------------------------------------------ taps
 
-def tap_request(lm: LoadedModel, manifest: Manifest) -> dict[str, list[str]]:
-    """Hook-point name -> token kinds, with layers expanded against the loaded model."""
+def tap_request(lm: LoadedModel, manifest: Manifest, with_images: bool = True) -> dict[str, list[str]]:
+    """Hook-point name -> token kinds, with layers expanded against the loaded model.
+
+    ``with_images=False`` (every sample text-only) refuses what only an image yields.
+    """
     request: dict[str, list[str]] = {}
+    if not with_images:
+        for i, t in enumerate(manifest.taps):
+            if t.tap in IMAGE_ONLY or "image" in t.tokens:
+                raise ManifestError(
+                    f"taps.{i} ({t.tap}, tokens {t.tokens}): every task of this run is text-only, so there are no"
+                    " image tokens to keep; drop the vision/projector taps and the 'image' token kind"
+                )
     for i, t in enumerate(manifest.taps):
         try:
             layers = expand_layers(t.layers, lm.adapter.n_layers(t.tap))
@@ -152,8 +169,8 @@ def tap_request(lm: LoadedModel, manifest: Manifest) -> dict[str, list[str]]:
 
 def array_specs(lm: LoadedModel, request: dict[str, list[str]], first: Sample, dense_images: bool,
                 dtype: str, codec: str) -> dict[CaptureKey, ArraySpec]:
-    """Per-sample shapes from one teacher-forced forward on the first sample."""
-    batch = prepare_batch(lm, [first.image], [first.prompt], answers=[first.answer or "0"])
+    """Per-sample shapes from one teacher-forced forward on ``first`` (an image sample if any)."""
+    batch = prepare_batch(lm, [first.image], [first.prompt], answers=[first.answer or "0"], strings=[first.strings])
     res = capture(lm, batch, request, tokens=("image", "last", "answer"))
     specs = {}
     for key in res.keys():
@@ -249,7 +266,8 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
     m = manifest.model
     lm = load_model(m.path, dtype=m.dtype, device=m.device, revision=m.revision,
                     trust_remote_code=m.trust_remote_code)
-    request = tap_request(lm, manifest)
+    with_images = [s for s in samples if s.image is not None]
+    request = tap_request(lm, manifest, with_images=bool(with_images))
     dense_images = uniform_image_size(samples)
     lens = readout(lm) if manifest.logit_lens else None
     config = manifest.model_dump(exclude={"workspace", "shard"})  # shards of one run share its identity
@@ -268,7 +286,7 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
         for path, dataset in sets:
             w.register_stimulus_set(path, dataset=dataset)
         w.set_samples([s.key for s in samples])
-        specs = array_specs(lm, request, samples[0], dense_images, describe["dtype"], codec)
+        specs = array_specs(lm, request, (with_images or samples)[0], dense_images, describe["dtype"], codec)
         handles = {key: w.array(spec) for key, spec in specs.items()}
         if lens is not None and (w.shard is None or w.shard.index == 0):
             w.write_tensor("lm_head.weight", lens.unembed, dtype=describe["dtype"], module=lens.unembed_path)
@@ -283,8 +301,10 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
         for rows in todo:
             for start in range(rows.start, rows.stop, manifest.batch_size):
                 batch_samples = samples[start : min(start + manifest.batch_size, rows.stop)]
-                gens, spans, values = _run_batch(lm, batch_samples, request, specs, manifest, stop)
-                w.write_batch(start, {handles[k]: v for k, v in values.items()}, tokens=spans, generations=gens)
+                for offset, group in _by_modality(batch_samples):
+                    gens, spans, values = _run_batch(lm, group, request, specs, manifest, stop)
+                    w.write_batch(start + offset, {handles[k]: v for k, v in values.items()}, tokens=spans,
+                                  generations=gens)
                 computed += len(batch_samples)
                 scored += sum(g.correct is not None for g in gens)
                 correct += sum(bool(g.correct) for g in gens)
@@ -298,10 +318,22 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
                       arrays=len(handles))
 
 
+def _by_modality(batch: list[Sample]) -> list[tuple[int, list[Sample]]]:
+    """(offset, samples) runs of one modality: a processor call takes images for all or none."""
+    groups: list[tuple[int, list[Sample]]] = []
+    for i, s in enumerate(batch):
+        if groups and (groups[-1][1][0].image is None) == (s.image is None):
+            groups[-1][1].append(s)
+        else:
+            groups.append((i, [s]))
+    return groups
+
+
 def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, list[str]],
                specs: dict[CaptureKey, ArraySpec], manifest: Manifest, stop: set[int]):
     batch = prepare_batch(lm, [s.image for s in batch_samples], [s.prompt for s in batch_samples],
-                          padding_side="left")
+                          strings=[s.strings for s in batch_samples], padding_side="left")
+    text_only = batch_samples[0].image is None
     max_new = manifest.generation.max_new_tokens
     if max_new == "from_stimulus":
         max_new = max(int(s.params.get("max_new_tokens", 32)) for s in batch_samples)
@@ -317,7 +349,10 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, 
         gens.append(score_answer(s.family, s.task, text, s.answer, s.truth, n_tokens=n_text))
         lay = res.layouts[b]
         spans.append(token_spans(lay, pad_len, n_keep))
-        for key in specs:
+        for key, spec in specs.items():
+            if text_only and key.tap in IMAGE_ONLY:
+                values[key].append(torch.zeros((0, *spec.shape), dtype=lm.dtype))  # no image, no tokens
+                continue
             values[key].append(sample_values(key, res[key], b, lay.first_position, pad_len, n_keep))
     out = {k: (v if specs[k].ragged else torch.stack(v)) for k, v in values.items()}
     return gens, spans, out

@@ -61,20 +61,10 @@ def boards(model: Any, spec: EvalSpec, counts: str, n: int, seed: int, split: st
     return list(G.generate(cfg, n, seed, split))
 
 
-def _partner(s: Any) -> str:
-    return s.truth["text_eq"] if s.truth["tf_pair"] == "eq" else s.truth["text_ie"]
-
-
 def request(s: Any, task: str) -> tuple[str, bool]:
     """(prompt, needs image) for one stimulus and task, exactly as in training."""
-    q = s.prompts[task]
-    if task == "multimodal_num":
-        return prompt(q, image=True), True
-    if task == "text_only_num":
-        return prompt(q, [s.truth["text_c"]]), False
-    if task == "multimodal_tf":
-        return prompt(q, [_partner(s)], image=True), True
-    return prompt(q, [s.truth["text_c"], _partner(s)]), False
+    shown = G.task_inputs(s.truth, task)
+    return prompt(s.prompts[task], shown.strings, image=shown.image), shown.image
 
 
 @torch.inference_mode()

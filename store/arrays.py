@@ -187,6 +187,7 @@ def write_ragged_block(
         fill_value=0,
         chunk_key_encoding=_KEY_ENCODING,
         dimension_names=["sample_plus_one"],
+        config={"write_empty_chunks": True},  # all-zero offsets (a block of empty rows) still need their file
     )
     if n_rows:
         r[...] = rows

@@ -78,24 +78,32 @@ def open_image(image: ImageLike) -> Image.Image:
     raise InputError(f"expected a PIL image or an image path, got {type(image).__name__}")
 
 
-def chat_text(lm: LoadedModel, prompt: str, system: str | None = None) -> str:
-    """The prompt string the model sees: chat template with the generation prompt, or the raw prompt."""
+def chat_text(lm: LoadedModel, prompt: str, system: str | None = None, *, image: bool = True,
+              strings: Sequence[str] = ()) -> str:
+    """The prompt string the model sees: chat template with the generation prompt, or the raw prompt.
+
+    ``image=False`` leaves the image out (a text-only task); ``strings`` are shown before the
+    question in the family's layout (:meth:`Adapter.user_text`).
+    """
     template = getattr(lm.processor, "chat_template", None)
+    strings = tuple(strings)
     if not lm.adapter.uses_chat_template or not template:
-        return lm.adapter.plain_prompt(lm.processor, prompt)
+        return lm.adapter.plain_prompt(lm.processor, prompt, image=image, strings=strings)
     messages: list[dict[str, Any]] = []
     if system is not None:
         messages.append({"role": "system", "content": [{"type": "text", "text": system}]})
-    messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]})
+    text = {"type": "text", "text": lm.adapter.user_text(prompt, strings)}
+    messages.append({"role": "user", "content": [{"type": "image"}, text] if image else [text]})
     return lm.adapter.render_chat(lm.processor, messages)
 
 
 def prepare_batch(
     lm: LoadedModel,
-    images: Sequence[ImageLike],
+    images: Sequence[ImageLike | None],
     prompts: Sequence[str],
     answers: Sequence[str] | Sequence[Sequence[int]] | None = None,
     *,
+    strings: Sequence[Sequence[str]] | None = None,
     system: str | None = None,
     padding_side: str = "right",
     processor_kwargs: dict[str, Any] | None = None,
@@ -105,24 +113,36 @@ def prepare_batch(
     ``answers`` (teacher forcing) are appended after the generation prompt; their positions become
     the ``answer`` token kind. An answer is a string (tokenised without special tokens) or a list of
     token ids (e.g. generated ids, so no decode/encode round trip). Use ``padding_side="left"`` for
-    batched generation.
+    batched generation. A batch of text-only samples passes ``None`` for every image; ``strings``
+    (per sample) are text inputs shown before the question, e.g. a Go board's text twin.
     """
     if len(images) != len(prompts):
         raise InputError(f"expected one prompt per image, got {len(images)} images and {len(prompts)} prompts")
     if answers is not None and len(answers) != len(prompts):
         raise InputError(f"expected one answer per prompt, got {len(prompts)} prompts and {len(answers)} answers")
+    if strings is not None and len(strings) != len(prompts):
+        raise InputError(f"expected one tuple of strings per prompt, got {len(prompts)} prompts and {len(strings)}")
     if not prompts:
         raise InputError("empty batch: pass at least one image and prompt")
     if padding_side not in ("left", "right"):
         raise InputError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    pil = [open_image(im) for im in images]
-    texts = [chat_text(lm, p, system) for p in prompts]
+    text_only = [im is None for im in images]
+    if any(text_only) and not all(text_only):
+        raise InputError(
+            "a batch mixes text-only samples (image None) with image samples: the processor takes one or the"
+            " other, so split the batch by modality"
+        )
+    with_image = not text_only[0]
+    pil = [open_image(im) for im in images] if with_image else []
+    texts = [chat_text(lm, p, system, image=with_image, strings=strings[i] if strings is not None else ())
+             for i, p in enumerate(prompts)]
     tok = lm.processor.tokenizer
     old_side = tok.padding_side
     tok.padding_side = padding_side
     try:
-        kwargs: dict[str, Any] = dict(text=texts, images=[[im] for im in pil] if lm.adapter.nested_images else pil,
-                                      return_tensors="pt", padding=True)
+        kwargs: dict[str, Any] = dict(text=texts, return_tensors="pt", padding=True)
+        if with_image:
+            kwargs["images"] = [[im] for im in pil] if lm.adapter.nested_images else pil
         if tok.bos_token is not None and texts[0].startswith(tok.bos_token):
             # the chat template wrote BOS already (transformers' own apply_chat_template rule)
             kwargs["add_special_tokens"] = False
@@ -138,9 +158,9 @@ def prepare_batch(
             for a in answers
         ]
         inputs = _append_answers(lm, inputs, answer_ids, padding_side, tok.pad_token_id)
-    geometry = lm.adapter.geometry(inputs)
+    geometry = lm.adapter.geometry(inputs) if with_image else [layout.ImageGeometry.none() for _ in prompts]
     layouts = _layouts(lm, inputs, geometry, n_prompt, answer_ids)
-    aux = lm.adapter.aux(inputs, geometry)
+    aux = lm.adapter.aux(inputs, geometry) if with_image else {}
     moved = {k: _to(v, lm) for k, v in inputs.items()}
     answer_texts = None if answer_ids is None else [tok.decode(a) for a in answer_ids]
     return Batch(moved, layouts, texts, answer_texts, padding_side, aux)

@@ -87,6 +87,11 @@ class ImageGeometry:
         if self.llm_tokens == 0:
             object.__setattr__(self, "llm_tokens", extent(self.llm))
 
+    @classmethod
+    def none(cls) -> ImageGeometry:
+        """A text-only sample: no views, no image tokens anywhere."""
+        return cls((), (), (), (), n_views=0)
+
 
 @dataclass(frozen=True, eq=False)
 class SampleLayout:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-from extract.stimuli.base import Family, Stimulus, StimulusError
+from extract.stimuli.base import Family, Stimulus, StimulusError, TaskInputs
 
 # name -> module; imported lazily so one family's import cost never lands on another's user.
 _MODULES = {
@@ -36,4 +36,4 @@ def get_family(name: str) -> Family:
     return importlib.import_module(_MODULES[name]).FAMILY
 
 
-__all__ = ["Family", "Stimulus", "StimulusError", "family_names", "get_family"]
+__all__ = ["Family", "Stimulus", "StimulusError", "TaskInputs", "family_names", "get_family"]

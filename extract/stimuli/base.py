@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,13 +65,27 @@ class Stimulus:
 
 
 @dataclass(frozen=True)
+class TaskInputs:
+    """What a task shows the model besides its question: the image or not, and text strings
+    (a Go board's text twin, say), in order."""
+
+    image: bool = True
+    strings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Family:
-    """A registered stimulus family: its name, its config class and its generator."""
+    """A registered stimulus family: its name, its config class and its generator.
+
+    ``task_inputs(truth, task)`` says what a task shows besides its question (default: the
+    image, no strings); families with text-only tasks or strings to read override it.
+    """
 
     name: str
     description: str
     config: type
     generate: Callable[..., Iterator[Stimulus]]
+    task_inputs: Callable[[Mapping[str, Any], str], TaskInputs] = lambda truth, task: TaskInputs()
 
     def make_config(self, **overrides: Any) -> Any:
         return self.config(**overrides)

@@ -30,8 +30,9 @@ per-intersection labels remain the exact truth.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -40,6 +41,7 @@ from extract.stimuli.base import (
     Family,
     Stimulus,
     StimulusError,
+    TaskInputs,
     check_choice,
     check_int_range,
     derive_seed,
@@ -447,9 +449,25 @@ def _stimulus(plan: Plan, drawn: Draw, rng: np.random.Generator, count: int, ind
     )
 
 
+def task_inputs(truth: Mapping[str, Any], task: str) -> TaskInputs:
+    """The study's inputs per task: the board and/or its text twin, and the contrastive partner
+    string (equal or unequal count, alternating by board)."""
+    partner = truth["text_eq"] if truth["tf_pair"] == "eq" else truth["text_ie"]
+    if task == "multimodal_num":
+        return TaskInputs(image=True)
+    if task == "text_only_num":
+        return TaskInputs(image=False, strings=(truth["text_c"],))
+    if task == "multimodal_tf":
+        return TaskInputs(image=True, strings=(partner,))
+    if task == "text_only_tf":
+        return TaskInputs(image=False, strings=(truth["text_c"], partner))
+    raise StimulusError(f"unknown Go task {task!r}: choose one of {', '.join(QUESTIONS)}")
+
+
 FAMILY = Family(
     name=NAME,
     description="Go boards with exact black-stone counts, text twins and contrastive pairs (seed 001)",
     config=Config,
     generate=generate,
+    task_inputs=task_inputs,
 )

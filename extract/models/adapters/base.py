@@ -109,9 +109,15 @@ class Adapter:
         """Drop processor outputs the forward must not see (e.g. PaliGemma's labels)."""
         return inputs
 
-    def plain_prompt(self, processor: Any, prompt: str) -> str:
+    def user_text(self, question: str, strings: tuple[str, ...] = ()) -> str:
+        """The user's text: strings to read (one character each, as seed 001 gave Qwen3-VL), then
+        the question. Families that were trained on another layout override it."""
+        shown = [f"{list(s)!r}, String length: {len(s)}." for s in strings]
+        return " ".join([*shown, question])
+
+    def plain_prompt(self, processor: Any, prompt: str, *, image: bool = True, strings: tuple[str, ...] = ()) -> str:
         """The prompt text for models without a chat template."""
-        return prompt
+        return self.user_text(prompt, strings)
 
     def render_chat(self, processor: Any, messages: list[dict[str, Any]]) -> str:
         """The chat-templated prompt text, ending with the generation prompt."""

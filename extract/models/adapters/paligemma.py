@@ -35,8 +35,16 @@ class PaliGemmaAdapter(Adapter):
         grid = layout.single(height // patch, width // patch)
         return [ImageGeometry(grid, grid, grid, grid) for _ in range(inputs["pixel_values"].shape[0])]
 
-    def plain_prompt(self, processor: Any, prompt: str) -> str:
-        return processor.image_token + prompt  # the processor adds <bos> after the image tokens, and "\n"
+    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+        """SigLIP's processor resizes every image to the tower's ``image_size`` (no crop, no tiles)."""
+        import torch
+
+        side = int(self.config.vision_config.image_size)
+        return self.geometry({"pixel_values": torch.empty(1, 3, side, side, device="meta")})[0]
+
+    def plain_prompt(self, processor: Any, prompt: str, *, image: bool = True, strings: tuple[str, ...] = ()) -> str:
+        # the processor adds <bos> after the image tokens, and "\n"
+        return (processor.image_token if image else "") + self.user_text(prompt, strings)
 
     def answer_fill(self, key: str) -> int:
         return 1 if key in ("attention_mask", "token_type_ids") else 0

@@ -39,10 +39,10 @@ class ToyCounterAdapter(Adapter):
         n = inputs["pixel_values"].shape[0]
         return [ImageGeometry(vision=grid, projector_in=grid, projector_out=grid, llm=grid) for _ in range(n)]
 
-    def plain_prompt(self, processor: Any, prompt: str) -> str:
+    def plain_prompt(self, processor: Any, prompt: str, *, image: bool = True, strings: tuple[str, ...] = ()) -> str:
         from lab.processor import prompt as study_prompt
 
-        return study_prompt(prompt, image=True)
+        return study_prompt(prompt, strings, image=image)  # strings as the study wrote them, one letter per token
 
     @classmethod
     def build_tiny(cls, seed: int) -> tuple[Any, Any]:
