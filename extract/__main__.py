@@ -25,8 +25,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="fill only chunk I of every K (start K processes, I = 0..K-1, e.g. one per GPU with"
                         " CUDA_VISIBLE_DEVICES=I): together they write the run once, into one workspace")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from extract.dry_run import Hardware
+
+    hw = Hardware()
+    plan = parser.add_argument_group("--dry-run time estimate (docs/scale.md)")
+    plan.add_argument("--gpu-tflops", type=float, default=hw.gpu_tflops, help=f"prefill TFLOP/s (default {hw.gpu_tflops:g})")
+    plan.add_argument("--gpu-bandwidth-gbs", type=float, default=hw.gpu_bandwidth_gbs,
+                      help=f"GPU memory read rate when decoding, GB/s (default {hw.gpu_bandwidth_gbs:g})")
+    plan.add_argument("--step-ms-per-layer", type=float, default=hw.step_ms_per_layer,
+                      help=f"generate's overhead per decoder layer and step, ms (default {hw.step_ms_per_layer:g})")
+    plan.add_argument("--disk-mbps", type=float, default=hw.disk_mbps, help=f"store write rate, MB/s (default {hw.disk_mbps:g})")
     args = parser.parse_args(argv)
     from extract.models.errors import ModelError
+    from extract.stimuli.base import StimulusError
     from store import StoreError
 
     try:
@@ -38,12 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from extract.dry_run import dry_run
 
-            print(dry_run(manifest, codec=args.codec))
+            hardware = Hardware(gpu_tflops=args.gpu_tflops, gpu_bandwidth_gbs=args.gpu_bandwidth_gbs,
+                                disk_mbps=args.disk_mbps, step_ms_per_layer=args.step_ms_per_layer)
+            print(dry_run(manifest, codec=args.codec, hardware=hardware))
             return 0
         from extract.run import run_extraction
 
         print(run_extraction(manifest, workspace=args.data, progress=not args.no_progress, codec=args.codec))
-    except (ManifestError, ModelError, StoreError) as err:
+    except (ManifestError, ModelError, StimulusError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -1,37 +1,259 @@
-"""``python -m extract MANIFEST --dry-run``: what a run will store, before any weight loads.
+"""``python -m extract MANIFEST --dry-run``: what a run will store and cost, before any weight loads.
 
-The model is built on PyTorch's meta device from its ``config.json`` (no weights, no memory),
-so layer counts and hidden sizes come from the real module tree; token counts come from running
-the real processor on the first stimulus. Answer tokens are counted at ``max_new_tokens`` (an
-upper bound), values at 2 bytes (the store's float16 default) divided by the codec's measured ratio.
+The model is built on PyTorch's meta device from its ``config.json`` (no weights, no memory), so
+layer counts, hidden sizes and parameter counts come from the real module tree. Token counts:
+
+* when the model folder (or hub id) has its processor files, the real processor runs on the first
+  stimulus of each image size: exact prompt lengths and image tokens;
+* from ``config.json`` alone (a folder holding only config files, such as
+  ``manifests/configs/qwen2.5-vl-7b-instruct``), the family adapter's ``plan_geometry`` computes the
+  image tokens from the config and ``preprocessor_config.json`` if present (Qwen: (H/14)*(W/14)/4
+  after the processor's resize; LLaVA-1.5: 576), and the text of the prompt is estimated at
+  :data:`CHARS_PER_TOKEN` characters per token plus :data:`TEMPLATE_TOKENS` tokens of chat template.
+
+Answer tokens are counted at their budget (``max_new_tokens``, or each stimulus's own with
+``from_stimulus``): an upper bound. Values are stored at 2 bytes (the store's float16 default),
+divided by the codec's measured ratio; dense arrays pad their last chunk (docs/store.md).
+
+Time (:func:`estimate_time`, docs/scale.md): prefill costs 2·params·tokens FLOPs per sample (vision
+blocks x vision tokens, projector x its output tokens, LLM layers x prompt tokens) at
+``gpu_tflops``; each decode step of a batch costs the largest of reading the LLM's weights at
+``gpu_bandwidth_gbs``, 2·params·batch FLOPs, and transformers' per-step overhead
+(``step_ms_per_layer`` x decoder layers, measured on an H200), for as many steps as the longest
+answer budget in the batch; the store writes in the background at ``disk_mbps``, so the estimate
+is the larger of GPU time and write time. Attention FLOPs and KV-cache reads are left out.
+
+``python -m extract.dry_run MANIFEST [--gpu-tflops F] [--gpu-bandwidth-gbs B] [--step-ms-per-layer S] [--disk-mbps D] [--json]``
+takes the hardware assumptions; ``python -m extract MANIFEST --dry-run`` uses the defaults.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from extract.manifest import Manifest
+from extract.manifest import Manifest, expand_layers
 from extract.models import TapSpec, adapter_class, prepare_batch
 from extract.models.capture import hook_module
-from extract.models.layout import extent
+from extract.models.layout import ImageGeometry, SampleLayout, extent
 from extract.models.loading import LoadedModel, load_config, load_processor, resolve_source
 from extract.run import collect_samples, tap_request
 from store.plan import CODEC_RATIO, human
 
 STORED_BYTES = 2  # float16, the store's default for float32/float16/bfloat16 sources
+CHARS_PER_TOKEN = 4  # text-token estimate without a tokenizer (English BPE: 3.5-4.5 characters per token)
+TEMPLATE_TOKENS = 32  # chat template turns, system prompt, image start/end markers (estimate)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+PARAM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The assumptions behind the time estimate (docs/scale.md). Defaults: one H100-class GPU."""
+
+    gpu_tflops: float = 400.0  # dense bf16 actually reached in prefill (~40 % of an H100 SXM's 989 peak)
+    gpu_bandwidth_gbs: float = 3000.0  # HBM read rate reached when decoding (~90 % of 3.35 TB/s)
+    disk_mbps: float = 1000.0  # the store's sustained write rate (docs/store.md: ~0.9 GB/s measured here)
+    # transformers' generate launches every kernel of every layer from Python at each step: measured
+    # 0.76-1.18 ms per decoder layer per step on an H200, whatever the batch (docs/scale.md)
+    step_ms_per_layer: float = 1.0
+
+
+@dataclass(frozen=True)
+class PlanSample:
+    """What planning needs of one stimulus: its image size (0 x 0: a text-only task), prompt,
+    answer budget and the strings its task shows before the question."""
+
+    width: int
+    height: int
+    prompt: str
+    answer_budget: int
+    strings: tuple[str, ...] = ()
+
+    @property
+    def has_image(self) -> bool:
+        return self.width > 0 and self.height > 0
 
 
 @dataclass(frozen=True)
 class PlannedArray:
     name: str
     kind: str
-    values_per_sample: int
+    values_per_sample: int  # the largest over samples (exact for fixed-size arrays)
+    values: int  # over all samples (answers at their budget)
+    ragged: bool
+    n_chunks: int
+    bytes: int  # stored, uncompressed (a dense array's last chunk is stored full-size)
+
+    @property
+    def chunk_files(self) -> int:
+        return self.n_chunks * (2 if self.ragged else 1)  # ragged: rows + offsets per block
+
+    @property
+    def files(self) -> int:
+        # + zarr.json per array; a ragged block is a group with two arrays (3 zarr.json)
+        return 1 + self.n_chunks * (5 if self.ragged else 1)
+
+
+@dataclass(frozen=True)
+class Params:
+    """Parameter counts from the meta model (no weights)."""
+
+    total: int
+    vision: int  # vision blocks
+    projector: int
+    llm: int  # decoder layers
+    head: int  # lm_head
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    prefill_flops: float
+    decode_steps: int
+    decode_seconds: float
+    prefill_seconds: float
+    write_seconds: float
+    decode_bound: str  # what sets a full batch's step: "per-layer overhead", "weight reads" or "compute"
+
+    @property
+    def gpu_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def seconds(self) -> float:
+        return max(self.gpu_seconds, self.write_seconds)
+
+
+@dataclass
+class RunPlan:
+    run: str
+    model: str
+    model_type: str
+    adapter: str
+    n_samples: int
+    n_sets: int
+    batch_size: int
+    chunk_samples: int
+    codec: str
+    dtype: str
+    exact_tokens: bool
+    token_source: str
+    first_seq: int
+    first_image_tokens: int
+    max_answer: int
+    params: Params
+    arrays: list[PlannedArray]
+    lens_values: int  # unembedding + final norm (run tensors for the logit lens); 0 when off
+    kv_bytes: int  # KV cache of one full batch at its longest prompt + answer (bf16/fp16 cache)
+    hardware: Hardware
+    time: TimeEstimate
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(a.bytes for a in self.arrays)
+
+    @property
+    def bytes(self) -> int:
+        return int(self.raw_bytes / CODEC_RATIO.get(self.codec, 1.0))
+
+    @property
+    def lens_bytes(self) -> int:
+        return self.lens_values * STORED_BYTES
+
+    @property
+    def chunk_files(self) -> int:
+        return sum(a.chunk_files for a in self.arrays)
+
+    @property
+    def files(self) -> int:
+        return sum(a.files for a in self.arrays)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params.total * PARAM_BYTES.get(self.dtype, 2)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["arrays"] = [{**asdict(a), "chunk_files": a.chunk_files, "files": a.files} for a in self.arrays]
+        out["time"] = {**asdict(self.time), "gpu_seconds": self.time.gpu_seconds, "seconds": self.time.seconds}
+        out.update(raw_bytes=self.raw_bytes, bytes=self.bytes, lens_bytes=self.lens_bytes, chunk_files=self.chunk_files,
+                   files=self.files, weight_bytes=self.weight_bytes)
+        return out
+
+    def render(self) -> str:
+        p, t, hw = self.params, self.time, self.hardware
+        lines = [
+            f"run {self.run}: model {self.model} ({self.model_type}, adapter {self.adapter}),"
+            f" {self.n_samples} samples from {self.n_sets} set(s), batch {self.batch_size}",
+            f"parameters {_count(p.total)} (vision blocks {_count(p.vision)}, projector {_count(p.projector)},"
+            f" LLM layers {_count(p.llm)}, lm_head {_count(p.head)}); weights {human(self.weight_bytes)} as {self.dtype}",
+            f"GPU memory: weights {human(self.weight_bytes)} + KV cache at batch {min(self.batch_size, self.n_samples)}"
+            f" {human(self.kv_bytes)} = {human(self.weight_bytes + self.kv_bytes)} (plus activations)",
+            f"first sample: {self.first_seq} prompt tokens, {self.first_image_tokens} image tokens in the LLM,"
+            f" answers up to {self.max_answer} tokens ({self.token_source})",
+            f"time: ~{_duration(t.seconds)} = max(GPU ~{_duration(t.gpu_seconds)}, writing ~{_duration(t.write_seconds)});"
+            f" GPU = prefill {_flops(t.prefill_flops)} at {hw.gpu_tflops:g} TFLOP/s ({_duration(t.prefill_seconds)})"
+            f" + {t.decode_steps:,} decode steps bound by {t.decode_bound} ({_duration(t.decode_seconds)});"
+            f" {hw.gpu_bandwidth_gbs:g} GB/s, {hw.step_ms_per_layer:g} ms per layer and step, writing at"
+            f" {hw.disk_mbps:g} MB/s",
+            *[f"note: {n}" for n in self.notes],
+            "",
+            f"{'array':<28} {'tokens':<7} {'values/sample':>14} {'bytes':>12}",
+        ]
+        for a in self.arrays:
+            lines.append(f"{a.name:<28} {a.kind:<7} {a.values_per_sample:>14,} {human(a.bytes):>12}")
+        lens = f"; plus the unembedding and final norm for the logit lens ({human(self.lens_bytes)})" if self.lens_values else ""
+        lines += ["", f"{len(self.arrays)} arrays, {human(self.raw_bytes)} as float16 ({human(self.bytes)} with codec"
+                      f" {self.codec}), {self.chunk_files:,} chunk files ({self.files:,} files with Zarr metadata,"
+                      f" chunks of {self.chunk_samples} samples){lens}"]
+        return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}" if n < 10 * scale else f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
+def _flops(flops: float) -> str:
+    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12)):
+        if flops >= scale:
+            return f"{flops / scale:,.1f} {unit}"
+    return f"{flops / 1e9:,.1f} GFLOP"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+def has_processor_files(source: str) -> bool:
+    """Whether ``source`` can give a processor: a hub id (assumed), or a folder with a tokenizer."""
+    path = Path(source)
+    return not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
 def meta_model(manifest: Manifest) -> LoadedModel:
+    """The manifest's model on the meta device; ``processor`` is None for a config-only folder."""
     from transformers import AutoModelForImageTextToText
 
     m = manifest.model
@@ -43,10 +265,28 @@ def meta_model(manifest: Manifest) -> LoadedModel:
     adapter_cls = adapter_class(config.model_type)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config, trust_remote_code=m.trust_remote_code)
-    processor = load_processor(src, adapter_cls, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    processor = None
+    if has_processor_files(src):
+        processor = load_processor(src, adapter_cls, revision=m.revision, trust_remote_code=m.trust_remote_code)
     return LoadedModel(model=model.eval(), processor=processor, adapter=adapter_cls(model), source=src,
                        dtype=torch.float32, device=torch.device("meta"), attn_implementation="sdpa",
                        revision=m.revision)
+
+
+def image_processor_settings(source: str | Path) -> tuple[dict[str, Any], str]:
+    """The image processor's saved settings in a model folder, as a dict, and which file held them:
+    ``preprocessor_config.json`` (hub checkpoints), else ``processor_config.json``'s
+    ``image_processor`` (what transformers 5 saves), else ``{}`` (the processor's defaults)."""
+    folder = Path(source)
+    path = folder / "preprocessor_config.json"
+    if path.is_file():
+        return json.loads(path.read_text()), "config.json + preprocessor_config.json"
+    path = folder / "processor_config.json"
+    if path.is_file():
+        saved = json.loads(path.read_text()).get("image_processor")
+        if isinstance(saved, dict):
+            return saved, "config.json + processor_config.json"
+    return {}, "config.json (no preprocessor_config.json: the image processor's defaults)"
 
 
 def _norm_dim(module: nn.Module) -> int | None:
@@ -77,43 +317,257 @@ def hidden_size(lm: LoadedModel, spec: TapSpec) -> int:
     return dim if dim is not None else _linears(module)[0].in_features
 
 
-def dry_run(manifest: Manifest, *, codec: str = "none") -> str:
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def count_params(lm: LoadedModel) -> Params:
+    a = lm.adapter
+    return Params(
+        total=_numel(lm.model),
+        vision=_numel(a.module(a.vision_layers)),
+        projector=_numel(a.module(a.projector)),
+        llm=_numel(a.module(a.llm_layers)),
+        head=_numel(a.module(a.lm_head)),
+    )
+
+
+# ------------------------------------------------------------------------------------------ token layouts
+
+def estimate_prompt_tokens(prompt: str, image_tokens: int) -> int:
+    """Prompt length without a tokenizer: image tokens + text at CHARS_PER_TOKEN + the template."""
+    return image_tokens + math.ceil(len(prompt) / CHARS_PER_TOKEN) + TEMPLATE_TOKENS
+
+
+def planned_layout(lm: LoadedModel, sample: PlanSample, settings: dict[str, Any]) -> SampleLayout:
+    """A SampleLayout from config alone: the adapter's planned geometry, estimated text around it."""
+    geometry = (lm.adapter.plan_geometry(sample.width, sample.height, settings) if sample.has_image
+                else ImageGeometry.none())
+    seq = estimate_prompt_tokens(" ".join((*sample.strings, sample.prompt)), geometry.llm_tokens)
+    start = TEMPLATE_TOKENS // 2  # where the image sits does not change any size
+    return SampleLayout(geometry=geometry, image_positions=np.arange(start, start + geometry.llm_tokens),
+                        last_position=seq - 1, length=seq)
+
+
+def sample_layouts(lm: LoadedModel, samples: Sequence[PlanSample], images: Sequence[Path | None] | None = None
+                   ) -> tuple[list[SampleLayout], bool, str]:
+    """One layout per sample (shared by samples of one image size), whether they are exact, and how
+    they were made. With a processor, it runs on the first sample of each size (``images`` needed)."""
+    by_size: dict[tuple[int, int], int] = {}
+    for i, s in enumerate(samples):
+        by_size.setdefault((s.width, s.height), i)
+    layouts: dict[tuple[int, int], SampleLayout] = {}
+    if lm.processor is not None and images is not None:
+        for size, i in by_size.items():
+            image = images[i] if samples[i].has_image else None
+            layouts[size] = prepare_batch(lm, [image], [samples[i].prompt], strings=[samples[i].strings]).layouts[0]
+        exact, source = True, "from the model's processor"
+    else:
+        settings, where = image_processor_settings(lm.source)
+        for size, i in by_size.items():
+            layouts[size] = planned_layout(lm, samples[i], settings)
+        exact = False
+        source = (f"image tokens from {where}, no tokenizer: text at ~{CHARS_PER_TOKEN} characters per token"
+                  f" + {TEMPLATE_TOKENS} template tokens")
+    return [layouts[(s.width, s.height)] for s in samples], exact, source
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+def kv_cache_bytes(lm: LoadedModel, tokens: int, batch: int, dtype: str) -> int:
+    """Keys and values of every LLM layer for ``batch`` sequences of ``tokens`` tokens."""
+    tc = lm.model.config.get_text_config()
+    heads = tc.num_attention_heads
+    kv_heads = getattr(tc, "num_key_value_heads", None) or heads
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+    return 2 * lm.adapter.n_layers("llm") * kv_heads * head_dim * PARAM_BYTES.get(dtype, 2) * tokens * batch
+
+
+def plan_samples(manifest: Manifest) -> tuple[int, list[PlanSample], list[Path]]:
+    """(number of sets, one PlanSample per stimulus, their image paths) from the manifest's sets."""
+    from PIL import Image
+
     sets, samples = collect_samples(manifest)
-    lm = meta_model(manifest)
-    request = tap_request(lm, manifest)
-    first = samples[0]
-    layout = prepare_batch(lm, [first.image], [first.prompt]).layouts[0]
-    seq = layout.length
     max_new = manifest.generation.max_new_tokens
-    answer = max(int(s.params.get("max_new_tokens", 32)) for s in samples) if max_new == "from_stimulus" else max_new
+    out = []
+    for s in samples:
+        width = height = 0  # a text-only task
+        if s.image is not None:
+            with Image.open(s.image) as im:  # reads the header only
+                width, height = im.size
+        budget = int(s.params.get("max_new_tokens", 32)) if max_new == "from_stimulus" else int(max_new)
+        out.append(PlanSample(width, height, s.prompt, budget, tuple(s.strings)))
+    return len(sets), out, [s.image for s in samples]
+
+
+def estimate_time(lm: LoadedModel, params: Params, layouts: Sequence[SampleLayout], samples: Sequence[PlanSample],
+                  batch_size: int, dtype: str, stored_bytes: int, hardware: Hardware) -> TimeEstimate:
+    """GPU time (prefill FLOPs at ``gpu_tflops``; per decode step the largest of reading the LLM's
+    weights, 2·params·batch FLOPs and generate's per-layer overhead) and the time to write
+    ``stored_bytes``; see docs/scale.md."""
+    flops_s = hardware.gpu_tflops * 1e12
+    prefix = lm.adapter.vision_prefix_tokens
+    prefill = 0.0
+    for lay in layouts:
+        g = lay.geometry
+        vision_tokens = extent(g.vision) + prefix * g.n_views
+        prefill += 2.0 * (params.vision * vision_tokens + params.projector * extent(g.projector_out)
+                          + params.llm * lay.length + params.head)
+    decoder = params.llm + params.head
+    step_read = decoder * PARAM_BYTES.get(dtype, 2) / (hardware.gpu_bandwidth_gbs * 1e9)
+    step_overhead = hardware.step_ms_per_layer * 1e-3 * lm.adapter.n_layers("llm")
+    steps, decode_s = 0, 0.0
+    for start in range(0, len(samples), batch_size):
+        batch = samples[start:start + batch_size]
+        n_steps = max(s.answer_budget for s in batch)
+        steps += n_steps
+        decode_s += n_steps * max(step_read, 2.0 * decoder * len(batch) / flops_s, step_overhead)
+    full = {"per-layer overhead": step_overhead, "weight reads": step_read,
+            "compute": 2.0 * decoder * min(batch_size, len(samples)) / flops_s}
+    return TimeEstimate(prefill_flops=prefill, decode_steps=steps, decode_seconds=decode_s,
+                        prefill_seconds=prefill / flops_s, write_seconds=stored_bytes / (hardware.disk_mbps * 1e6),
+                        decode_bound=max(full, key=full.get))
+
+
+def plan_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[PlanSample], *, n_sets: int = 1,
+             images: Sequence[Path | None] | None = None, codec: str = "none", hardware: Hardware = Hardware()
+             ) -> RunPlan:
+    """The arrays, bytes, files and time of ``manifest`` over ``samples`` with the (meta) model ``lm``."""
+    if not samples:
+        from extract.manifest import ManifestError
+
+        raise ManifestError("the stimulus sets hold no samples (check limit)")
+    request = tap_request(lm, manifest)
+    layouts, exact, source = sample_layouts(lm, samples, images)
     heads = lm.model.config.get_text_config().num_attention_heads
-    planned = []
+    n = len(samples)
+    cs = min(manifest.chunk_samples, n)  # the store never makes a chunk larger than the array
+    n_chunks = -(-n // cs)
+    # image tokens are dense when every sample has an image and all have one size (as the run decides)
+    uniform = all(s.has_image for s in samples) and len({(s.width, s.height) for s in samples}) == 1
+    budgets = np.array([s.answer_budget for s in samples], dtype=np.int64)
+    seqs = np.array([lay.length for lay in layouts], dtype=np.int64)
+    arrays = []
     for name, kinds in request.items():
         spec = TapSpec.parse(name)
         spec = TapSpec(spec.tap, spec.layer % lm.adapter.n_layers(spec.tap), spec.site)
+        dim = None if spec.tap == "attn" else hidden_size(lm, spec)
         for kind in kinds:
             if spec.tap == "attn":
-                per = heads * (seq if kind == "last" else answer * (seq + answer))
-            else:
-                dim = hidden_size(lm, spec)
-                grid = layout.grid(spec.tap, spec.site) if spec.tap in ("vision", "projector") else None
-                tokens = {"image": extent(grid) if grid else len(layout.image_positions), "last": 1,
-                          "answer": answer}[kind]
-                per = tokens * dim
-            planned.append(PlannedArray(spec.name, kind, per))
+                per = heads * (seqs if kind == "last" else budgets * (seqs + budgets))
+                ragged = True  # one [heads] row per key (or per query x key)
+            elif kind == "image":
+                per = np.array([(extent(g) if (g := lay.grid(spec.tap, spec.site)) else len(lay.image_positions))
+                                for lay in layouts], dtype=np.int64) * dim
+                ragged = not uniform
+            elif kind == "last":
+                per, ragged = np.full(n, dim, dtype=np.int64), False
+            else:  # answer: one row per answer token
+                per, ragged = budgets * dim, True
+            total = int(per.sum())
+            stored = total * STORED_BYTES if ragged else n_chunks * cs * int(per.max()) * STORED_BYTES
+            arrays.append(PlannedArray(spec.name, kind, int(per.max()), total, ragged, n_chunks, stored))
+    lens = 0
+    if manifest.logit_lens:
+        a = lm.adapter
+        lens = _numel(a.module(a.lm_head)) + _numel(a.module(a.final_norm))
+    params = count_params(lm)
+    dtype = manifest.model.dtype
+    plan = RunPlan(
+        run=manifest.run, model=lm.source, model_type=lm.model_type, adapter=type(lm.adapter).__name__,
+        n_samples=n, n_sets=n_sets, batch_size=manifest.batch_size, chunk_samples=cs, codec=codec, dtype=dtype,
+        exact_tokens=exact, token_source=source, first_seq=int(layouts[0].length),
+        first_image_tokens=len(layouts[0].image_positions), max_answer=int(budgets.max()), params=params,
+        arrays=arrays, lens_values=lens, kv_bytes=kv_cache_bytes(lm, int((seqs + budgets).max()),
+                                                               min(manifest.batch_size, n), dtype),
+        hardware=hardware,
+        time=TimeEstimate(0.0, 0, 0.0, 0.0, 0.0, ""),
+    )
+    plan.time = estimate_time(lm, params, layouts, samples, manifest.batch_size, dtype, plan.bytes + plan.lens_bytes,
+                              hardware)
+    if dtype == "float32" and params.total > 1e9:
+        plan.notes.append(f"model.dtype is float32: {human(plan.weight_bytes)} of weights and twice the decode time"
+                          " of bfloat16 (set model.dtype: bfloat16 for a real model)")
+    return plan
+
+
+def plan_manifest(manifest: Manifest, *, codec: str = "none", hardware: Hardware = Hardware()) -> RunPlan:
+    n_sets, samples, images = plan_samples(manifest)
+    lm = meta_model(manifest)
+    return plan_run(manifest, lm, samples, n_sets=n_sets, images=images, codec=codec, hardware=hardware)
+
+
+def variant_plan(manifest: Manifest) -> str:
+    """What a head-ablation or token-compression run will do (it stores results, not activations)."""
+    n_sets, samples, _ = plan_samples(manifest)
+    lm = meta_model(manifest)
+    spec = manifest.intervention
     n = len(samples)
-    raw = sum(a.values_per_sample for a in planned) * n * STORED_BYTES
-    lines = [
-        f"run {manifest.run}: model {lm.source} ({lm.model_type}, adapter {type(lm.adapter).__name__}),"
-        f" {n} samples from {len(sets)} set(s), batch {manifest.batch_size}",
-        f"first sample: {seq} prompt tokens, {len(layout.image_positions)} image tokens in the LLM,"
-        f" answers up to {answer} tokens",
-        "",
-        f"{'array':<28} {'tokens':<7} {'values/sample':>14} {'bytes':>12}",
-    ]
-    for a in planned:
-        lines.append(f"{a.name:<28} {a.kind:<7} {a.values_per_sample:>14,} {human(a.values_per_sample * n * STORED_BYTES):>12}")
-    ratio = CODEC_RATIO.get(codec, 1.0)
-    lens = "; plus the unembedding and final norm for the logit lens" if manifest.logit_lens else ""
-    lines += ["", f"{len(planned)} arrays, {human(raw)} as float16 ({human(raw / ratio)} with codec {codec}){lens}"]
-    return "\n".join(lines)
+    head = f"run {manifest.run}: model {lm.source} ({lm.model_type}), {n} samples from {n_sets} set(s)"
+    if spec.kind == "head_ablation":
+        from extract.interventions.heads import head_site
+
+        layers = expand_layers(spec.layers, lm.adapter.n_layers(spec.tap))
+        heads = head_site(lm, spec.tap, layers[0]).n_heads if spec.heads == "all" else len(spec.heads)
+        batches = -(-n // manifest.batch_size)
+        per_batch = 1 + len(layers) * heads
+        return "\n".join([
+            head,
+            f"intervention head_ablation: {spec.tap} layers {layers}, {heads} heads each, zeroed one at a time,"
+            " teacher-forced on the reference answer",
+            f"{batches} batches x ({per_batch} teacher-forced forwards + 1 greedy generate) = {batches * per_batch:,}"
+            f" forwards; {n * len(layers) * heads:,} head_ablations rows, {n} generations; no activations",
+        ])
+    return "\n".join([
+        head,
+        f"intervention token_compression: keep {spec.keep}, drop punctuation {spec.drop_punctuation}, decoder"
+        f" {spec.decoder or 'the model unembedding'}",
+        f"{n} single-sample prefills + greedy decoding; {n} generations with retained ratios; no activations",
+    ])
+
+
+def dry_run(manifest: Manifest, *, codec: str = "none", hardware: Hardware = Hardware()) -> str:
+    spec = manifest.intervention
+    if spec is not None and spec.kind in ("head_ablation", "token_compression"):
+        return variant_plan(manifest)
+    text = plan_manifest(manifest, codec=codec, hardware=hardware).render()
+    if spec is not None:  # rope_scaling: a normal run under a changed forward
+        params = ", ".join(f"{k} {v}" for k, v in spec.model_dump().items() if k != "kind")
+        text = f"intervention {spec.kind}: {params} (vision rotary frequencies scaled during the run)\n" + text
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = Hardware()
+    parser = argparse.ArgumentParser(prog="python -m extract.dry_run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("manifest", help="extraction manifest (YAML)")
+    parser.add_argument("--codec", default="none", help="none (default), zstd, bitround8, bitround7")
+    parser.add_argument("--gpu-tflops", type=float, default=d.gpu_tflops,
+                        help=f"dense TFLOP/s reached in prefill (default {d.gpu_tflops:g})")
+    parser.add_argument("--gpu-bandwidth-gbs", type=float, default=d.gpu_bandwidth_gbs,
+                        help=f"GPU memory read rate in GB/s reached when decoding (default {d.gpu_bandwidth_gbs:g})")
+    parser.add_argument("--disk-mbps", type=float, default=d.disk_mbps,
+                        help=f"the store's write rate in MB/s (default {d.disk_mbps:g})")
+    parser.add_argument("--step-ms-per-layer", type=float, default=d.step_ms_per_layer,
+                        help=f"generate's overhead per decoder layer and step in ms (default {d.step_ms_per_layer:g};"
+                             " 0 for an engine that replays CUDA graphs)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    from extract.manifest import ManifestError, load_manifest
+    from extract.models.errors import ModelError
+    from store import StoreError
+
+    if args.codec not in CODEC_RATIO:
+        parser.error(f"--codec must be one of {', '.join(CODEC_RATIO)}")
+    hardware = Hardware(args.gpu_tflops, args.gpu_bandwidth_gbs, args.disk_mbps, args.step_ms_per_layer)
+    try:
+        plan = plan_manifest(load_manifest(args.manifest), codec=args.codec, hardware=hardware)
+    except (ManifestError, ModelError, StoreError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.as_dict(), indent=2, default=str) if args.json else plan.render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

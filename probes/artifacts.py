@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,18 @@ META_KEY = "agnosia_probe"
 FOLDER = "probes"
 
 
+_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
 def artifact_path(workspace: str | os.PathLike[str], key: str) -> Path:
+    """``<workspace>/probes/<key>.safetensors``; a key that would leave that folder is refused."""
+    if not isinstance(key, str) or not _KEY.match(key):
+        from probes.errors import ProbeError
+
+        raise ProbeError(
+            f"probe key {key!r} is not a probe key (letters, digits, '_', '.', '-'; the farm writes 16 hex digits,"
+            " see params->>'key' of the probes table): refusing a path outside the workspace's probes/ folder"
+        )
     return Path(workspace) / FOLDER / f"{key}.safetensors"
 
 

@@ -422,6 +422,7 @@ def _has_bokeh() -> bool:
 
 def load_probe(data: str | os.PathLike[str] | None, key: str) -> Any:
     """The fitted probe saved for ``key`` (see the ``artifact`` column)."""
+    from probes.artifacts import artifact_path
     from probes.kinds.base import Probe
 
-    return Probe.load(Path(open_workspace(data).path) / "probes" / f"{key}.safetensors")
+    return Probe.load(artifact_path(open_workspace(data).path, key))

@@ -26,9 +26,14 @@ from pathlib import Path
 
 import duckdb
 
-from store.errors import ManifestBusyError, WorkspaceError
+from store.errors import DiskFullError, ManifestBusyError, WorkspaceError, disk_full_error, is_disk_full
 
 DEFAULT_TIMEOUT = 30.0
+# A read-only DuckDB connection still writes files through COPY ... TO, EXPORT DATABASE or
+# ATTACH (even over the store's own chunk files), and reads any file through read_csv & co.
+# Readers get neither: no file system access beyond the manifest itself, and the setting locked
+# so that SQL cannot turn it back on (docs/reliability.md, "Security").
+READ_ONLY_CONFIG = {"enable_external_access": False, "lock_configuration": True}
 _MARKER_STALE_S = 5.0
 _READER_YIELD_S = 1.0
 
@@ -64,6 +69,10 @@ def connect(path: Path, *, read_only: bool, timeout: float = DEFAULT_TIMEOUT) ->
         con = _open(path, read_only, deadline, timeout)
         try:
             yield con
+        except duckdb.Error as err:
+            if is_disk_full(err):  # e.g. the WAL append of a COMMIT on a full disk
+                raise disk_full_error(path, err) from err
+            raise
         finally:
             con.close()
     finally:
@@ -88,7 +97,7 @@ def _open(path: Path, read_only: bool, deadline: float, timeout: float) -> duckd
     try:
         while True:
             try:
-                return duckdb.connect(str(path), read_only=read_only)
+                return duckdb.connect(str(path), read_only=read_only, config=READ_ONLY_CONFIG if read_only else {})
             except duckdb.Error as err:
                 if not is_lock_conflict(err):
                     raise manifest_error(path, err) from err
@@ -108,7 +117,19 @@ def _open(path: Path, read_only: bool, deadline: float, timeout: float) -> duckd
             marker.unlink(missing_ok=True)
 
 
-def manifest_error(path: Path, err: BaseException) -> WorkspaceError:
+def rollback(con: duckdb.DuckDBPyConnection) -> None:
+    """ROLLBACK after a failed statement, without masking its error: when DuckDB could not write
+    the COMMIT (a full disk), the transaction is already gone and ROLLBACK itself raises
+    "no transaction is active", which would replace the real cause."""
+    try:
+        con.execute("ROLLBACK")
+    except duckdb.Error:
+        pass
+
+
+def manifest_error(path: Path, err: BaseException) -> WorkspaceError | DiskFullError:
+    if is_disk_full(err):  # not a corrupt manifest: DuckDB could not write (creating it, replaying its WAL)
+        return disk_full_error(path, err)
     if isinstance(err, duckdb.ConnectionException) and "different configuration" in str(err):
         return WorkspaceError(
             f"this process already holds {path} open with another mode ({err}); close that connection"

@@ -45,7 +45,7 @@ def _item_shape_after(info: ArrayInfo, index: Index | None) -> tuple[int, ...]:
 
 
 def _require_array(workspace: Path, info: ArrayInfo) -> Path:
-    folder = workspace / layout.ZARR_DIR / info.zarr_path
+    folder = layout.node_dir(workspace, info.zarr_path)
     if not (folder / "zarr.json").is_file():
         raise WorkspaceError(
             f"array {info.key()} is listed in the manifest but missing on disk (expected {folder}/zarr.json)."
@@ -58,7 +58,7 @@ def read_dense(workspace: Path, info: ArrayInfo, rows: np.ndarray, index: Index 
     folder = _require_array(workspace, info)
     stored = numpy_dtype(info.stored_dtype)
     if info.codec != "none":
-        z = zarr.open_array(str(folder), mode="r")
+        z = zarr.open_array(str(folder), mode="r", zarr_format=3)
         values = z.get_orthogonal_selection((rows, *[slice(None)] * len(info.item_shape)))
         if index is not None:
             values = values[(slice(None), *index)]
@@ -83,7 +83,7 @@ def read_chunk_rows(
     """Rows ``local`` (0-based inside chunk ``k``) of a dense array; also the dask task."""
     workspace = Path(workspace)
     if info.codec != "none":
-        z = zarr.open_array(str(_require_array(workspace, info)), mode="r")
+        z = zarr.open_array(str(_require_array(workspace, info)), mode="r", zarr_format=3)
         values = z.get_orthogonal_selection((local + k * info.chunk_samples, *[slice(None)] * len(info.item_shape)))
         if index is not None:
             values = values[(slice(None), *index)]
@@ -157,8 +157,8 @@ def read_ragged(workspace: Path, info: ArrayInfo, rows: np.ndarray, bf16_as: str
     for k, local, _, _ in group_by_chunk(rows, info.chunk_samples):
         block = folder / layout.block_name(k)
         try:
-            offsets = zarr.open_array(str(block / "offsets"), mode="r")[...]
-            rows_z = zarr.open_array(str(block / "rows"), mode="r")
+            offsets = zarr.open_array(str(block / "offsets"), mode="r", zarr_format=3)[...]
+            rows_z = zarr.open_array(str(block / "rows"), mode="r", zarr_format=3)
         except (FileNotFoundError, KeyError, ValueError) as err:
             raise WorkspaceError(
                 f"block {k} of ragged array {info.key()} is committed but unreadable at {block} ({err}):"

@@ -102,7 +102,7 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
         if run and run_id != run:
             continue
         try:
-            values = np.ascontiguousarray(zarr.open_array(str(ws.zarr_path / path), mode="r")[...])
+            values = np.ascontiguousarray(zarr.open_array(str(layout.node_dir(ws.path, path)), mode="r", zarr_format=3)[...])
             if checksums and crc32c(values) != crc:
                 rep.problems.append(f"tensor {run_id}/{name}: checksum mismatch at {ws.zarr_path / path}")
         except Exception as err:  # noqa: BLE001 - any failure to read is the finding
@@ -121,12 +121,16 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
 
 def _check_array(ws: Workspace, info: ArrayInfo, status: str, chunks: list[tuple], checksums: bool, rep: VerifyReport) -> None:
     where = info.key()
-    folder = ws.zarr_path / info.zarr_path
+    try:
+        folder = layout.node_dir(ws.path, info.zarr_path)
+    except StoreError as err:
+        rep.problems.append(f"{where}: {err}")
+        return
     if not (folder / "zarr.json").is_file():
         rep.problems.append(f"{where}: array missing on disk (expected {folder}/zarr.json)")
         return
     try:
-        node = zarr.open(str(folder), mode="r")
+        node = zarr.open(str(folder), mode="r", zarr_format=3)
     except Exception as err:  # noqa: BLE001
         rep.problems.append(f"{where}: cannot open {folder}: {err}")
         return

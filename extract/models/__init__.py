@@ -22,8 +22,10 @@ from .errors import (
     ModelError,
     ModelNotFoundError,
     NonFiniteActivationError,
+    PlanningError,
     TapError,
     UnknownArchitectureError,
+    UntrustedCodeError,
 )
 from .inputs import Batch, open_image, prepare_batch
 from .layout import GridSegment, ImageGeometry, SampleLayout
@@ -33,8 +35,8 @@ from .taps import SITES, TAPS, TOKEN_KINDS, CaptureKey, TapSpec
 
 __all__ = [
     "Adapter", "Batch", "CaptureKey", "CaptureResult", "FinalNorm", "GridSegment", "ImageGeometry", "InputError",
-    "LoadedModel", "ModelError", "ModelNotFoundError", "NonFiniteActivationError", "RaggedTokens", "Readout",
-    "SITES", "SampleLayout", "TAPS", "TOKEN_KINDS", "TapError", "TapSpec", "UnknownArchitectureError",
+    "LoadedModel", "ModelError", "ModelNotFoundError", "NonFiniteActivationError", "PlanningError", "RaggedTokens", "Readout",
+    "SITES", "SampleLayout", "TAPS", "TOKEN_KINDS", "TapError", "TapSpec", "UnknownArchitectureError", "UntrustedCodeError",
     "adapter_class", "adapter_for", "capture", "capture_generate", "hook_points", "load_model", "open_image", "plan",
     "prepare_batch", "readout", "register", "resolve_tap", "supported",
 ]

@@ -29,3 +29,11 @@ class InputError(ModelError, ValueError):
 
 class NonFiniteActivationError(ModelError, FloatingPointError):
     """A captured activation holds NaN or inf."""
+
+
+class PlanningError(ModelError, NotImplementedError):
+    """A dry run cannot size this model from its config alone (it needs the processor files)."""
+
+
+class UntrustedCodeError(ModelError, ValueError):
+    """The model ships its own Python code and the manifest did not set ``trust_remote_code``."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from .adapters import Adapter, adapter_class, registry
 from .compat import patch_processors_without_torchvision, register_capture_attention
-from .errors import ModelNotFoundError
+from .errors import ModelNotFoundError, UntrustedCodeError
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -100,6 +100,14 @@ def load_config(source: str, *, revision: str | None = None, trust_remote_code: 
 
     try:
         return AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise UntrustedCodeError(
+            f"{source!r} ships its own Python code (config.json auto_map), which agnosia never runs unless asked:"
+            " read that code, then set `model: {trust_remote_code: true}` in the manifest to allow it"
+            " (or pass trust_remote_code=True to load_model)"
+        ) from err
     except OSError as err:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         raise ModelNotFoundError(

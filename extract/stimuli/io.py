@@ -21,7 +21,7 @@ import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pyarrow as pa
@@ -127,6 +127,21 @@ def _save_png(img: Image.Image, folder: Path, sub: str, stim_id: str, made: set[
     return rel
 
 
+# Columns of truth.parquet that name files of the set: the image and the extra images (masks/).
+PATH_COLUMNS = ("image", "mask")
+
+
+def check_member(rel: object, folder: Path, what: str) -> str:
+    """``rel`` if it is a relative path inside the set ``folder`` (no absolute path, no ``..``)."""
+    parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
+    if not parts or rel.startswith(("/", "~")) or "\\" in rel or ".." in parts or ":" in parts[0]:
+        raise StimulusError(
+            f"{what} is {rel!r}: image paths in a stimulus set are relative to its folder {folder} and stay inside"
+            " it (e.g. 'images/<id>.png'); the set was edited or is not from `python -m extract.stimuli`. Regenerate it"
+        )
+    return rel
+
+
 @dataclass(frozen=True)
 class StimulusSet:
     """A set folder opened for reading."""
@@ -150,7 +165,7 @@ class StimulusSet:
         rel = row[column]
         if rel is None:
             raise StimulusError(f"stimulus {row['id']} has no {column}")
-        path = self.path / rel
+        path = self.path / check_member(rel, self.path, f"{column} of stimulus {row['id']}")
         try:
             with Image.open(path) as img:
                 img.load()
@@ -172,9 +187,14 @@ def read_set(path: str | os.PathLike[str]) -> StimulusSet:
             " write one with `python -m extract.stimuli FAMILY --out PATH`"
         )
     meta = json.loads(meta_file.read_text())
+    table = pq.read_table(truth_file)
+    for column in (c for c in table.column_names if c in PATH_COLUMNS):
+        for i, rel in enumerate(table.column(column).to_pylist()):
+            if rel is not None:
+                check_member(rel, path, f"{column} of row {i} of {truth_file}")
     if meta.get("format_version", 0) > SET_FORMAT_VERSION:
         raise StimulusError(
             f"{path} was written by a newer agnosia (set format {meta['format_version']},"
             f" this one reads {SET_FORMAT_VERSION}): upgrade agnosia"
         )
-    return StimulusSet(path=path, meta=meta, table=pq.read_table(truth_file))
+    return StimulusSet(path=path, meta=meta, table=table)

@@ -52,6 +52,22 @@ class QwenAdapter(Adapter):
             out.append(ImageGeometry(vision=patch, projector_in=patch, projector_out=merged, llm=merged, n_views=t))
         return out
 
+    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+        """Qwen's processor resizes to multiples of ``patch * merge`` within [min_pixels, max_pixels]
+        (transformers' own ``smart_resize``), then cuts ``patch`` px patches: (H/14)*(W/14)/4 LLM
+        tokens for the released 14 px models."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        vc = self.config.vision_config
+        patch = int(image_processor.get("patch_size") or vc.patch_size)
+        merge = int(image_processor.get("merge_size") or vc.spatial_merge_size)
+        size = image_processor.get("size") or {}
+        # min_pixels / max_pixels override size, as in the processor; else transformers' defaults
+        lo = image_processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56
+        hi = image_processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280
+        h, w = smart_resize(height, width, factor=patch * merge, min_pixels=lo, max_pixels=hi)
+        return self.geometry({"image_grid_thw": torch.tensor([[1, h // patch, w // patch]])})[0]
+
     # --- reorder indices ---------------------------------------------------------------------
     def _unit_order(self, inputs: Mapping[str, Any]) -> torch.Tensor | None:
         """Packed position of each merge unit (raster over the batch), or None if already raster."""

@@ -69,6 +69,24 @@ class Adapter:
         """One ImageGeometry per sample, from the processor's outputs (before the forward)."""
         raise NotImplementedError
 
+    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+        """The geometry the family's processor would give one ``width`` x ``height`` image, from the
+        config and the image processor's settings alone (``preprocessor_config.json`` as a dict, ``{}``
+        when the folder has none): no tokenizer, no processor, no weights.
+
+        ``python -m extract MANIFEST --dry-run`` uses it for a model folder that holds only config
+        files (e.g. ``manifests/configs/*``). Implementations build the processor's outputs that
+        :meth:`geometry` reads (``image_grid_thw``, a ``pixel_values`` shape, image-token ids) and call
+        it, so the two cannot drift apart; the tests check each against the real processor.
+        """
+        from ..errors import PlanningError
+
+        raise PlanningError(
+            f"{self.family}: planning from config.json alone is not implemented for this family (its image"
+            " tokens depend on the processor's tiling); put the tokenizer and processor files in the model"
+            " folder (or use the hub id) and the dry run runs the real processor on the first stimulus"
+        )
+
     def aux(self, inputs: Mapping[str, Any], geometry: list[ImageGeometry]) -> dict[str, Any]:
         """Per-batch tensors that the hook transforms need (e.g. reorder indices)."""
         return {}

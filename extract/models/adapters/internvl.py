@@ -47,6 +47,30 @@ class InternVLAdapter(Adapter):
             out.append(ImageGeometry(patches, shuffled, shuffled, shuffled, n_views=n))
         return out
 
+    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+        """The processor's best tiling of ``image_size`` tiles (transformers' ``get_optimal_tiled_canvas``)
+        plus a thumbnail when it cuts more than one tile; 256 tokens per tile for 448 px, 14 px patches
+        and pixel shuffle 0.5. InternVLProcessor crops to patches by default whatever the saved image
+        processor says, and the extraction runs it with its defaults, so the plan tiles too."""
+        import torch
+
+        vc = self.config.vision_config
+        (ih, iw), (ph, pw) = _pair(vc.image_size), _pair(vc.patch_size)
+        shuffle = round(1 / self.config.downsample_ratio)
+        per_view = (ih // ph // shuffle) * (iw // pw // shuffle)
+        views = 1
+        max_patches = int(image_processor.get("max_patches", 12))
+        if max_patches > 1:
+            from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas
+
+            size = image_processor.get("size") or {"height": ih, "width": iw}
+            cols, rows = get_optimal_tiled_canvas(
+                (height, width), (size["height"], size["width"]), int(image_processor.get("min_patches", 1)), max_patches
+            )
+            views += cols * rows if cols * rows > 1 else 0
+        ids = torch.full((1, views * per_view), self.image_token_id)
+        return self.geometry({"input_ids": ids})[0]
+
     @classmethod
     def build_tiny(cls, seed: int) -> tuple[Any, Any]:
         from transformers import GotOcr2ImageProcessorPil, InternVLConfig, InternVLForConditionalGeneration, InternVLProcessor

@@ -39,6 +39,12 @@ class ToyCounterAdapter(Adapter):
         n = inputs["pixel_values"].shape[0]
         return [ImageGeometry(vision=grid, projector_in=grid, projector_out=grid, llm=grid) for _ in range(n)]
 
+    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+        """One token per board intersection, whatever the image size."""
+        import torch
+
+        return self.geometry({"pixel_values": torch.empty(1, 3, height, width, device="meta")})[0]
+
     def plain_prompt(self, processor: Any, prompt: str, *, image: bool = True, strings: tuple[str, ...] = ()) -> str:
         from lab.processor import prompt as study_prompt
 
