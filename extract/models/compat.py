@@ -1,9 +1,12 @@
 """Two process-wide adjustments to transformers, each applied once and idempotent.
 
-1. No torchvision: the PyPI torchvision wheel crashes on import with CPU torch, so transformers has
-   no video processors, and processors that declare a ``video_processor`` attribute cannot be built,
-   saved or loaded. Dropping that attribute from ``ProcessorMixin.get_attributes`` lets every VLM
-   processor work on images (platform-notes §2). Applied only when torchvision is unusable.
+1. No video processors: the PyPI torchvision wheel crashes on import with CPU torch, so transformers
+   has no video processors there, and processors that declare a ``video_processor`` attribute cannot
+   be built, saved or loaded. Dropping that attribute from ``ProcessorMixin.get_attributes`` lets
+   every VLM processor work on images (platform-notes §2). Applied with or without torchvision: agnosia
+   feeds images only, the tiny-model recipes build processors with ``video_processor=None`` (which
+   transformers refuses when torchvision is importable, as on CUDA machines), and one processor
+   layout on every machine keeps CPU and GPU runs alike.
 2. The ``"capture"`` attention implementation: eager attention for the modules whose maps are
    requested (exactly the model's own eager code, so values match ``output_attentions``), the
    model's usual kernel for every other module. Eager/sdpa alone cannot do this: sdpa returns no
@@ -39,18 +42,18 @@ _patched: dict[str, bool] = {}
 
 
 def patch_processors_without_torchvision() -> None:
+    """Processors without their ``video_processor`` attribute, whether torchvision imports or not
+    (before: only without it, so the tiny recipes' ``video_processor=None`` failed on a GPU machine)."""
     if _patched.get("processors"):
         return
     from transformers import ProcessorMixin
-    from transformers.utils import is_torchvision_available
 
-    if not is_torchvision_available():
-        original = ProcessorMixin.get_attributes.__func__
+    original = ProcessorMixin.get_attributes.__func__
 
-        def get_attributes(cls: type) -> list[str]:
-            return [a for a in original(cls) if a != "video_processor"]
+    def get_attributes(cls: type) -> list[str]:
+        return [a for a in original(cls) if a != "video_processor"]
 
-        ProcessorMixin.get_attributes = classmethod(get_attributes)
+    ProcessorMixin.get_attributes = classmethod(get_attributes)
     _patched["processors"] = True
 
 

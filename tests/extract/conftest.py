@@ -33,14 +33,15 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_dir):
-    """arch -> LoadedModel read back through extract.models.load_model (loaded on first use)."""
-    from extract.models import load_model
+    """arch -> LoadedModel read back through extract.models.load_model (loaded on first use), on the
+    test device and dtype (``AGNOSIA_TEST_DEVICE`` / ``AGNOSIA_TEST_DTYPE``, see devices.py)."""
+    from devices import load
 
     loaded: dict[str, object] = {}
 
     def get(arch: str):
         if arch not in loaded:
-            loaded[arch] = load_model(tiny_dir(arch), device="cpu")
+            loaded[arch] = load(tiny_dir(arch))
         return loaded[arch]
 
     return get

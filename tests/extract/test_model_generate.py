@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import close
 from tiny_cases import IMAGE, noise_image
 
 from extract.models import capture, capture_generate, prepare_batch
@@ -11,7 +12,7 @@ from extract.models.errors import TapError
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # PaliGemma's processor
 STEPS = 4
-TOL = dict(rtol=1e-4, atol=1e-4)  # KV-cache decoding vs one full forward: float rounding only
+TOL = dict(rtol=1e-4, atol=1e-4)  # KV-cache decoding vs one full forward: float rounding only (bf16: devices.close)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava_onevision", "gemma3", "paligemma"])
@@ -38,7 +39,7 @@ def test_generate_capture_equals_teacher_forcing(arch, tiny_lm):
             assert n_keys == batch.seq_len and not want[..., n_keys:].any()
             want = want[..., :n_keys]
         # answer attention rows are zero-padded to the final key length: the forced run's length
-        torch.testing.assert_close(mine, want, **TOL, msg=key.name)
+        close(mine, want, **TOL, msg=key.name)
     for b in range(2):
         assert gen.layouts[b].answer_positions.tolist() == forced.layouts[b].answer_positions.tolist()
     # greedy: the logits at the last prompt token pick the first generated token

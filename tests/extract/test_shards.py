@@ -56,7 +56,8 @@ def _everything(ws: Workspace, run: str) -> dict[str, object]:
 def test_two_shard_processes_equal_one_run(setup):
     root, manifest, data = setup
     ws_path = root / "ws"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # keep e.g. a wheel --target dir
+    env = {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "extract", str(manifest), "--data", str(ws_path), "--shard",
                                f"{i}/2", "--no-progress"], cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from devices import allclose, close, load, model_config
 
 from extract.manifest import ManifestError, parse_manifest
-from extract.models import capture, load_model, prepare_batch
+from extract.models import capture, prepare_batch
 from extract.models.errors import InputError
 from extract.run import run_extraction
 from extract.stimuli import get_family
@@ -21,7 +22,7 @@ TOY = "lab/checkpoints/toy-counter"
 
 @pytest.fixture(scope="module")
 def toy():
-    return load_model(TOY, device="cpu")
+    return load(TOY)  # AGNOSIA_TEST_DEVICE / AGNOSIA_TEST_DTYPE (devices.py)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_text_only_batch_has_the_string_and_no_image_tokens(toy):
     res = capture(toy, batch, ["llm.0", "vision.0"], tokens=("last",))
     with torch.no_grad():
         hidden = toy.model(**batch.inputs, output_hidden_states=True).hidden_states
-    torch.testing.assert_close(res[("llm", 0, "resid_post", "last")][0, 0], hidden[1][0, batch.layouts[0].last_position])
+    close(res[("llm", 0, "resid_post", "last")][0, 0], hidden[1][0, batch.layouts[0].last_position])
 
 
 def test_a_batch_cannot_mix_modalities(toy, go_sets):
@@ -71,7 +72,7 @@ def test_text_only_run_refuses_image_taps(go_sets, tmp_path):
 def test_a_run_mixing_boards_and_text_twins(toy, go_sets, tmp_path):
     boards, strings = go_sets
     manifest = parse_manifest({
-        "run": "mixed", "model": {"path": TOY},
+        "run": "mixed", "model": {"path": TOY, **model_config()},
         "stimuli": [{"set": str(boards), "task": "multimodal_num"}, {"set": str(strings), "task": "text_only_num"}],
         "taps": [{"tap": "vision", "layers": [-1]}, {"tap": "llm", "layers": [1], "tokens": ["image", "last"]}],
         "generation": {"max_new_tokens": 4}, "batch_size": 4, "chunk_samples": 2,
@@ -92,5 +93,5 @@ def test_a_run_mixing_boards_and_text_twins(toy, go_sets, tmp_path):
                         " WHERE array_row = ?", [row])[0]
         batch = prepare_batch(toy, [None], [stim[1]], strings=[(stim[0],)])
         ref = capture(toy, batch, ["llm.1"], tokens=("last",))[("llm", 1, "resid_post", "last")][0]
-        np.testing.assert_allclose(last[row], ref.numpy().astype(np.float16), rtol=1e-3, atol=1e-3)
+        allclose(last[row], ref.float().numpy().astype(np.float16), rtol=1e-3, atol=1e-3)
     assert all(r[3] for r in rows[3:])  # "2 0" is the toy's way of writing 20
