@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -78,6 +79,7 @@ class ModelSpec(_Strict):
     revision: str | None = None
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"
+    device_map: str | None = None  # e.g. "auto": spread a model too large for one GPU (device is then ignored)
     trust_remote_code: bool = False
 
 
@@ -111,6 +113,45 @@ class GenerationSpec(_Strict):
     do_sample: Literal[False] = False
 
 
+class RopeScalingSpec(_Strict):
+    """Seed 002's vision RoPE scaling: frequency i of d/2 multiplied by g(x_i), x_i = 2i/d.
+
+    ``poly``: g = 1 + alpha * x**p; ``sigmoid``: g = 1 + alpha * sigmoid(k * (x - m)).
+    The study's defaults: alpha 99, p 6 (model file) / 8 (evaluation patch) / 10 (training script).
+    """
+
+    kind: Literal["rope_scaling"]
+    form: Literal["poly", "sigmoid"] = "poly"
+    alpha: float = Field(default=99.0, ge=0)
+    p: float = Field(default=8.0, gt=0)
+    m: float = 0.5
+    k: float = 20.0
+
+
+class HeadAblationSpec(_Strict):
+    """Seed 001's counting heads: zero one attention head at a time, teacher-forced on the
+    reference answer, and record whether any answer token's argmax flips."""
+
+    kind: Literal["head_ablation"]
+    tap: Literal["llm", "vision"] = "llm"
+    layers: Layers = "all"
+    heads: Literal["all"] | list[int] = "all"
+
+
+class TokenCompressionSpec(_Strict):
+    """Seed 002's run-length compression of image tokens at prefill: each image token's top-1
+    vocabulary token (through ``decoder``, default the model's own unembedding of the projector
+    output), runs of one token merged into one embedding, punctuation/whitespace runs dropped."""
+
+    kind: Literal["token_compression"]
+    keep: Literal["first", "mean"] = "first"
+    drop_punctuation: bool = True
+    decoder: str | None = None  # safetensors file holding "weight" [vocab, hidden]
+
+
+Intervention = Annotated[RopeScalingSpec | HeadAblationSpec | TokenCompressionSpec, Field(discriminator="kind")]
+
+
 class Manifest(_Strict):
     run: str
     model: ModelSpec
@@ -123,6 +164,7 @@ class Manifest(_Strict):
     workspace: str | None = None
     logit_lens: bool = True
     shard: str | None = None  # "i/k": this process fills chunk i of every k (`--shard` overrides)
+    intervention: Intervention | None = None  # a variant run: see extract/interventions/
 
     @field_validator("run")
     @classmethod
@@ -145,6 +187,14 @@ class Manifest(_Strict):
     def _something_to_do(self) -> Manifest:
         if not self.stimuli:
             raise ValueError("stimuli is empty: list at least one stimulus set")
+        kind = self.intervention.kind if self.intervention else None
+        if kind in ("head_ablation", "token_compression") and (self.taps or self.attention):
+            raise ValueError(
+                f"a {kind} run records its own results (head_ablations rows / generations with retained"
+                " ratios), not activations: remove taps and attention, and extract activations in a plain run"
+            )
+        if kind in ("head_ablation", "token_compression") and self.shard:
+            raise ValueError(f"a {kind} run is not sharded: remove shard")
         return self
 
 
@@ -164,17 +214,30 @@ def _friendly(err: ValidationError, source: str) -> ManifestError:
     return ManifestError(f"{source} is not a valid extraction manifest:\n" + "\n".join(lines))
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models inside an annotation (through Optional, unions, lists and Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:
-    model: type[BaseModel] = Manifest
+    candidates: list[type[BaseModel]] = [Manifest]
     for part in loc:
         if isinstance(part, int):
             continue
-        annotation = model.model_fields[part].annotation
-        inner = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if not inner:
+        # A discriminated union puts the tag in the path: intervention.rope_scaling.alpha
+        tagged = [m for m in candidates if "kind" in m.model_fields and part in typing.get_args(m.model_fields["kind"].annotation)]
+        if tagged:
+            candidates = tagged
+            continue
+        owners = [m for m in candidates if part in m.model_fields]
+        if not owners:
             return []
-        model = inner[0]
-    return list(model.model_fields)
+        candidates = _models_in(owners[0].model_fields[part].annotation)
+        if not candidates:
+            return []
+    return list(candidates[0].model_fields) if len(candidates) == 1 else sorted({f for m in candidates for f in m.model_fields})
 
 
 def parse_manifest(data: Any, source: str = "manifest") -> Manifest:

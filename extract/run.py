@@ -21,8 +21,10 @@ Stored layout per run (arrays addressed by ``(tap, layer, site, tokens)``):
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from extract.interventions import INTERVENTION_FILE
+from extract.interventions import describe as describe_intervention
+from extract.interventions.rope import scaled_vision_rope
 from extract.manifest import Manifest, ManifestError, expand_layers
 from extract.models import (
     CaptureKey,
@@ -43,6 +48,7 @@ from extract.models import (
     prepare_batch,
     readout,
 )
+from extract.models.errors import InputError
 from extract.models.layout import Grid, SampleLayout
 from extract.scoring import score_answer
 from extract.stimuli import get_family
@@ -122,8 +128,15 @@ def uniform_image_size(samples: list[Sample]) -> bool:
     for s in samples:
         if s.image is None:
             return False
-        with Image.open(s.image) as im:
-            sizes.add(im.size)
+        try:
+            with Image.open(s.image) as im:
+                sizes.add(im.size)
+        except (OSError, SyntaxError, ValueError) as err:  # a missing file, or a header PIL cannot parse
+            raise InputError(
+                f"image {str(s.image)!r} of stimulus {s.key} cannot be read ({type(err).__name__}: {err}):"
+                " regenerate the set (`python -m extract.stimuli ... --overwrite`) or replace the file, then"
+                " re-run the same command"
+            ) from err
         if len(sizes) > 1:
             return False
     return True
@@ -264,37 +277,70 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
     if not samples:
         raise ManifestError("the stimulus sets hold no samples (check limit)")
     m = manifest.model
-    lm = load_model(m.path, dtype=m.dtype, device=m.device, revision=m.revision,
+    lm = load_model(m.path, dtype=m.dtype, device=m.device, device_map=m.device_map, revision=m.revision,
                     trust_remote_code=m.trust_remote_code)
-    with_images = [s for s in samples if s.image is not None]
-    request = tap_request(lm, manifest, with_images=bool(with_images))
-    dense_images = uniform_image_size(samples)
-    lens = readout(lm) if manifest.logit_lens else None
+    where = workspace or manifest.workspace
+    kind = manifest.intervention.kind if manifest.intervention else None
+    if kind in ("head_ablation", "token_compression"):
+        from extract.variants import run_variant
+
+        ws, computed, accuracy = run_variant(lm, manifest, sets, samples, where, run_info(lm, manifest, None),
+                                             progress=progress)
+        arrays = 0
+    else:
+        scaled = scaled_vision_rope(lm, manifest.intervention) if kind == "rope_scaling" else nullcontext()
+        with scaled:
+            ws, computed, accuracy, arrays = _extract(lm, manifest, sets, samples, where, progress, codec, on_batch)
+    return RunSummary(run=manifest.run, workspace=ws.path, samples=len(samples), computed=computed,
+                      seconds=time.perf_counter() - started, accuracy=accuracy, arrays=arrays)
+
+
+def run_info(lm: LoadedModel, manifest: Manifest, lens: Any) -> RunInfo:
+    """The run's provenance: model, adapter, dtype, versions, the manifest and its intervention
+    (or the one a model folder made by an intervention records, e.g. MAS fine-tuning)."""
     config = manifest.model_dump(exclude={"workspace", "shard"})  # shards of one run share its identity
     if lens is not None:
         config["logit_lens"] = {"norm": lens.norm.kind, "eps": lens.norm.eps, "weight_offset": lens.norm.weight_offset,
                                 "logit_softcap": lens.logit_softcap, "norm_module": lens.norm.module_path,
-                                "unembed_module": lens.unembed_path}
+                                "unembed_module": lens.unembed_path, "n_layers": lm.adapter.n_layers("llm")}
+    intervention = describe_intervention(manifest.intervention)
+    made_by = Path(manifest.model.path) / INTERVENTION_FILE
+    if intervention is None and made_by.is_file():
+        intervention = json.loads(made_by.read_text())
     describe = lm.describe()
-    info = RunInfo(run=manifest.run, model=describe["model"], revision=m.revision, adapter=describe["adapter"],
-                   dtype=describe["dtype"], attn_implementation=describe["attn_implementation"],
-                   versions=describe["versions"], config=config, chunk_samples=manifest.chunk_samples)
-    ws = Workspace.open(workspace or manifest.workspace)
+    return RunInfo(run=manifest.run, model=describe["model"], revision=manifest.model.revision,
+                   adapter=describe["adapter"], dtype=describe["dtype"],
+                   attn_implementation=describe["attn_implementation"], versions=describe["versions"],
+                   config=config, chunk_samples=manifest.chunk_samples, intervention=intervention)
+
+
+def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], samples: list[Sample],
+             where: str | Path | None, progress: bool, codec: str,
+             on_batch: Callable[[int], None] | None) -> tuple[Workspace, int, float | None, int]:
+    """The activation run proper: (workspace, samples computed now, their accuracy, arrays)."""
+    with_images = [s for s in samples if s.image is not None]
+    request = tap_request(lm, manifest, with_images=bool(with_images))
+    dense_images = uniform_image_size(samples)
+    lens = readout(lm) if manifest.logit_lens else None
+    info = run_info(lm, manifest, lens)
+    dtype = str(lm.dtype).removeprefix("torch.")
+    ws = Workspace.open(where)  # only now: a bad manifest leaves no workspace behind
     stop = _stop_ids(lm)
     computed, correct, scored = 0, 0, 0
     with ws.writer(info, shard=manifest.shard) as w:
         for path, dataset in sets:
             w.register_stimulus_set(path, dataset=dataset)
         w.set_samples([s.key for s in samples])
-        specs = array_specs(lm, request, (with_images or samples)[0], dense_images, describe["dtype"], codec)
+        specs = array_specs(lm, request, (with_images or samples)[0], dense_images, dtype, codec)
         handles = {key: w.array(spec) for key, spec in specs.items()}
         if lens is not None and (w.shard is None or w.shard.index == 0):
-            w.write_tensor("lm_head.weight", lens.unembed, dtype=describe["dtype"], module=lens.unembed_path)
+            w.write_tensor("lm_head.weight", lens.unembed, dtype=dtype, module=lens.unembed_path)
             if lens.unembed_bias is not None:
-                w.write_tensor("lm_head.bias", lens.unembed_bias, dtype=describe["dtype"], module=lens.unembed_path)
-            w.write_tensor("final_norm.weight", lens.norm.weight, dtype=describe["dtype"], module=lens.norm.module_path)
+                w.write_tensor("lm_head.bias", lens.unembed_bias, dtype=dtype, module=lens.unembed_path)
+            w.write_tensor("final_norm.weight", lens.norm.weight, dtype=dtype, module=lens.norm.module_path)
             if lens.norm.bias is not None:
-                w.write_tensor("final_norm.bias", lens.norm.bias, dtype=describe["dtype"], module=lens.norm.module_path)
+                w.write_tensor("final_norm.bias", lens.norm.bias, dtype=dtype, module=lens.norm.module_path)
+            ws.record_vocab(manifest.run, vocabulary(lm, int(lens.unembed.shape[0])))
         todo = w.todo()
         total = sum(len(r) for r in todo)
         bar = _progress(total, manifest.run, progress)
@@ -305,17 +351,22 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
                     gens, spans, values = _run_batch(lm, group, request, specs, manifest, stop)
                     w.write_batch(start + offset, {handles[k]: v for k, v in values.items()}, tokens=spans,
                                   generations=gens)
+                    scored += sum(g.correct is not None for g in gens)
+                    correct += sum(bool(g.correct) for g in gens)
                 computed += len(batch_samples)
-                scored += sum(g.correct is not None for g in gens)
-                correct += sum(bool(g.correct) for g in gens)
                 bar.update(len(batch_samples))
                 if on_batch is not None:
                     on_batch(computed)
         bar.close()
         w.finish()
-    return RunSummary(run=manifest.run, workspace=ws.path, samples=len(samples), computed=computed,
-                      seconds=time.perf_counter() - started, accuracy=correct / scored if scored else None,
-                      arrays=len(handles))
+    return ws, computed, (correct / scored if scored else None), len(handles)
+
+
+def vocabulary(lm: LoadedModel, size: int) -> list[str]:
+    """Every unembedding row's token as decoded alone (ids the tokenizer lacks: '')."""
+    tok = lm.tokenizer
+    n = len(tok)
+    return [tok.decode([i]) if i < n else "" for i in range(size)]
 
 
 def _by_modality(batch: list[Sample]) -> list[tuple[int, list[Sample]]]:

@@ -68,11 +68,17 @@ def rope_1d(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch
     return emb.cos(), emb.sin()
 
 
-def rope_2d(rows: int, cols: int, head_dim: int, theta: float, device: torch.device
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[rows*cols, head_dim]``: half of the rotary pairs turn with the row, half with the column."""
+def rope_2d(rows: int, cols: int, head_dim: int, theta: float, device: torch.device,
+            gain: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[rows*cols, head_dim]``: half of the rotary pairs turn with the row, half with the column.
+
+    ``gain`` (``[head_dim // 4]``) multiplies the frequencies, as seed 002's RoPE scaling does to
+    Qwen2-VL's vision tower (``extract.interventions.rope``); None leaves them untouched.
+    """
     quarter = head_dim // 4
     inv = 1.0 / theta ** (torch.arange(quarter, device=device, dtype=torch.float32) / quarter)
+    if gain is not None:
+        inv = inv * gain.to(device=device, dtype=torch.float32)
     r = torch.arange(rows, device=device, dtype=torch.float32).repeat_interleave(cols)
     c = torch.arange(cols, device=device, dtype=torch.float32).repeat(rows)
     freqs = torch.cat((r[:, None] * inv, c[:, None] * inv), dim=-1)
@@ -188,13 +194,15 @@ class VisionTower(nn.Module):
         self.blocks = nn.ModuleList(
             [Block(config, i, is_causal=False, attn_name="attn") for i in range(config.vision_layers)])
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        # Set by an intervention, never saved: a plain attribute, so dtype casts leave it alone.
+        self.rope_gain: torch.Tensor | None = None
 
     def forward(self, pixel_values: torch.Tensor, output_hidden_states: bool = False,
                 output_attentions: bool = False) -> tuple[torch.Tensor, tuple, tuple]:
         x = self.patch_embed(pixel_values)  # [N, d, rows, cols]
         rows, cols = x.shape[-2:]
         x = x.flatten(2).transpose(1, 2)  # raster order: index = row * cols + col
-        cos, sin = rope_2d(rows, cols, self.config.head_dim, self.config.vision_rope_theta, x.device)
+        cos, sin = rope_2d(rows, cols, self.config.head_dim, self.config.vision_rope_theta, x.device, self.rope_gain)
         hidden, attns = [x], []
         for block in self.blocks:
             x, w = block(x, cos.to(x.dtype), sin.to(x.dtype), output_attentions=output_attentions)

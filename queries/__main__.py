@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import io
-import json
 import sys
 
-import pyarrow as pa
-import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
-
 from queries.named import QueryError, available, run
-from queries.render import render_schema, render_table
+from queries.render import emit, render_schema
 from store import StoreError, Workspace
 
 
@@ -48,33 +42,10 @@ def main(argv: list[str] | None = None) -> int:
             table = run(ws, args.name, params)
         else:
             parser.error("name a query, or pass --list, --schema or --sql")
-        return _emit(table, args.format, args.out)
+        return emit(table, args.format, args.out)
     except (QueryError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-
-
-def _emit(table: pa.Table, fmt: str, out: str | None) -> int:
-    if fmt == "parquet":
-        if not out:
-            print("error: --format parquet needs --out FILE", file=sys.stderr)
-            return 2
-        pq.write_table(table, out)
-        return 0
-    if fmt == "csv":
-        buf = io.BytesIO()
-        pacsv.write_csv(table, buf)
-        text = buf.getvalue().decode()
-    elif fmt == "json":
-        text = json.dumps(table.to_pylist(), default=str, indent=1)
-    else:
-        text = render_table(table)
-    if out:
-        with open(out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import io
+import json
+import sys
+
 import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 
 
 def render_table(table: pa.Table, max_rows: int = 200) -> str:
@@ -33,3 +39,27 @@ def format_cell(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def emit(table: pa.Table, fmt: str, out: str | None) -> int:
+    """Write ``table`` as a table, CSV, JSON or Parquet to ``out`` (stdout for text formats)."""
+    if fmt == "parquet":
+        if not out:
+            print("error: --format parquet needs --out FILE", file=sys.stderr)
+            return 2
+        pq.write_table(table, out)
+        return 0
+    if fmt == "csv":
+        buf = io.BytesIO()
+        pacsv.write_csv(table, buf)
+        text = buf.getvalue().decode()
+    elif fmt == "json":
+        text = json.dumps(table.to_pylist(), default=str, indent=1)
+    else:
+        text = render_table(table)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0

@@ -106,6 +106,8 @@ def build_sections(ws: Workspace, out: Path) -> list[Section]:
                                     ax, g2m, "grid_size", "cell_accuracy", "grid size N", "cell accuracy"))],
                                 tables=[("g2m_metrics", g2m)]))
 
+    sections += g2m_position_sections(ws, out)
+
     cases = run_named(ws, "counting_cases")
     if cases.num_rows:
         sections.append(Section("CountingTricks: accuracy per case", tables=[("counting_cases", cases)]))
@@ -122,6 +124,10 @@ def build_sections(ws: Workspace, out: Path) -> list[Section]:
                                                                                 "MAS"))],
                                 tables=[("mas", mas)]))
 
+    sections += intervention_sections(ws, out)
+    sections += lens_sections(ws, out)
+    sections += object_attention_sections(ws, out)
+
     probes = ws.query("SELECT run, tap, site, tokens, target, kind, layer, score, control_score, selectivity"
                       " FROM v_probe_layers ORDER BY run, target, tap, layer")
     if probes.num_rows:
@@ -130,6 +136,157 @@ def build_sections(ws: Workspace, out: Path) -> list[Section]:
                                 tables=[("probe_leaderboard", run_named(ws, "probe_leaderboard"))]))
     sections.append(Section("Storage", tables=[("storage", run_named(ws, "storage"))]))
     return sections
+
+
+def intervention_sections(ws: Workspace, out: Path) -> list[Section]:
+    """Variant runs beside the plain ones: accuracy and retained ratio per run, critical heads and
+    the critical-head overlap of every two head-ablation runs over the same stimuli."""
+    sections = []
+    variants = run_named(ws, "interventions", {})
+    if any(v != "none" for v in variants.column("intervention").to_pylist()):
+        sections.append(Section(
+            "Interventions: variant runs",
+            "Accuracy of each run beside its intervention (none = a plain run); token compression also"
+            " gives the share of image tokens it kept.",
+            figures=[_figure(out, "interventions", lambda ax: _variant_bars(ax, variants))],
+            tables=[("interventions", variants)]))
+    heads = run_named(ws, "critical_heads", {})
+    if heads.num_rows:
+        runs = sorted(set(heads.column("run").to_pylist()))
+        overlap = []
+        for i, a in enumerate(runs):
+            for b in runs[i + 1:]:
+                row = run_named(ws, "head_overlap", {"a": a, "b": b}).to_pylist()[0]
+                if row["stimuli"]:
+                    overlap.append({"a": a, "b": b, **row})
+        tables = [("critical_heads", heads)]
+        if overlap:
+            tables.append(("head_overlap", pa.Table.from_pylist(overlap)))
+        sections.append(Section(
+            "Interventions: critical heads",
+            "Share of stimuli whose teacher-forced answer flips when one head is zeroed; overlap: how often"
+            " two runs over the same stimuli (e.g. the visual and the text count) need the same heads.",
+            figures=[_figure(out, "critical_heads", lambda ax: _head_bars(ax, heads))],
+            tables=tables))
+    return sections
+
+
+def g2m_position_sections(ws: Workspace, out: Path) -> list[Section]:
+    """Where G2M errors fall: a per-cell error heatmap (largest N with errors) with the patch grid,
+    the positional-bias scalars per N, and accuracy on patch-aligned vs misaligned grids."""
+    from queries.g2m import alignment_table, bias_table, error_maps
+
+    runs = [r[0] for r in ws.rows("SELECT DISTINCT run FROM v_samples WHERE family = 'g2m' AND generated IS NOT NULL"
+                                  " ORDER BY 1")]
+    if not runs:
+        return []
+    bias = pa.concat_tables([bias_table(ws, r) for r in runs], promote_options="default")
+    align = [t for t in (alignment_table(ws, r) for r in runs) if t.num_rows]
+    figures = []
+    for run in runs[:4]:
+        maps = {n: m for n, (m, _) in error_maps(ws, run).items() if m.sum() > 0}
+        if not maps:
+            continue
+        n = max(maps)
+        spans = ws.rows("SELECT median((params->>'image_size')::DOUBLE / grid_w) FROM v_samples WHERE run = ?"
+                        " AND family = 'g2m' AND grid_w > 0", [run])
+        patch = spans[0][0] if spans and spans[0][0] else None
+        size = ws.rows("SELECT median((params->>'image_size')::DOUBLE) FROM v_samples WHERE run = ? AND family = 'g2m'"
+                       " AND (params->>'grid_size')::INTEGER = ?", [run, n])[0][0]
+        figures.append(_figure(out, f"g2m_errors_{len(figures)}",
+                               lambda ax, m=maps[n], n=n, p=patch, s=size, run=run: _heatmap(ax, m, n, p, s, run)))
+    tables = [("g2m_positional_bias", bias)]
+    if align:
+        tables.append(("g2m_patch_alignment", pa.concat_tables(align)))
+    return [Section("G2M: where the errors are",
+                    "Per-cell error rate at the largest grid size with errors (white lines: the model's patch grid),"
+                    " and per N the positional-bias scalars (entropy 1 = errors spread evenly; spectral"
+                    " non-uniformity 0 = flat; slopes > 0 = more errors toward the bottom / right).",
+                    figures=figures, tables=tables)]
+
+
+def _heatmap(ax, errors: np.ndarray, n: int, patch_px: float | None, image_px: float | None, run: str) -> None:
+    im = ax.imshow(errors, cmap="magma", vmin=0, vmax=1, extent=(0, n, n, 0))
+    if patch_px and image_px:
+        step = patch_px / (image_px / n)  # patch edges in cell units
+        for k in np.arange(step, n, step):
+            ax.axhline(k, color="white", lw=0.5, alpha=0.6)
+            ax.axvline(k, color="white", lw=0.5, alpha=0.6)
+    ax.set_title(f"{run}: N = {n}", fontsize=9)
+    ax.figure.colorbar(im, ax=ax, label="error rate")
+
+
+def object_attention_sections(ws: Workspace, out: Path) -> list[Section]:
+    """Attention–object agreement per layer for runs with last-query attention over scenes with objects."""
+    from queries.attention import object_agreement
+
+    runs = [r[0] for r in ws.rows(
+        "SELECT DISTINCT a.run FROM activations a JOIN v_samples s USING (run) WHERE a.tap = 'attn'"
+        " AND a.tokens = 'last' AND s.family IN ('counting', 'spatial') ORDER BY 1")]
+    rows = []
+    for run in runs:
+        rows += [{"run": run, **r} for r in object_agreement(ws, run).to_pylist() if r["samples"]]
+    if not rows:
+        return []
+    table = pa.Table.from_pylist(rows)
+    return [Section("Attention on objects",
+                    "Share of the last prompt token's image attention on object patches, and the IoU of the"
+                    " patches attended above the uniform level with the object patches, per LLM layer.",
+                    figures=[_figure(out, "object_attention", lambda ax: _lines(ax, table, "layer", "object_share",
+                                                                                "LLM layer", "attention on objects"))],
+                    tables=[("object_attention", table)])]
+
+
+LENS_SAMPLES = 200  # the logit-lens figures read the first rows of a run, not all of it
+
+
+def lens_sections(ws: Workspace, out: Path) -> list[Section]:
+    """Logit lens per LLM layer for runs that stored image-token states and a vocabulary."""
+    from queries.lens import layer_table
+
+    runs = [r[0] for r in ws.rows(
+        "SELECT DISTINCT a.run FROM activations a WHERE a.tap = 'llm' AND a.tokens = 'image'"
+        " AND EXISTS (SELECT 1 FROM vocab v WHERE v.run = a.run) ORDER BY 1")]
+    rows = []
+    for run in runs:
+        table = layer_table(ws, run, where=f"array_row < {LENS_SAMPLES}")
+        rows += [{"run": run, **r} for r in table.to_pylist()]
+    if not rows:
+        return []
+    lens = pa.Table.from_pylist(rows)
+    return [Section(
+        "Logit lens over image tokens",
+        "Top-1 vocabulary token of every image token per LLM layer (no final norm except at the last layer):"
+        " the share of runs a run-length compression would keep, and over object patches the share of tokens"
+        f" naming the object's colour (attribute) or shape (object). First {LENS_SAMPLES} samples per run.",
+        figures=[_figure(out, "logit_lens", lambda ax: _lines(ax, lens, "layer", "retained_ratio", "LLM layer",
+                                                             "run-length retained ratio"))],
+        tables=[("logit_lens", lens)])]
+
+
+def _variant_bars(ax, table: pa.Table) -> None:
+    rows = table.to_pylist()
+    labels = [f"{r['run']}\n({r['intervention']})" for r in rows]
+    bars = ax.bar(range(len(rows)), [r["accuracy"] or 0.0 for r in rows], color="tab:blue", alpha=0.7)
+    for bar, r in zip(bars, rows):
+        if r["retained_ratio"] is not None:
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"kept {r['retained_ratio']:.0%}",
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rows)), labels, fontsize=6)
+    ax.set_ylabel("accuracy")
+
+
+def _head_bars(ax, table: pa.Table) -> None:
+    rows = table.to_pylist()
+    runs = sorted({r["run"] for r in rows})
+    heads = sorted({(r["tap"], r["layer"], r["head"]) for r in rows})
+    width = 0.8 / len(runs)
+    for k, run in enumerate(runs):
+        share = {(r["tap"], r["layer"], r["head"]): r["critical_share"] for r in rows if r["run"] == run}
+        ax.bar([i + k * width for i in range(len(heads))], [share.get(h, 0.0) for h in heads], width=width, label=run)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(heads))], [f"{t} L{l}H{h}" for t, l, h in heads], fontsize=7)
+    ax.set_ylabel("critical share")
+    ax.legend(fontsize=7)
 
 
 def _lines(ax, table: pa.Table, x: str, y: str, xlabel: str, ylabel: str, spans=()) -> None:

@@ -30,7 +30,7 @@ import zarr
 from zarr.codecs import BloscCodec
 
 from store.dtypes import numpy_dtype
-from store.errors import StoreError
+from store.errors import StoreError, WorkspaceError
 
 ZARR_DIR = "arrays"
 LAYOUT_VERSION = 1
@@ -42,6 +42,34 @@ _EXPONENT = {"float16": 0x7C00, "float32": 0x7F800000, "bfloat16": 0x7F80}
 
 def array_path(run: str, tap: str, layer: int, site: str, tokens: str) -> str:
     return f"{run}/{tap}/{layer}/{site}/{tokens}"
+
+
+# One segment of a node path: the name rule of store/records.py, plus a leading '_' (``_tensors``).
+_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_zarr_path(zarr_path: object) -> str:
+    """A node path read from the manifest, refused unless it stays inside the Zarr group.
+
+    Paths come from the manifest's ``zarr_path`` columns, and a manifest can be edited (or shared
+    from elsewhere): a relative path of name-rule segments is accepted; an absolute path, an empty
+    or ``.``/``..`` segment or a backslash would make the store read (or verify, or write) outside
+    the workspace, so it is an error instead.
+    """
+    segments = zarr_path.split("/") if isinstance(zarr_path, str) else []
+    if not segments or not all(_SEGMENT.match(seg) for seg in segments):
+        raise WorkspaceError(
+            f"the manifest names the Zarr node {zarr_path!r}, which is not a path inside the workspace's"
+            f" {ZARR_DIR}/ group (expected run/tap/layer/site/tokens, names of letters, digits, '_', '.', '-'):"
+            " refusing to read or write outside the workspace. The manifest was edited or corrupted: restore it"
+            " or drop the run"
+        )
+    return zarr_path
+
+
+def node_dir(workspace: Path, zarr_path: str) -> Path:
+    """The folder of the node ``zarr_path`` (checked by :func:`check_zarr_path`)."""
+    return workspace / ZARR_DIR / check_zarr_path(zarr_path)
 
 
 @dataclass(frozen=True)
@@ -212,7 +240,7 @@ def local_dir(node: zarr.Array | zarr.Group) -> Path:
 
 
 def dense_chunk_file(workspace: Path, zarr_path: str, ndim: int, chunk: int) -> Path:
-    return workspace / ZARR_DIR / zarr_path / chunk_file_key(ndim, chunk)
+    return node_dir(workspace, zarr_path) / chunk_file_key(ndim, chunk)
 
 
 def fsync_path(path: Path) -> None:

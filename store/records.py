@@ -114,9 +114,13 @@ class RunInfo:
     chunk_samples: int = 64
     bf16: Bf16Policy = "fp16"
     overflow: OverflowPolicy = "error"
+    #: How the model was made to run differently (``{"kind": "rope_scaling", "alpha": 99, ...}``); None: plain.
+    intervention: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_name("run", self.run)
+        if self.intervention is not None and not (isinstance(self.intervention, Mapping) and self.intervention.get("kind")):
+            raise StoreError(f"RunInfo.intervention must be a mapping with a 'kind', got {self.intervention!r}")
         if not self.model:
             raise StoreError("RunInfo.model must name the model (a local folder or a hub id), got ''")
         if not isinstance(self.chunk_samples, int) or not 1 <= self.chunk_samples <= 1 << 20:
@@ -136,6 +140,7 @@ class RunInfo:
             "attn_implementation": self.attn_implementation,
             "config": json.loads(to_json(dict(self.config)) or "{}"),
             "chunk_samples": self.chunk_samples,
+            "intervention": json.loads(to_json(dict(self.intervention)) or "null") if self.intervention else None,
             "bf16": self.bf16,
             "overflow": self.overflow,
         }

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import duckdb
 
+from store.db import rollback
+
 _TABLES_V1 = """
 CREATE TABLE schema_version (
     version     INTEGER   NOT NULL,
@@ -224,6 +226,47 @@ GROUP BY ALL;
 """
 
 
+_V2 = """
+ALTER TABLE runs ADD COLUMN intervention JSON;     -- {"kind": ..., params}; NULL for a plain run
+
+CREATE TABLE head_ablations (              -- one row per (stimulus, head) of a head-ablation run
+    run         VARCHAR NOT NULL,
+    stimulus    VARCHAR NOT NULL,
+    array_row   BIGINT,
+    tap         VARCHAR NOT NULL,          -- llm | vision: whose attention head was zeroed
+    layer       INTEGER NOT NULL,
+    head        INTEGER NOT NULL,
+    n_positions INTEGER NOT NULL,          -- answer positions scored (teacher-forced reference)
+    n_flipped   INTEGER NOT NULL,          -- positions whose argmax changed when the head was zeroed
+    flipped     BOOLEAN NOT NULL,          -- n_flipped > 0: the head is critical for this stimulus
+    flip_mask   BIGINT  NOT NULL,          -- bit p set: answer position p flipped (seed 001 compares these)
+    logit_drop  DOUBLE,                    -- mean drop of the reference tokens' log-probability
+    recorded_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (run, stimulus, tap, layer, head)
+);
+
+CREATE TABLE vocab (                      -- the tokenizer's vocabulary, for an offline logit lens
+    run      VARCHAR NOT NULL,
+    token_id INTEGER NOT NULL,
+    token    VARCHAR NOT NULL,                -- the token as decoded on its own
+    PRIMARY KEY (run, token_id)
+);
+
+CREATE OR REPLACE VIEW v_runs AS
+SELECT r.run, r.model, r.status, r.n_samples, r.created_at, r.finished_at,
+       count(a.zarr_path) AS arrays,
+       coalesce(sum(a.bytes), 0)::BIGINT AS bytes,
+       coalesce(sum(a.chunks_committed), 0)::BIGINT AS chunks_committed,
+       coalesce(sum(a.n_chunks), 0)::BIGINT AS chunks_expected,
+       coalesce(sum(a.n_nonfinite), 0)::BIGINT AS n_nonfinite,
+       coalesce(sum(a.n_clipped), 0)::BIGINT AS n_clipped,
+       r.intervention->>'kind' AS intervention
+FROM runs r
+LEFT JOIN v_arrays a USING (run)
+GROUP BY ALL;
+"""
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: ``apply`` runs inside the migration's transaction."""
@@ -240,6 +283,8 @@ def _v1(con: duckdb.DuckDBPyConnection) -> None:
 
 MIGRATIONS: list[Migration] = [
     Migration(1, "initial manifest: runs, stimuli, samples, activations, chunks, tensors, generations, probes", _v1),
+    Migration(2, "interventions (runs.intervention, head_ablations) and the vocabulary for the logit lens",
+              lambda con: con.execute(_V2)),
 ]
 
 
@@ -274,7 +319,7 @@ def migrate(con: duckdb.DuckDBPyConnection, migrations: list[Migration] | None =
             )
             con.execute("COMMIT")
         except BaseException:
-            con.execute("ROLLBACK")
+            rollback(con)
             raise
         applied.append(step.version)
     return applied

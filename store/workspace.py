@@ -18,7 +18,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +29,16 @@ import pyarrow as pa
 from store import arrays as layout
 from store import db, reader
 from store import schema as schema_mod
-from store.errors import NotCommittedError, SchemaVersionError, StoreError, WorkspaceError
+from store.errors import (
+    DiskFullError,
+    NotCommittedError,
+    SchemaVersionError,
+    StoreError,
+    WorkspaceError,
+    disk_full_error,
+)
 from store.lock import WriterLock
-from store.records import ArrayInfo, ProbeResult, RunInfo, Selection, to_json
+from store.records import ArrayInfo, ProbeResult, RunInfo, Selection, check_name, to_json
 
 if TYPE_CHECKING:
     from store.verify import VerifyReport
@@ -105,8 +112,7 @@ class Workspace:
                     f" `python -m store init --data {ws.path}` or by running an extraction"
                 )
             ws.path.mkdir(parents=True, exist_ok=True)
-            with db.connect(ws.manifest_path, read_only=False, timeout=timeout) as con:
-                schema_mod.migrate(con, migrations)
+            _create_manifest(ws.manifest_path, migrations, timeout)
         else:
             with db.connect(ws.manifest_path, read_only=True, timeout=timeout) as con:
                 version = ws._version(con)
@@ -156,7 +162,13 @@ class Workspace:
             try:
                 return con.sql(sql, params=params).to_arrow_table() if _returns_rows(sql) else _exec(con, sql, params)
             except duckdb.Error as err:
-                raise StoreError(f"query failed: {type(err).__name__}: {err}") from err
+                hint = ""
+                if isinstance(err, (duckdb.PermissionException, duckdb.InvalidInputException)) and (
+                    "read-only" in str(err) or "disabled by configuration" in str(err) or "locked" in str(err)
+                ):
+                    hint = (" (queries run on a read-only connection without file access: they cannot change the"
+                            " store or read and write other files)")
+                raise StoreError(f"query failed: {type(err).__name__}: {err}{hint}") from err
 
     def rows(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
         with self.connect() as con:
@@ -362,9 +374,10 @@ class Workspace:
         from store.dtypes import decode_stored
 
         path, stored = got[0]
-        if not (self.zarr_path / path / "zarr.json").is_file():
-            raise WorkspaceError(f"tensor {name} of run {run} is in the manifest but missing at {self.zarr_path / path}")
-        return decode_stored(zarr.open_array(str(self.zarr_path / path), mode="r")[...], stored)
+        folder = layout.node_dir(self.path, path)
+        if not (folder / "zarr.json").is_file():
+            raise WorkspaceError(f"tensor {name} of run {run} is in the manifest but missing at {folder}")
+        return decode_stored(zarr.open_array(str(folder), mode="r", zarr_format=3)[...], stored)
 
     def zarr_group(self) -> Any:
         """The workspace's Zarr group, read-only."""
@@ -407,6 +420,48 @@ class Workspace:
             con.execute("COMMIT")
         return len(results)
 
+    def record_head_ablations(self, run: str, rows: Sequence[Mapping[str, Any]]) -> int:
+        """Insert or replace ``head_ablations`` rows (keys: stimulus, array_row, tap, layer, head,
+        n_positions, n_flipped, flipped, flip_mask, logit_drop) in one short transaction."""
+        if not rows:
+            return 0
+        now = _now()
+        table = pa.Table.from_pylist([
+            {"run": run, "stimulus": r["stimulus"], "array_row": r.get("array_row"), "tap": r["tap"],
+             "layer": int(r["layer"]), "head": int(r["head"]), "n_positions": int(r["n_positions"]),
+             "n_flipped": int(r["n_flipped"]), "flipped": bool(r["flipped"]), "flip_mask": int(r["flip_mask"]),
+             "logit_drop": None if r.get("logit_drop") is None else float(r["logit_drop"]), "recorded_at": now}
+            for r in rows
+        ])
+        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
+            con.register("new_rows", table)
+            con.execute("BEGIN TRANSACTION")
+            con.execute(
+                "DELETE FROM head_ablations h USING new_rows n WHERE h.run = n.run AND h.stimulus = n.stimulus"
+                " AND h.tap = n.tap AND h.layer = n.layer AND h.head = n.head"
+            )
+            con.execute(
+                "INSERT INTO head_ablations SELECT run, stimulus, array_row, tap, layer, head, n_positions, n_flipped,"
+                " flipped, flip_mask, logit_drop, recorded_at FROM new_rows"
+            )
+            con.execute("COMMIT")
+        return len(rows)
+
+    def record_vocab(self, run: str, tokens: Sequence[str]) -> int:
+        """Store a run's vocabulary (``tokens[i]`` is token id i as decoded alone), replacing any."""
+        table = pa.table({"token_id": pa.array(range(len(tokens)), pa.int32()), "token": pa.array(list(tokens), pa.string())})
+        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
+            con.register("new_vocab", table)
+            con.execute("BEGIN TRANSACTION")
+            con.execute("DELETE FROM vocab WHERE run = ?", [run])
+            con.execute("INSERT INTO vocab SELECT ?, token_id, token FROM new_vocab", [run])
+            con.execute("COMMIT")
+        return len(tokens)
+
+    def vocab(self, run: str) -> list[str]:
+        """The run's vocabulary by token id (empty if the run stored none)."""
+        return [r[0] for r in self.rows("SELECT token FROM vocab WHERE run = ? ORDER BY token_id", [run])]
+
     def drop_run(self, run: str, *, timeout: float = 0.0) -> dict[str, int]:
         """Remove a run, its arrays and every manifest row of it, atomically for readers.
 
@@ -414,6 +469,7 @@ class Workspace:
         rename: readers see all arrays or none), then one transaction deletes its rows; if that
         fails the folder is renamed back. The trash is emptied last (and at every writer start).
         """
+        check_name("run", run)  # the run id names a folder under arrays/: "../x" must not reach outside
         counts: dict[str, int] = {}
         lock = WriterLock(self.path / "writer.lock", run=f"drop-run {run}")
         deadline = time.monotonic() + timeout
@@ -439,7 +495,8 @@ class Workspace:
             try:
                 with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
                     con.execute("BEGIN TRANSACTION")
-                    for table in ("chunks", "activations", "samples", "generations", "probes", "tensors", "runs"):
+                    for table in ("chunks", "activations", "samples", "generations", "probes", "tensors",
+                                  "head_ablations", "vocab", "runs"):
                         n = con.execute(f"SELECT count(*) FROM {table} WHERE run = ?", [run]).fetchone()
                         counts[table] = int(n[0]) if n else 0
                         con.execute(f"DELETE FROM {table} WHERE run = ?", [run])
@@ -468,6 +525,33 @@ class Workspace:
         from store.verify import verify
 
         return verify(self, run=run, checksums=checksums)
+
+
+def _create_manifest(path: Path, migrations: list[schema_mod.Migration], timeout: float) -> None:
+    """Build a new manifest beside ``path`` and link it into place whole. A kill or a full disk
+    mid-creation then leaves no half-written manifest.duckdb, which every later open would
+    (rightly) refuse as corrupt; at worst a hidden ``.manifest.duckdb.<pid>.new`` file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+    try:
+        try:
+            with db.connect(tmp, read_only=False, timeout=timeout) as con:
+                schema_mod.migrate(con, migrations)
+                con.execute("CHECKPOINT")  # everything in the file itself, no WAL beside it
+        except DiskFullError as err:
+            raise disk_full_error(path, err.__cause__ or err) from err
+        layout.fsync_path(tmp)
+        try:
+            os.link(tmp, path)  # atomic, and never replaces a manifest another process made meanwhile
+        except FileExistsError:
+            return
+        except OSError:  # a file system without hard links
+            if path.exists():
+                return
+            os.replace(tmp, path)
+        layout.fsync_path(path.parent)
+    finally:
+        for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
+            leftover.unlink(missing_ok=True)
 
 
 _LEADING_COMMENTS = re.compile(r"\A(?:\s+|--[^\n]*(?:\n|\Z)|/\*.*?\*/)*", re.DOTALL)

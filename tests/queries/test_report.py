@@ -40,6 +40,17 @@ def workspace(tmp_path_factory):
         gens = [score_answer("go", "multimodal_num", "4 9", r["answer"], r["truth"]) for r in rows]
         w.write_batch(0, {layers[0]: [on_image] * n, layers[1]: [half] * n}, tokens=spans, generations=gens)
         w.finish()
+    # Two head-ablation variants over the same boards: head 0 critical in both, head 1 in one only.
+    for run, second in (("heads-visual", True), ("heads-text", False)):
+        with ws.writer(RunInfo(run=run, model="hand-built", intervention={"kind": "head_ablation"})) as w:
+            keys = w.register_stimulus_set(set_path)
+            w.set_samples(keys)
+            w.record_generations(0, gens)
+            w.finish()
+        ws.record_head_ablations(run, [
+            {"stimulus": k, "tap": "llm", "layer": 0, "head": h, "n_positions": 2, "n_flipped": int(flip),
+             "flipped": flip, "flip_mask": int(flip), "logit_drop": 1.0}
+            for k in keys for h, flip in ((0, True), (1, second))])
     return Workspace.open(root / "data", readonly=True)
 
 
@@ -54,6 +65,9 @@ def test_report_tables_show_the_boundary_attractor(workspace, tmp_path):
     attractors = (tmp_path / "report" / "attractors.csv").read_text()
     assert '"always49","VE",49,11,1,1,"boundary"' in attractors
     assert "counting_accuracy.png" in index.read_text() and "mas.png" in index.read_text()
+    assert "interventions.png" in index.read_text() and "critical_heads.png" in index.read_text()
+    overlap = (tmp_path / "report" / "head_overlap.csv").read_text().splitlines()
+    assert overlap[1].startswith('"heads-text","heads-visual",21,0,1,0.5')  # every board differs at head 1
 
 
 def chromium() -> str:

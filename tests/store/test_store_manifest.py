@@ -50,16 +50,21 @@ def test_open_creates_a_workspace_and_honours_the_environment(tmp_path, monkeypa
 
 
 def test_older_schema_is_migrated_newer_is_refused(tmp_path):
-    ws = Workspace.open(tmp_path / "ws")
-    step2 = schema_mod.Migration(2, "add runs.note", lambda con: con.execute("ALTER TABLE runs ADD COLUMN note VARCHAR"))
-    migrations = [*schema_mod.MIGRATIONS, step2]
+    # A workspace made at v1 is brought up to date step by step when opened for writing.
+    ws = Workspace.open(tmp_path / "ws", migrations=schema_mod.MIGRATIONS[:1])
+    latest = schema_mod.latest_version()
     with pytest.raises(SchemaVersionError, match="Open it once for writing"):
-        Workspace.open(ws.path, readonly=True, migrations=migrations)
-    Workspace.open(ws.path, migrations=migrations)  # migrates v1 -> v2
-    assert ws.rows("SELECT version FROM schema_version ORDER BY version") == [(1,), (2,)]
+        Workspace.open(ws.path, readonly=True)
+    Workspace.open(ws.path)
+    assert ws.rows("SELECT version FROM schema_version ORDER BY version") == [(v,) for v in range(1, latest + 1)]
+    assert "intervention" in ws.query("SELECT * FROM runs").column_names
+    # A step this agnosia does not know: applied by a newer agnosia, refused by this one.
+    step = schema_mod.Migration(latest + 1, "add runs.note",
+                                lambda con: con.execute("ALTER TABLE runs ADD COLUMN note VARCHAR"))
+    Workspace.open(ws.path, migrations=[*schema_mod.MIGRATIONS, step])
     assert "note" in ws.query("SELECT * FROM runs").column_names
     with pytest.raises(SchemaVersionError, match="newer than this agnosia reads"):
-        Workspace.open(ws.path)  # this agnosia only knows v1
+        Workspace.open(ws.path)
 
 
 def test_read_only_connections_refuse_writes(written):
