@@ -184,6 +184,10 @@ def _record(job: GroupJob, task: ProbeTask, out: Outcome, seconds: float, worker
         "tag": task.tag,
         "worker": worker,
     }
+    if out.predictions is not None:  # per test sample, by array row (queries/sql/counting_gaps.sql)
+        positions, values = out.predictions
+        params["predictions"] = {"array_row": job.rows[np.asarray(positions, dtype=np.int64)].tolist(),
+                                 "value": np.asarray(values, dtype=np.float64).tolist()}
     return ProbeResult(
         run=task.run, tap=task.tap, layer=task.layer, target=task.record_target, kind=task.kind,
         score=float(out.score), site=task.site, tokens=task.tokens, seed=task.seed,

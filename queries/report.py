@@ -97,6 +97,9 @@ def build_sections(ws: Workspace, out: Path) -> list[Section]:
             " AND st.truth->>'regime' IN ('VE', 'FE') GROUP BY ALL ORDER BY 1, 2, 3")
         sec.figures.append(_figure(out, "counting_answers", lambda ax: _answer_histogram(ax, answers)))
         sec.tables.append(("attractors", run_named(ws, "attractors")))
+        gaps = run_named(ws, "counting_gaps")
+        if gaps.num_rows:
+            sec.tables.append(("counting_gaps", gaps))
         sections.append(sec)
 
     g2m = run_named(ws, "g2m_metrics")

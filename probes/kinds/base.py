@@ -58,6 +58,9 @@ class Outcome:
     metrics: dict[str, Any] = field(default_factory=dict)
     probe: Probe | None = None
     flops: float = 0.0
+    # Per test sample: (positions among the job's rows, predicted value), for kinds whose
+    # prediction is one number per sample (hidden_number's N_H); the farm stores them by array row.
+    predictions: tuple[Any, Any] | None = None
 
 
 KINDS: dict[str, type[Probe]] = {}

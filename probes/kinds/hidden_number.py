@@ -99,7 +99,8 @@ class HiddenNumberProbe(LinearProbe):
                     results.append((probe, probe.score(F[te], y[te]), probe.metrics(F[te], y[te]), tr, te))
                 probe, score, metrics, tr, te = results[0]
                 out[g].append(Outcome(cls.metric, score, results[1][1] if job.control else None,
-                                      int(tr.sum()), int(te.sum()), metrics, probe))
+                                      int(tr.sum()), int(te.sum()), metrics, probe,
+                                      predictions=(np.flatnonzero(te), probe.hidden_number(F[te]))))
         return out
 
 

@@ -78,6 +78,23 @@ def test_hidden_number_reports_regimes(farm):
     assert all(v["n"] > 0 for v in m["per_regime"].values())
 
 
+def test_hidden_number_stores_n_h_per_test_board_and_the_gap_query_reads_it(farm):
+    ws, _, rows = farm
+    row = _get(rows, "go", "go.intersection", "hidden_number", 1)
+    pred = row["params"]["predictions"]
+    assert len(pred["array_row"]) == len(pred["value"]) == row["n_test"]
+    # N_H re-derived from the recorded per-board values agrees with the recorded exact match
+    counts = dict(ws.rows("SELECT array_row, (truth->>'count')::INT FROM v_samples WHERE run = 'go'"))
+    exact = np.mean([v == counts[r] for r, v in zip(pred["array_row"], pred["value"])])
+    assert exact == pytest.approx(row["score"])
+    from queries.named import run as run_query
+
+    gaps = [g for g in run_query(ws, "counting_gaps", {"run": "go"}).to_pylist() if g["layer"] == 1]
+    seeds = sum(1 for r in rows if (r["run"], r["kind"], r["layer"]) == ("go", "hidden_number", 1))
+    assert sum(g["boards"] for g in gaps) == seeds * row["n_test"]
+    assert all(g["vision_gap"] is not None and g["vision_gap"] < 1.0 for g in gaps)
+
+
 def test_saved_probe_rescores_from_artifact_and_recorded_split(farm):
     ws, _, rows = farm
     for run, target, kind in [("go", "go.intersection", "linear"), ("g2m", "g2m.matrix", "conv_spatial"),

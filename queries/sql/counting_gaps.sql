@@ -1,0 +1,22 @@
+-- Seed 001's gaps per regime, from the hidden-number probe's per-board N_H (tokens a per-token
+-- probe labels black; stored per test board in the probe's params.predictions): Vision Gap =
+-- mean |N_H - N_G| (what the encoder holds vs the truth), Language Gap = mean |N_H - N_P| (what
+-- the encoder holds vs what the model says), with N_G the true count and N_P the parsed answer of
+-- the same run (an unparsed answer is left out of the Language Gap). Means over probe seeds.
+-- param: run  a run id, or '%' for every run (default '%')
+WITH nh AS (
+    SELECT p.run, p.tap, p.layer, p.site, p.seed,
+           unnest(from_json(p.params->'predictions'->'array_row', '["BIGINT"]')) AS array_row,
+           unnest(from_json(p.params->'predictions'->'value', '["DOUBLE"]')) AS n_h
+    FROM probes p
+    WHERE p.kind = 'hidden_number' AND p.run LIKE $run AND (p.params->'predictions') IS NOT NULL
+)
+SELECT nh.run, nh.tap, nh.layer, nh.site, s.truth->>'regime' AS regime, count(*) AS boards,
+       round(avg(abs(nh.n_h - (s.truth->>'count')::DOUBLE)), 3) AS vision_gap,
+       round(avg(abs(nh.n_h - s.prediction::DOUBLE)), 3) AS language_gap,
+       round(avg((nh.n_h = (s.truth->>'count')::DOUBLE)::INTEGER), 4) AS probe_exact,
+       round(avg(s.correct::INTEGER), 4) AS model_accuracy
+FROM nh
+JOIN v_samples s ON s.run = nh.run AND s.array_row = nh.array_row
+GROUP BY ALL
+ORDER BY nh.run, nh.tap, nh.layer, regime;
