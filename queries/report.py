@@ -182,7 +182,7 @@ def g2m_position_sections(ws: Workspace, out: Path) -> list[Section]:
     runs = [r[0] for r in ws.rows("SELECT DISTINCT run FROM v_samples WHERE family = 'g2m' AND generated IS NOT NULL"
                                   " ORDER BY 1")]
     if not runs:
-        return []
+        return []  # the gap curve needs the model's answers too
     bias = pa.concat_tables([bias_table(ws, r) for r in runs], promote_options="default")
     align = [t for t in (alignment_table(ws, r) for r in runs) if t.num_rows]
     figures = []
@@ -201,6 +201,13 @@ def g2m_position_sections(ws: Workspace, out: Path) -> list[Section]:
     tables = [("g2m_positional_bias", bias)]
     if align:
         tables.append(("g2m_patch_alignment", pa.concat_tables(align)))
+    gap = run_named(ws, "g2m_gap")
+    if gap.num_rows:
+        tables.append(("g2m_gap", gap))
+        curve = pa.table({"run": [f"{r['run']} {r['tap']}.{r['layer']}" for r in gap.to_pylist()],
+                          "grid_size": gap["grid_size"], "gap": gap["gap"]})
+        figures.append(_figure(out, "g2m_gap", lambda ax: _lines(ax, curve, "grid_size", "gap", "grid size N",
+                                                                 "probe CA - end-to-end CA")))
     return [Section("G2M: where the errors are",
                     "Per-cell error rate at the largest grid size with errors (white lines: the model's patch grid),"
                     " and per N the positional-bias scalars (entropy 1 = errors spread evenly; spectral"

@@ -154,6 +154,11 @@ class Probe:
         """Extra numbers beside the score (recorded in the probe's params)."""
         return {}
 
+    def sample_scores(self, X: Any, y: Any) -> np.ndarray | None:
+        """One number per sample worth comparing with the model's own answer per sample (e.g. a
+        grid probe's cell accuracy); the farm stores them by array row. None: not per sample."""
+        return None
+
     # ------------------------------------------------------------------ persistence
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -215,7 +220,10 @@ class Probe:
             ctr, cte = fold.train & yc.labelled(), fold.test & yc.labelled()
             ctrl = cls.build(job, fold.seed).fit(take(X, ctr), _wide(yc.values)[ctr])
             control = float(ctrl.score(take(X, cte), _wide(yc.values)[cte]))
-        return Outcome(cls.metric, score, control, int(train.sum()), int(test.sum()), metrics, probe)
+        per_sample = probe.sample_scores(take(X, test), y[test])
+        predictions = None if per_sample is None else (np.flatnonzero(test), per_sample)
+        return Outcome(cls.metric, score, control, int(train.sum()), int(test.sum()), metrics, probe,
+                       predictions=predictions)
 
 
 def _wide(y: np.ndarray) -> np.ndarray:

@@ -145,6 +145,13 @@ class ConvSpatialProbe(Probe):
         ok = y >= 0
         return float((self.predict(X)[ok] == y[ok]).mean()) if ok.any() else float("nan")
 
+    def sample_scores(self, X: Any, y: Any) -> np.ndarray:
+        """Cell accuracy of each grid (labelled cells only): the probe side of G2M's gap curve."""
+        _, y = self._check(X, y)
+        ok = (y >= 0).reshape(len(y), -1)
+        hit = ((self.predict(X) == y).reshape(len(y), -1) & ok).sum(1)
+        return hit / np.maximum(ok.sum(1), 1)
+
     def metrics(self, X: Any, y: Any) -> dict[str, Any]:
         _, y = self._check(X, y)
         pred = self.predict(X)

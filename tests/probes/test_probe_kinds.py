@@ -95,6 +95,21 @@ def test_hidden_number_stores_n_h_per_test_board_and_the_gap_query_reads_it(farm
     assert all(g["vision_gap"] is not None and g["vision_gap"] < 1.0 for g in gaps)
 
 
+def test_spatial_probe_stores_cell_accuracy_per_grid_for_the_gap_curve(farm):
+    ws, _, rows = farm
+    row = _get(rows, "g2m", "g2m.matrix", "conv_spatial", 1)
+    pred = row["params"]["predictions"]
+    assert len(pred["array_row"]) == row["n_test"]
+    # every grid is 4x4 and fully labelled: the mean per-grid accuracy is the recorded score
+    assert np.mean(pred["value"]) == pytest.approx(row["score"])
+    from queries.named import run as run_query
+
+    curve = [r for r in run_query(ws, "g2m_gap", {"run": "g2m"}).to_pylist() if r["layer"] == 1]
+    assert [r["grid_size"] for r in curve] == [4]
+    assert curve[0]["probe_cell_accuracy"] == pytest.approx(row["score"], abs=1e-4)
+    assert curve[0]["model_cell_accuracy"] is None  # this synthetic run generated nothing
+
+
 def test_saved_probe_rescores_from_artifact_and_recorded_split(farm):
     ws, _, rows = farm
     for run, target, kind in [("go", "go.intersection", "linear"), ("g2m", "g2m.matrix", "conv_spatial"),
