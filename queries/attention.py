@@ -16,7 +16,6 @@ objects with boxes (CountingTricks, spatial scenes) and whose image tokens form 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
@@ -84,21 +83,9 @@ def object_agreement(ws: Workspace, run: str, where: str | None = None) -> pa.Ta
 
 
 def main(argv: list[str] | None = None) -> int:
-    from queries.render import emit
+    from queries.render import table_cli
 
-    ap = argparse.ArgumentParser(prog="python -m queries.attention", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", default=None, help="workspace (default ./data or $AGNOSIA_DATA)")
-    ap.add_argument("--run", required=True)
-    ap.add_argument("--where", default=None, help="SQL over v_samples selecting the samples")
-    ap.add_argument("--format", default="table", choices=("table", "csv", "json", "parquet"))
-    ap.add_argument("--out", default=None, help="write to this file (needed for parquet)")
-    args = ap.parse_args(argv)
-    try:
-        ws = Workspace.open(args.data, readonly=True)
-        return emit(object_agreement(ws, args.run, args.where), args.format, args.out)
-    except StoreError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return table_cli("python -m queries.attention", __doc__, object_agreement, argv)
 
 
 if __name__ == "__main__":

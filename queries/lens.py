@@ -23,7 +23,6 @@ table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -167,21 +166,9 @@ def token_map(ws: Workspace, run: str, layer: int, row: int) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from queries.render import emit
+    from queries.render import table_cli
 
-    ap = argparse.ArgumentParser(prog="python -m queries.lens", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", default=None, help="workspace (default ./data or $AGNOSIA_DATA)")
-    ap.add_argument("--run", required=True)
-    ap.add_argument("--where", default=None, help="SQL over v_samples selecting the samples")
-    ap.add_argument("--format", default="table", choices=("table", "csv", "json", "parquet"))
-    ap.add_argument("--out", default=None, help="write to this file (needed for parquet)")
-    args = ap.parse_args(argv)
-    try:
-        ws = Workspace.open(args.data, readonly=True)
-        return emit(layer_table(ws, args.run, args.where), args.format, args.out)
-    except StoreError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return table_cli("python -m queries.lens", __doc__, layer_table, argv)
 
 
 if __name__ == "__main__":

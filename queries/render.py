@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -63,3 +64,24 @@ def emit(table: pa.Table, fmt: str, out: str | None) -> int:
     else:
         print(text)
     return 0
+
+
+def table_cli(prog: str, doc: str, build: Any, argv: list[str] | None = None) -> int:
+    """The command line of a per-run analysis: ``build(ws, run, where) -> pa.Table`` printed or written."""
+    import argparse
+
+    from store import StoreError, Workspace
+
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    ap.add_argument("--data", default=None, help="workspace (default ./data or $AGNOSIA_DATA)")
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--where", default=None, help="SQL over v_samples selecting the samples")
+    ap.add_argument("--format", default="table", choices=("table", "csv", "json", "parquet"))
+    ap.add_argument("--out", default=None, help="write to this file (needed for parquet)")
+    args = ap.parse_args(argv)
+    try:
+        ws = Workspace.open(args.data, readonly=True)
+        return emit(build(ws, args.run, args.where), args.format, args.out)
+    except StoreError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
