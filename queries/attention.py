@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from queries.scene import object_patches, objects_in
-from store import StoreError, Workspace
+from store import Workspace
 
 
 def agreement(attention: np.ndarray, objects: np.ndarray) -> tuple[float, float]:
