@@ -276,6 +276,9 @@ def lens_sections(ws: Workspace, out: Path) -> list[Section]:
 
 def _variant_bars(ax, table: pa.Table) -> None:
     rows = table.to_pylist()
+    if any(r["regime"] == "ID" for r in rows):  # one regime, so every bar is over comparable boards
+        rows = [r for r in rows if r["regime"] == "ID"]
+        ax.set_title("Go boards in the training range (ID)", fontsize=9)
     labels = [f"{r['run']}\n({r['intervention']})" for r in rows]
     bars = ax.bar(range(len(rows)), [r["accuracy"] or 0.0 for r in rows], color="tab:blue", alpha=0.7)
     for bar, r in zip(bars, rows):
