@@ -18,7 +18,7 @@ REPORT ?= report
 
 PLAN ?= manifests/probes-demo.yaml
 
-.PHONY: help setup browser test stimuli extract probes info verify report toy-model demo bench clean
+.PHONY: help setup browser test faults stimuli extract probes info verify report toy-model toy-mas variants demo bench clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -42,6 +42,9 @@ browser: ## install Debian's headless Chromium for the report test (root + apt),
 test: setup browser ## run the test suite
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
+faults: setup ## the fault-injection suite alone (kill -9, full disk, dead Dask workers, damaged files; docs/reliability.md)
+	$(PY) -m pytest -q tests/faults
+
 stimuli: setup ## write a small set of each stimulus family to $(STIMULI)/
 	$(PY) -m extract.stimuli all --out $(STIMULI) $(STIMULI_ARGS)
 
@@ -61,6 +64,19 @@ verify: setup ## check every committed chunk of $(DATA) against the manifest (ex
 toy-model: setup ## retrain the counting lab's toy VLM from scratch (lab/toy.yaml) into lab/checkpoints/toy-counter
 	$(PY) -m lab.train
 
+toy-mas: setup ## MAS-fine-tune the toy model (seed 003) into lab/checkpoints/toy-counter-mas
+	$(PY) -m lab.mas --out lab/checkpoints/toy-counter-mas --steps 150 --tau 0.9 --lam 0.1 --threads 1
+
+variants: setup ## the interventions on the toy model as variant runs into $(DATA) (after make demo's stimuli)
+	$(PY) -m extract manifests/demo-text.yaml --data $(DATA) --no-progress
+	$(PY) -m extract manifests/demo-heads-visual.yaml --data $(DATA) --no-progress
+	$(PY) -m extract manifests/demo-heads-text.yaml --data $(DATA) --no-progress
+	$(PY) -m extract manifests/demo-rope.yaml --data $(DATA) --no-progress
+	$(PY) -m extract manifests/demo-compression.yaml --data $(DATA) --no-progress
+	$(PY) -m extract manifests/demo-mas.yaml --data $(DATA) --no-progress
+	$(PY) -m queries interventions --data $(DATA)
+	$(PY) -m queries head_overlap --data $(DATA) --param a=toy-heads-visual --param b=toy-heads-text
+
 report: setup ## write the HTML report of $(DATA) to $(REPORT)/index.html
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
@@ -71,6 +87,7 @@ demo: setup ## the whole pipeline on the committed toy model: stimuli, extractio
 	$(PY) -m probes manifests/probes-demo.yaml --data $(DATA) --no-progress
 	$(PY) -m queries counting_regimes --data $(DATA)
 	$(PY) -m queries attractors --data $(DATA) --param min_share=0.1
+	$(MAKE) --no-print-directory variants
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
 bench: setup ## measure the performance aims side by side (figures go to docs/benchmarks.md by hand)

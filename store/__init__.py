@@ -22,6 +22,7 @@ See docs/store.md for the layout, tables, dtype policy, codecs and concurrency m
 """
 
 from store.errors import (
+    DiskFullError,
     DtypeOverflowError,
     ManifestBusyError,
     NotCommittedError,
@@ -49,7 +50,7 @@ from store.workspace import Workspace, resolve_path
 from store.writer import ArrayHandle, Writer, WriterStats
 
 __all__ = [
-    "ArrayHandle", "ArrayInfo", "ArraySpec", "DtypeOverflowError", "Generation", "ManifestBusyError",
+    "ArrayHandle", "ArrayInfo", "ArraySpec", "DiskFullError", "DtypeOverflowError", "Generation", "ManifestBusyError",
     "NotCommittedError", "Plan", "ProbeResult", "Ragged", "RunInfo", "SchemaVersionError", "Selection",
     "Shard", "SpecMismatchError", "StoreError", "TokenSpans", "VerifyReport", "Workspace", "WorkspaceError", "Writer",
     "WriterError", "WriterLockError", "WriterStats", "plan", "resolve_path",

@@ -147,6 +147,15 @@ class WriterLock:
 
     def _busy(self) -> WriterLockError:
         holder = read_holder(self.path)
+        deadline = time.monotonic() + 1.0
+        # The holder writes its name just after taking the flock. Caught in between, the file is
+        # empty or still names the dead writer being taken over: wait that moment out, so the
+        # message names the live holder (found by the fault suite's two simultaneous writers).
+        while (holder is None or (holder.host == socket.gethostname() and not _pid_alive(holder.pid))) and (
+            time.monotonic() < deadline and not (self.path.name == "writer.lock" and live_shards(self.path.parent))
+        ):
+            time.sleep(0.01)
+            holder = read_holder(self.path)
         if holder is None and self.path.name == "writer.lock":
             shards = live_shards(self.path.parent)
             if shards:

@@ -45,7 +45,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,8 +61,17 @@ from store import arrays as layout
 from store.checksum import crc32c
 from store import db
 from store.dtypes import as_numpy, cast, count_nonfinite, default_stored, numpy_dtype
-from store.errors import ManifestBusyError, SpecMismatchError, StoreError, WriterError, WriterLockError
-from store.lock import Holder, WriterLock, live_shards, shard_lock_path
+from store.errors import (
+    DiskFullError,
+    ManifestBusyError,
+    SpecMismatchError,
+    StoreError,
+    WriterError,
+    WriterLockError,
+    disk_full_error,
+    is_disk_full,
+)
+from store.lock import Holder, WriterLock, _pid_alive, live_shards, shard_lock_path
 from store.records import (
     ArrayInfo,
     ArraySpec,
@@ -234,6 +244,9 @@ class Writer:
             self._begin_run(info)
             self._stimuli: list[str] | None = self._load_samples()
             self._root = layout.open_root(ws.path, read_only=False)
+            # The Zarr root's own leftovers (a kill while a workspace was created) and the run's.
+            self._remove_stale_partials([*ws.zarr_path.glob("*.partial"),
+                                         *(ws.zarr_path / self.run).rglob("*.partial")])
         except BaseException:
             self._release_locks()
             raise
@@ -294,6 +307,20 @@ class Writer:
         me = str(self.shard)
         return [h for h in live_shards(self.ws.path, self.run) if not (h.pid == os.getpid() and h.shard == me)]
 
+    def _remove_stale_partials(self, leftovers: list[Path]) -> None:
+        """Remove temporary files of interrupted writes: chunk files (``c.<k>...<pid>.partial``)
+        and zarr-python's half-written metadata or blocks (``*.<hex>.partial``, also in group
+        folders). Never committed, so safe to remove; except, while peer shards run, the files a
+        live process may be filling right now."""
+        sharing = self.shard is not None and bool(self._peer_shards())
+        for leftover in leftovers:
+            if sharing:
+                token = leftover.name.rsplit(".", 2)[-2] if leftover.name.count(".") >= 2 else ""
+                pid = int(token) if token.isdigit() and len(token) <= 10 else None
+                if pid is None or pid == os.getpid() or _pid_alive(pid):
+                    continue
+            leftover.unlink(missing_ok=True)
+
     def owns(self, chunk: int) -> bool:
         """Whether this writer fills ``chunk`` (always, unless it is a shard)."""
         return self.shard is None or self.shard.owns(chunk)
@@ -306,18 +333,19 @@ class Writer:
         with db.connect(self.ws.manifest_path, read_only=False, timeout=self._manifest_timeout) as con:
             row = con.execute(
                 "SELECT model, revision, adapter, dtype, attn_implementation, config, chunk_samples,"
-                " bf16_policy, overflow_policy FROM runs WHERE run = ?",
+                " bf16_policy, overflow_policy, intervention FROM runs WHERE run = ?",
                 [info.run],
             ).fetchone()
             if row is None:
                 con.execute(
                     "INSERT INTO runs (run, model, revision, adapter, dtype, attn_implementation, versions, config,"
-                    " chunk_samples, bf16_policy, overflow_policy, status, host, pid, created_at, updated_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?)",
+                    " chunk_samples, bf16_policy, overflow_policy, intervention, status, host, pid, created_at,"
+                    " updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'running', ?, ?, ?, ?)",
                     [
                         info.run, info.model, info.revision, info.adapter, info.dtype, info.attn_implementation,
                         to_json(versions), to_json(dict(info.config)), info.chunk_samples, info.bf16,
-                        info.overflow, socket.gethostname(), os.getpid(), now, now,
+                        info.overflow, to_json(dict(info.intervention)) if info.intervention else None,
+                        socket.gethostname(), os.getpid(), now, now,
                     ],
                 )
                 return
@@ -325,6 +353,7 @@ class Writer:
                 "model": row[0], "revision": row[1], "adapter": row[2], "dtype": row[3],
                 "attn_implementation": row[4], "config": json.loads(row[5]) if row[5] else {},
                 "chunk_samples": row[6], "bf16": row[7], "overflow": row[8],
+                "intervention": json.loads(row[9]) if row[9] else None,
             }
             wanted = info.identity()
             diff = [k for k in wanted if wanted[k] != stored[k]]
@@ -495,9 +524,6 @@ class Writer:
             committed = {
                 r[0] for r in self.ws.rows("SELECT chunk FROM chunks WHERE run = ? AND zarr_path = ?", [self.run, path])
             }
-            # Temporary chunk files of an interrupted writer: never committed, safe to remove.
-            for leftover in (self.ws.zarr_path / path).rglob("*.partial"):
-                leftover.unlink(missing_ok=True)
             try:
                 node = self._root[path]
             except KeyError:
@@ -547,16 +573,17 @@ class Writer:
             attrs["note"] = "raw bfloat16 bits stored as uint16: float32 = (bits.astype(uint32) << 16).view(float32)"
         if not codec.lossless:
             attrs["keepbits"] = codec.keepbits
-        if info.layout == "dense":
-            node = layout.create_dense(
-                self._root, info.zarr_path, info.n_samples, info.item_shape, info.chunk_samples,
-                info.stored_dtype, codec, info.dims[1:], attrs,
-            )
-        else:
-            attrs["row_shape"] = list(info.item_shape)
-            attrs["blocks"] = "b<k>/rows [n_rows, ...] and b<k>/offsets [n+1] per chunk of chunk_samples samples"
-            node = layout.create_ragged_group(self._root, info.zarr_path, attrs)
-        layout.fsync_node_chain(self.ws.path, info.zarr_path)
+        with _disk_full_names(self.ws.zarr_path / info.zarr_path):
+            if info.layout == "dense":
+                node = layout.create_dense(
+                    self._root, info.zarr_path, info.n_samples, info.item_shape, info.chunk_samples,
+                    info.stored_dtype, codec, info.dims[1:], attrs,
+                )
+            else:
+                attrs["row_shape"] = list(info.item_shape)
+                attrs["blocks"] = "b<k>/rows [n_rows, ...] and b<k>/offsets [n+1] per chunk of chunk_samples samples"
+                node = layout.create_ragged_group(self._root, info.zarr_path, attrs)
+            layout.fsync_node_chain(self.ws.path, info.zarr_path)
         return node
 
     def write_tensor(
@@ -591,32 +618,44 @@ class Writer:
             vals = vals.reshape(1)
         path = f"{self.run}/_tensors/{name}"
         per_row = max(1, vals[:1].nbytes)
-        arr_z = self._root.create_array(
-            path,
-            shape=vals.shape,
-            chunks=(max(1, min(vals.shape[0], (16 << 20) // per_row)), *vals.shape[1:]),
-            dtype=numpy_dtype(stored_dtype),
-            compressors=None,
-            filters=None,
-            fill_value=0,
-            chunk_key_encoding={"name": "default", "separator": "."},
-            overwrite=True,
-            attributes={"run": self.run, "name": name, "module": module, "source_dtype": kind, "stored_dtype": stored_dtype},
-            config={"write_empty_chunks": True},
-        )
-        arr_z[...] = vals
-        folder = self.ws.zarr_path / path
-        for f in sorted(folder.iterdir()):
-            layout.fsync_path(f)
-        layout.fsync_node_chain(self.ws.path, path)
+        crc = crc32c(vals)
+        known = self.ws.rows("SELECT shape, stored_dtype, crc32c FROM tensors WHERE run = ? AND name = ?",
+                             [self.run, name])
+        if known:
+            shape, stored, known_crc = known[0]
+            if (list(shape) == list(vals.shape) and stored == stored_dtype and known_crc == crc
+                    and (self.ws.zarr_path / path / "zarr.json").is_file()):
+                return  # a resume: the committed copy is this tensor; rewriting it could leave a half-written one
+            # Forget the old copy before its files change: a kill mid-write leaves no row, not a broken one.
+            with db.connect(self.ws.manifest_path, read_only=False, timeout=self._manifest_timeout) as con:
+                con.execute("DELETE FROM tensors WHERE run = ? AND name = ?", [self.run, name])
+        with _disk_full_names(self.ws.zarr_path / path):
+            arr_z = self._root.create_array(
+                path,
+                shape=vals.shape,
+                chunks=(max(1, min(vals.shape[0], (16 << 20) // per_row)), *vals.shape[1:]),
+                dtype=numpy_dtype(stored_dtype),
+                compressors=None,
+                filters=None,
+                fill_value=0,
+                chunk_key_encoding={"name": "default", "separator": "."},
+                overwrite=True,
+                attributes={"run": self.run, "name": name, "module": module, "source_dtype": kind,
+                            "stored_dtype": stored_dtype},
+                config={"write_empty_chunks": True},
+            )
+            arr_z[...] = vals
+            folder = self.ws.zarr_path / path
+            for f in sorted(folder.iterdir()):
+                layout.fsync_path(f)
+            layout.fsync_node_chain(self.ws.path, path)
         nbytes = sum(f.stat().st_size for f in folder.iterdir() if f.name != "zarr.json")
         with db.connect(self.ws.manifest_path, read_only=False, timeout=self._manifest_timeout) as con:
             con.execute("BEGIN TRANSACTION")
             con.execute("DELETE FROM tensors WHERE run = ? AND name = ?", [self.run, name])
             con.execute(
                 "INSERT INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [self.run, name, module, path, list(vals.shape), kind, stored_dtype, nbytes,
-                 crc32c(vals), _now()],
+                [self.run, name, module, path, list(vals.shape), kind, stored_dtype, nbytes, crc, _now()],
             )
             con.execute("COMMIT")
 
@@ -847,7 +886,8 @@ class Writer:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise WriterError(f"the background writer of run {self.run} failed: {self._error}") from self._error
+            cls = DiskFullError if isinstance(self._error, DiskFullError) else WriterError
+            raise cls(f"the background writer of run {self.run} failed: {self._error}") from self._error
 
     def _check_handle(self, handle: ArrayHandle) -> None:
         if not isinstance(handle, ArrayHandle) or handle.writer_id != id(self):
@@ -906,7 +946,8 @@ class Writer:
                 if self._error is None:
                     self._handle(item)
             except BaseException as err:  # noqa: BLE001 - surfaced to the producer
-                self._fail(err)
+                where = self.ws.zarr_path / item[1].info.zarr_path if kind in ("data", "ragged") else None
+                self._fail(err, where=where)
             finally:
                 # The batch's memory counts against the budget until its checksums are done.
                 self._release_after(self._item_jobs, nbytes)
@@ -938,8 +979,12 @@ class Writer:
         for job in jobs:
             job.add_done_callback(done)
 
-    def _fail(self, err: BaseException) -> None:
+    def _fail(self, err: BaseException, where: Path | None = None) -> None:
         if self._error is None:
+            if is_disk_full(err) and not isinstance(err, DiskFullError):
+                full = disk_full_error(getattr(err, "filename", None) or where or self.ws.path, err)
+                full.__cause__ = err
+                err = full
             self._error = err
         self._abort.set()
 
@@ -1044,7 +1089,10 @@ class Writer:
             st.n_clipped += c.n_clipped
         view = _bytes_view(vals)
         row_bytes = len(view) // len(block)
-        _pwrite_all(st.fd, view, lo * row_bytes)
+        try:
+            _pwrite_all(st.fd, view, lo * row_bytes)
+        except OSError as err:  # name the chunk file: a full disk is reported with its path
+            raise OSError(err.errno, err.strerror, str(st.final)) from err
         in_order = st.in_order and lo == st.crc_rows
         if not in_order:
             st.in_order = False
@@ -1200,7 +1248,7 @@ class Writer:
                     con.execute("UPDATE runs SET updated_at = ? WHERE run = ?", [now, self.run])
                 con.execute("COMMIT")
             except BaseException:
-                con.execute("ROLLBACK")
+                db.rollback(con)  # keeps the failed statement's error (e.g. a full disk), not ROLLBACK's
                 raise
         for rec in chunks:
             rec.handle.committed.add(rec.chunk)
@@ -1236,6 +1284,17 @@ def _check_same_array(known: ArrayInfo, wanted: ArrayInfo) -> None:
             f"array {known.key()} already exists with a different layout ({detail}). Resume with the same"
             " ArraySpec, or store it under another site/tokens name"
         )
+
+
+@contextmanager
+def _disk_full_names(where: Path) -> Iterator[None]:
+    """Turn a full disk met while writing ``where`` (synchronously) into a DiskFullError naming it."""
+    try:
+        yield
+    except OSError as err:
+        if is_disk_full(err):
+            raise disk_full_error(getattr(err, "filename", None) or where, err) from err
+        raise
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
