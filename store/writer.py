@@ -356,7 +356,8 @@ class Writer:
                 "intervention": json.loads(row[9]) if row[9] else None,
             }
             wanted = info.identity()
-            diff = [k for k in wanted if wanted[k] != stored[k]]
+            # A key a newer agnosia added with no value (e.g. model.device_map: null) is no difference.
+            diff = [k for k in wanted if _without_nulls(wanted[k]) != _without_nulls(stored[k])]
             if diff:
                 detail = "; ".join(f"{k}: stored {stored[k]!r}, this writer {wanted[k]!r}" for k in diff)
                 raise SpecMismatchError(
@@ -1273,6 +1274,15 @@ class Writer:
             [self.run],
         ).fetchone()
         return not (row and row[0])
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` with every mapping entry whose value is None dropped, recursively."""
+    if isinstance(value, Mapping):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _check_same_array(known: ArrayInfo, wanted: ArrayInfo) -> None:

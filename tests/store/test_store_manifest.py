@@ -174,3 +174,19 @@ def test_run_level_tensors(tmp_path):
         w.write_tensor("unembed", unembed, module="lm_head")
     assert np.array_equal(ws.read_tensor("r", "unembed"), unembed)
     assert ws.verify().ok
+
+
+def test_resume_ignores_keys_added_later_with_no_value(tmp_path):
+    """A run written before the manifest grew a key (stored config lacks it) resumes when the new
+    key is null, and is still refused when a real setting differs."""
+    from store import RunInfo, SpecMismatchError
+
+    ws = Workspace.open(tmp_path / "ws")
+    old = RunInfo(run="r1", model="m", config={"model": {"path": "x"}, "batch_size": 2})
+    ws.writer(old).close()
+    newer = RunInfo(run="r1", model="m", config={"model": {"path": "x", "device_map": None}, "batch_size": 2,
+                                                 "intervention": None})
+    ws.writer(newer).close()
+    changed = RunInfo(run="r1", model="m", config={"model": {"path": "y"}, "batch_size": 2})
+    with pytest.raises(SpecMismatchError, match="config"):
+        ws.writer(changed)

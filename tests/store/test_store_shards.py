@@ -143,3 +143,4 @@ def test_shard_processes_write_concurrently(tmp_path):
     ref = Workspace.open(tmp_path / "ref")
     write_run(ref, n=40, chunk=4, batch=2)
     _assert_same(_snapshot(ws), _snapshot(ref))
+
