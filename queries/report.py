@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,6 +199,11 @@ def g2m_position_sections(ws: Workspace, out: Path) -> list[Section]:
                        " AND (params->>'grid_size')::INTEGER = ?", [run, n])[0][0]
         figures.append(_figure(out, f"g2m_errors_{len(figures)}",
                                lambda ax, m=maps[n], n=n, p=patch, s=size, run=run: _heatmap(ax, m, n, p, s, run)))
+        probe = _probe_error_map(ws, run, n)
+        if probe is not None:
+            label, pm = probe
+            figures.append(_figure(out, f"g2m_errors_{len(figures)}",
+                                   lambda ax, m=pm, n=n, p=patch, s=size, t=label: _heatmap(ax, m, n, p, s, t)))
     tables = [("g2m_positional_bias", bias)]
     if align:
         tables.append(("g2m_patch_alignment", pa.concat_tables(align)))
@@ -213,6 +219,20 @@ def g2m_position_sections(ws: Workspace, out: Path) -> list[Section]:
                     " and per N the positional-bias scalars (entropy 1 = errors spread evenly; spectral"
                     " non-uniformity 0 = flat; slopes > 0 = more errors toward the bottom / right).",
                     figures=figures, tables=tables)]
+
+
+def _probe_error_map(ws: Workspace, run: str, n: int) -> tuple[str, np.ndarray] | None:
+    """The best-scoring spatial probe's per-cell error rate at grid size ``n`` (its recorded
+    metrics), averaged over seeds, with a label naming its tap and layer."""
+    rows = ws.rows(
+        "SELECT tap, layer, site, avg(score) AS s, list(params->'metrics'->'error_maps'->?) AS maps FROM probes"
+        " WHERE run = ? AND kind = 'conv_spatial' AND (params->'metrics'->'error_maps'->?) IS NOT NULL"
+        " GROUP BY ALL ORDER BY s DESC LIMIT 1", [str(n), run, str(n)])
+    if not rows:
+        return None
+    tap, layer, site, _, maps = rows[0]
+    mean = np.mean([np.asarray(json.loads(m) if isinstance(m, str) else m, dtype=np.float64) for m in maps], axis=0)
+    return f"{run}: probe on {tap}.{layer} ({site})", mean
 
 
 def _heatmap(ax, errors: np.ndarray, n: int, patch_px: float | None, image_px: float | None, run: str) -> None:

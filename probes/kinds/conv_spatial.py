@@ -159,4 +159,24 @@ class ConvSpatialProbe(Probe):
         exact = ((pred == y) | ~ok).reshape(len(y), -1).all(1)
         per = {int(c): float((pred[y == c] == c).mean()) for c in np.unique(y[ok])}
         return {"exact_match": float(exact.mean()) if len(y) else float("nan"), "per_colour": per,
-                "iters": self.meta_.get("iters"), "best_iter": self.meta_.get("best_iter")}
+                "iters": self.meta_.get("iters"), "best_iter": self.meta_.get("best_iter"),
+                "error_maps": error_maps(pred, y)}
+
+
+MAX_MAP_CELLS = 64 * 64  # larger maps are left out of the recorded metrics (they would bloat params)
+
+
+def error_maps(pred: np.ndarray, y: np.ndarray) -> dict[str, list[list[float]]]:
+    """Per grid size N (the labelled extent of each test grid): the probe's error rate per cell,
+    for the report's heatmap beside the model's own (G2M, seed 000)."""
+    ok = y >= 0
+    sizes = ok.any(2).sum(1)  # labelled rows per grid = N for an N x N grid in a padded frame
+    out = {}
+    for n in np.unique(sizes):
+        n = int(n)
+        if n == 0 or n * n > MAX_MAP_CELLS:
+            continue
+        m = sizes == n
+        wrong = (pred[m, :n, :n] != y[m, :n, :n]) & ok[m, :n, :n]
+        out[str(n)] = np.round(wrong.mean(0), 4).tolist()
+    return out

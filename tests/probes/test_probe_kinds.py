@@ -169,3 +169,12 @@ def test_pooled_reads_ragged_answer_tokens_and_linear_refuses_them(tmp_path):
     with pytest.raises(PlanError, match="is ragged .* Use kind pooled for ragged tokens"):
         run_plan(parse_plan({"probes": [{"tokens": ["answer"], "targets": ["go.intersection"], "kinds": ["linear"]}]}),
                  ws.path, in_process=True, progress=False, log=lambda s: None)
+
+
+def test_spatial_probe_records_its_error_map_per_grid_size(farm):
+    _, _, rows = farm
+    row = _get(rows, "g2m", "g2m.matrix", "conv_spatial", 1)
+    maps = row["params"]["metrics"]["error_maps"]
+    assert list(maps) == ["4"] and np.asarray(maps["4"]).shape == (4, 4)
+    # its mean error is the complement of the recorded cell accuracy (every 4x4 cell is labelled)
+    assert 1 - np.mean(maps["4"]) == pytest.approx(row["score"], abs=1e-3)
