@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from extract.interventions.compression import compress, greedy, load_decoder, punctuation_ids
-from extract.interventions.heads import ablate, head_site
+from extract.interventions.heads import HeadSite, ablate, head_site
 from extract.manifest import HeadAblationSpec, Manifest, ManifestError, expand_layers
 from extract.models import LoadedModel, prepare_batch
 from extract.run import Sample, _by_modality, _progress, _stop_ids, answer_length
@@ -62,7 +62,7 @@ def run_variant(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]
 
 # ------------------------------------------------------------------------------------------ head ablation
 
-def _sites(lm: LoadedModel, spec: HeadAblationSpec) -> list[Any]:
+def _sites(lm: LoadedModel, spec: HeadAblationSpec) -> list[HeadSite]:
     try:
         layers = expand_layers(spec.layers, lm.adapter.n_layers(spec.tap))
     except ManifestError as err:
@@ -75,20 +75,22 @@ def _sites(lm: LoadedModel, spec: HeadAblationSpec) -> list[Any]:
     return sites
 
 
-def _done(ws: Workspace, run: str, sites: list[Any], spec: Any) -> set[str]:
+def _done(ws: Workspace, run: str, sites: list[HeadSite], spec: Any) -> set[str]:
+    """Stimuli whose results are stored. Head-ablation rows commit at once, the generation through
+    the writer's queue a moment later: a stimulus is done only when both are there."""
     if sites:
         per_stimulus = sum(s.n_heads if spec.heads == "all" else len(spec.heads) for s in sites)
-        rows = ws.rows("SELECT stimulus, count(*) FROM head_ablations WHERE run = ? GROUP BY stimulus", [run])
+        rows = ws.rows(
+            "SELECT h.stimulus, count(*) FROM head_ablations h JOIN generations g ON g.run = h.run"
+            " AND g.stimulus = h.stimulus WHERE h.run = ? GROUP BY h.stimulus", [run])
         return {r[0] for r in rows if r[1] >= per_stimulus}
     return {r[0] for r in ws.rows("SELECT stimulus FROM generations WHERE run = ?", [run])}
 
 
 def _ablate_group(lm: LoadedModel, ws: Workspace, manifest: Manifest, group: list[Sample], rows: list[int],
-                  sites: list[Any], spec: HeadAblationSpec) -> list[Generation]:
-    images = [s.image for s in group]
-    strings = [s.strings for s in group]
-    prompts = [s.prompt for s in group]
-    forced = prepare_batch(lm, images, prompts, answers=[s.answer for s in group], strings=strings)
+                  sites: list[HeadSite], spec: HeadAblationSpec) -> list[Generation]:
+    forced = prepare_batch(lm, [s.image for s in group], [s.prompt for s in group],
+                           answers=[s.answer for s in group], strings=[s.strings for s in group])
     found = ablate(lm, forced, sites, None if spec.heads == "all" else spec.heads)
     ws.record_head_ablations(manifest.run, [
         {**r, "stimulus": group[r["sample"]].key, "array_row": rows[r["sample"]]} for r in found

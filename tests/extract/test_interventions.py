@@ -111,6 +111,16 @@ def test_head_ablation_run_records_every_head_and_resumes(go_set, tmp_path):
                    " FROM head_ablations") == [(True,)]
     again = run_extraction(parse_manifest(data), workspace=tmp_path / "ws", progress=False)
     assert again.computed == 0  # every stimulus already has all its heads
+    # A crash between the ablation rows' commit and the generation's: that stimulus is redone.
+    import duckdb
+
+    con = duckdb.connect(str(tmp_path / "ws" / "manifest.duckdb"))
+    con.execute("DELETE FROM generations WHERE stimulus = (SELECT min(stimulus) FROM generations)")
+    con.close()
+    third = run_extraction(parse_manifest(data), workspace=tmp_path / "ws", progress=False)
+    assert third.computed == 1
+    assert ws.rows("SELECT count(*), count(DISTINCT stimulus) FROM head_ablations") == [(16, 4)]
+    assert ws.rows("SELECT count(*) FROM generations WHERE run = 'heads'") == [(4,)]
 
 
 def test_head_ablation_manifest_is_checked():
