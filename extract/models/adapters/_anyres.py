@@ -19,18 +19,11 @@ import torch
 
 from .. import layout
 from ..layout import GridSegment, ImageGeometry
-from .base import Adapter
-from .llava import vision_prefix
+from .llava import ClipTowerAdapter
 
 
-class AnyresAdapter(Adapter):
-    vision_layers = "model.vision_tower.encoder.layers"
-    vision_attention = "self_attn"
-    projector = "model.multi_modal_projector"
-
-    @property
-    def vision_prefix_tokens(self) -> int:  # type: ignore[override]
-        return vision_prefix(self.config.vision_config)
+class AnyresAdapter(ClipTowerAdapter):
+    """The anyres geometry over the LLaVA family's tower and projector (see the module docstring)."""
 
     def _n_views(self, size: Any) -> int:
         from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches

@@ -48,10 +48,9 @@ def llama_tokenizer() -> Any:
     )
 
 
-@register
-class LlavaAdapter(Adapter):
-    family = "LLaVA"
-    model_types = ("llava",)
+class ClipTowerAdapter(Adapter):
+    """The LLaVA family's module paths: a CLIP/SigLIP tower and a multi-modal projector."""
+
     vision_layers = "model.vision_tower.encoder.layers"
     vision_attention = "self_attn"
     projector = "model.multi_modal_projector"
@@ -59,6 +58,12 @@ class LlavaAdapter(Adapter):
     @property
     def vision_prefix_tokens(self) -> int:  # type: ignore[override]
         return vision_prefix(self.config.vision_config)
+
+
+@register
+class LlavaAdapter(ClipTowerAdapter):
+    family = "LLaVA"
+    model_types = ("llava",)
 
     def geometry(self, inputs: Mapping[str, Any]) -> list[ImageGeometry]:
         patch = self.config.vision_config.patch_size
