@@ -191,7 +191,7 @@ class _Preparer:
         if n_tokens and any(k.uses_grid for k in kinds.values()):
             grids = {token_grid(i, n_tokens) for i in {(i.grid_h, i.grid_w): i for i in infos}.values()}
             grid = grids.pop() if len(grids) == 1 else None
-        return GroupJob(workspace=str(self.ws.path), group=group.key, arrays=arrays, rows=rows, tasks=group.tasks,
+        return GroupJob(workspace=str(self.ws.path), root=self.ws.root, group=group.key, arrays=arrays, rows=rows, tasks=group.tasks,
                         kinds=kinds, targets=targets, folds=folds, grid=grid, plan=self.plan.name)
 
 

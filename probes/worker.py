@@ -16,7 +16,6 @@ import time
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,7 @@ from probes.plan import ProbeTask
 from probes.splits import Fold
 from probes.targets import TargetValues
 from store import ArrayInfo, ProbeResult
+from store.location import ArrayRoot
 
 
 @dataclass
@@ -35,6 +35,7 @@ class GroupJob:
     """Everything one group needs, small enough to travel inline with the task."""
 
     workspace: str
+    root: ArrayRoot                         # where the arrays live: the workspace's folder or an object store
     group: str
     arrays: list[ArrayInfo]                 # one per layer, in ``layers`` order
     rows: np.ndarray                        # array rows, ascending
@@ -59,16 +60,15 @@ class GroupResult:
     started_at: float = 0.0                 # time.time() on the worker: a timeline for diagnostics
 
 
-def read_features(workspace: str, info: ArrayInfo, rows: np.ndarray) -> Any:
+def read_features(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray) -> Any:
     """The rows' values as float32 (kinds never see float16: sums in fp16 overflow), C-ordered
     and aligned (misaligned buffers made BLAS 6-8x slower, platform notes §5)."""
     from store import Ragged, reader
 
-    path = Path(workspace)
     if info.layout == "ragged":
-        got = reader.read_ragged(path, info, rows, "float32")
+        got = reader.read_ragged(root, info, rows, "float32")
         return Ragged(np.require(got.values, np.float32, ["C", "A"]), got.offsets)
-    return np.require(reader.read_dense(path, info, rows, None, "float32"), np.float32, ["C", "A"])
+    return np.require(reader.read_dense(root, info, rows, None, "float32"), np.float32, ["C", "A"])
 
 
 _MALLOC_TUNED = False
@@ -110,7 +110,7 @@ def run_group(job: GroupJob) -> GroupResult:
     torch.set_num_threads(1)
     try:
         with threadpool_limits(1):
-            Xs = [read_features(job.workspace, info, job.rows) for info in job.arrays]
+            Xs = [read_features(job.root, info, job.rows) for info in job.arrays]
             result.read_seconds = time.perf_counter() - started
             _train_all(job, Xs, result)
     finally:

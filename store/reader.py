@@ -2,14 +2,13 @@
 
 Uncompressed dense chunks are plain C-order little-endian bytes (one file per sample chunk), so
 they are memory-mapped and only the selected samples' pages are touched, exactly like a
-memory-mapped ``.npy``. Compressed chunks go through zarr-python, one orthogonal selection, which
+memory-mapped ``.npy``; in an object store, only the selected rows' byte ranges are fetched. Compressed chunks go through zarr-python, one orthogonal selection, which
 decodes only the chunks that hold selected rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ import zarr
 from store import arrays as layout
 from store.dtypes import decode_stored, numpy_dtype
 from store.errors import StoreError, WorkspaceError
+from store.location import ArrayRoot
 from store.records import ArrayInfo, Ragged
 
 Index = tuple[Any, ...]
@@ -44,33 +44,37 @@ def _item_shape_after(info: ArrayInfo, index: Index | None) -> tuple[int, ...]:
     return probe[(slice(None), *index)].shape[1:]
 
 
-def _require_array(workspace: Path, info: ArrayInfo) -> Path:
-    folder = layout.node_dir(workspace, info.zarr_path)
-    if not (folder / "zarr.json").is_file():
+def _require_array(root: ArrayRoot, info: ArrayInfo) -> None:
+    zarr_path = layout.check_zarr_path(info.zarr_path)
+    if not root.has(zarr_path):
         raise WorkspaceError(
-            f"array {info.key()} is listed in the manifest but missing on disk (expected {folder}/zarr.json)."
-            f" Run `python -m store verify --data {workspace}`; re-extract the run (drop-run {info.run}) to restore it"
+            f"array {info.key()} is listed in the manifest but missing on disk (expected {root.where(zarr_path, 'zarr.json')})."
+            f" Run `python -m store verify --data {root.local.parent}`; re-extract the run (drop-run {info.run})"
+            " to restore it"
         )
-    return folder
 
 
-def read_dense(workspace: Path, info: ArrayInfo, rows: np.ndarray, index: Index | None, bf16_as: str) -> np.ndarray:
-    folder = _require_array(workspace, info)
+def _open_array(root: ArrayRoot, info: ArrayInfo) -> zarr.Array:
+    _require_array(root, info)
+    return root.open(info.zarr_path)
+
+
+def read_dense(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray, index: Index | None, bf16_as: str) -> np.ndarray:
     stored = numpy_dtype(info.stored_dtype)
     if info.codec != "none":
-        z = zarr.open_array(str(folder), mode="r", zarr_format=3)
+        z = _open_array(root, info)
         values = z.get_orthogonal_selection((rows, *[slice(None)] * len(info.item_shape)))
         if index is not None:
             values = values[(slice(None), *index)]
         return decode_stored(np.ascontiguousarray(values), info.stored_dtype, bf16_as)
     out = np.empty((len(rows), *_item_shape_after(info, index)), dtype=stored)
     for k, local, a, b in group_by_chunk(rows, info.chunk_samples):
-        read_chunk_rows(workspace, info, k, local, index, raw=True, out=out[a:b])
+        read_chunk_rows(root, info, k, local, index, raw=True, out=out[a:b])
     return decode_stored(out, info.stored_dtype, bf16_as)
 
 
 def read_chunk_rows(
-    workspace: Path,
+    root: ArrayRoot,
     info: ArrayInfo,
     k: int,
     local: np.ndarray,
@@ -81,9 +85,8 @@ def read_chunk_rows(
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Rows ``local`` (0-based inside chunk ``k``) of a dense array; also the dask task."""
-    workspace = Path(workspace)
     if info.codec != "none":
-        z = zarr.open_array(str(_require_array(workspace, info)), mode="r", zarr_format=3)
+        z = _open_array(root, info)
         values = z.get_orthogonal_selection((local + k * info.chunk_samples, *[slice(None)] * len(info.item_shape)))
         if index is not None:
             values = values[(slice(None), *index)]
@@ -91,23 +94,19 @@ def read_chunk_rows(
             out[...] = values
             return out
         return values if raw else decode_stored(values, info.stored_dtype, bf16_as)
-    path = layout.dense_chunk_file(workspace, info.zarr_path, len(info.shape), k)
     stored = np.dtype(numpy_dtype(info.stored_dtype)).newbyteorder("<")
     shape = (info.chunk_samples, *info.item_shape)
+    if root.remote:
+        values = _fetch_rows(root, info, k, local, stored, shape)
+        if index is not None:
+            values = values[(slice(None), *index)]
+        if out is not None:
+            out[...] = values
+            values = out
+        return values if raw else decode_stored(values, info.stored_dtype, bf16_as)
+    path = layout.dense_chunk_file(root.local.parent, info.zarr_path, len(info.shape), k)
     expected = int(np.prod(shape)) * stored.itemsize
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        _require_array(workspace, info)
-        raise WorkspaceError(
-            f"chunk {k} of {info.key()} is committed in the manifest but its file {path} is missing:"
-            f" run `python -m store verify --data {workspace}` and re-extract the run"
-        ) from None
-    if size != expected:
-        raise WorkspaceError(
-            f"chunk file {path} of {info.key()} has {size} bytes, expected {expected} (chunk {shape} {info.stored_dtype}):"
-            f" it is damaged; run `python -m store verify --data {workspace}`"
-        )
+    _check_chunk_size(root, info, k, path.stat().st_size if path.is_file() else None, expected)
     mm = np.memmap(path, dtype=stored, mode="r", shape=shape)
     # One copy from the page cache into the result, like fancy-indexing a memory-mapped .npy.
     if index is None:
@@ -129,40 +128,83 @@ def read_chunk_rows(
     return values if raw else decode_stored(values, info.stored_dtype, bf16_as)
 
 
+def _check_chunk_size(root: ArrayRoot, info: ArrayInfo, k: int, size: int | None, expected: int) -> None:
+    name = layout.chunk_file_key(len(info.shape), k)
+    data = root.local.parent
+    if size is None:
+        _require_array(root, info)
+        raise WorkspaceError(
+            f"chunk {k} of {info.key()} is committed in the manifest but its file {root.where(info.zarr_path, name)}"
+            f" is missing: run `python -m store verify --data {data}` and re-extract the run"
+        )
+    if size != expected:
+        raise WorkspaceError(
+            f"chunk file {root.where(info.zarr_path, name)} of {info.key()} has {size} bytes, expected {expected}"
+            f" ({info.chunk_samples} samples x {info.item_shape} {info.stored_dtype}): it is damaged;"
+            f" run `python -m store verify --data {data}`"
+        )
+
+
+def _fetch_rows(
+    root: ArrayRoot, info: ArrayInfo, k: int, local: np.ndarray, stored: np.dtype, shape: tuple[int, ...]
+) -> np.ndarray:
+    """Rows of an uncompressed remote chunk: one ranged GET per run of consecutive rows, all at once."""
+    name = layout.chunk_file_key(len(info.shape), k)
+    row_bytes = int(np.prod(shape[1:])) * stored.itemsize
+    out = np.empty((len(local), *shape[1:]), dtype=stored)
+    if not len(local):
+        return out
+    cuts = np.flatnonzero(np.diff(local) != 1) + 1
+    starts = np.concatenate([[0], cuts])
+    stops = np.concatenate([cuts, [len(local)]])
+    ranges = [(int(local[a]) * row_bytes, (int(local[b - 1]) + 1) * row_bytes) for a, b in zip(starts, stops)]
+    try:
+        pieces = root.read_ranges(info.zarr_path, name, ranges)
+    except FileNotFoundError:
+        _check_chunk_size(root, info, k, None, 0)
+        raise
+    for (a, b), (lo, hi), piece in zip(zip(starts, stops), ranges, pieces):
+        if len(piece) != hi - lo:
+            _check_chunk_size(root, info, k, root.size(info.zarr_path, name), int(np.prod(shape)) * stored.itemsize)
+            raise WorkspaceError(f"chunk {k} of {info.key()}: a ranged read returned {len(piece)} of {hi - lo} bytes")
+        out[a:b] = np.frombuffer(piece, dtype=stored).reshape((b - a, *shape[1:]))
+    return out
+
+
 def _index_is_basic(index: Index) -> bool:
     # Mixing one fancy index (the rows) with slices/ints keeps numpy's result layout predictable.
     return all(isinstance(i, (slice, int, np.integer)) for i in index)
 
 
-def read_lazy(workspace: Path, info: ArrayInfo, rows: np.ndarray, index: Index | None, bf16_as: str) -> Any:
+def read_lazy(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray, index: Index | None, bf16_as: str) -> Any:
     import dask
     import dask.array as da
 
-    _require_array(workspace, info)
+    _require_array(root, info)
     item = _item_shape_after(info, index)
     out_dtype = np.float32 if info.stored_dtype == "bfloat16" and bf16_as != "bits" else numpy_dtype(info.stored_dtype)
     blocks = []
     for k, local, _, _ in group_by_chunk(rows, info.chunk_samples):
-        task = dask.delayed(read_chunk_rows, pure=True)(str(workspace), info, k, local, index, bf16_as=bf16_as)
+        task = dask.delayed(read_chunk_rows, pure=True)(root, info, k, local, index, bf16_as=bf16_as)
         blocks.append(da.from_delayed(task, shape=(len(local), *item), dtype=out_dtype))
     if not blocks:
         return da.zeros((0, *item), dtype=out_dtype)
     return da.concatenate(blocks, axis=0)
 
 
-def read_ragged(workspace: Path, info: ArrayInfo, rows: np.ndarray, bf16_as: str) -> Ragged:
-    folder = _require_array(workspace, info)
+def read_ragged(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray, bf16_as: str) -> Ragged:
+    _require_array(root, info)
     pieces: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
     for k, local, _, _ in group_by_chunk(rows, info.chunk_samples):
-        block = folder / layout.block_name(k)
+        block = f"{info.zarr_path}/{layout.block_name(k)}"
         try:
-            offsets = zarr.open_array(str(block / "offsets"), mode="r", zarr_format=3)[...]
-            rows_z = zarr.open_array(str(block / "rows"), mode="r", zarr_format=3)
+            offsets = root.open(f"{block}/offsets")[...]
+            rows_z = root.open(f"{block}/rows")
         except (FileNotFoundError, KeyError, ValueError) as err:
             raise WorkspaceError(
-                f"block {k} of ragged array {info.key()} is committed but unreadable at {block} ({err}):"
-                f" run `python -m store verify --data {workspace}`"
+                f"block {k} of ragged array {info.key()} is committed but unreadable at {root.where(block)} ({err}):"
+                f" run `python -m store verify --data {root.local.parent}`"
             ) from err
         lo, hi = int(offsets[local[0]]), int(offsets[local[-1] + 1])
         span = rows_z[lo:hi] if hi > lo else np.empty((0, *info.item_shape), dtype=rows_z.dtype)

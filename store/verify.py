@@ -16,6 +16,7 @@ import numpy as np
 import zarr
 
 from store import arrays as layout
+from store import location
 from store.checksum import crc32c
 from store.dtypes import numpy_dtype
 from store.errors import StoreError
@@ -82,6 +83,8 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
     root_ok = (ws.zarr_path / "zarr.json").is_file()
     if not root_ok:
         rep.problems.append(f"the Zarr group {ws.zarr_path} is missing (no zarr.json)")
+    elif ws.root.remote:
+        root_ok = _check_remote_root(ws, rep)
     writing = {h.run for h in live_writers(ws.path)}
     for run_id, status, n_samples in runs:
         rep.runs += 1
@@ -102,16 +105,18 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
         if run and run_id != run:
             continue
         try:
-            values = np.ascontiguousarray(zarr.open_array(str(layout.node_dir(ws.path, path)), mode="r", zarr_format=3)[...])
+            values = np.ascontiguousarray(ws.root.open(layout.check_zarr_path(path))[...])
             if checksums and crc32c(values) != crc:
-                rep.problems.append(f"tensor {run_id}/{name}: checksum mismatch at {ws.zarr_path / path}")
+                rep.problems.append(f"tensor {run_id}/{name}: checksum mismatch at {ws.root.where(path)}")
         except Exception as err:  # noqa: BLE001 - any failure to read is the finding
-            rep.problems.append(f"tensor {run_id}/{name} unreadable at {ws.zarr_path / path}: {err}")
+            rep.problems.append(f"tensor {run_id}/{name} unreadable at {ws.root.where(path)}: {err}")
     if root_ok and run is None:
         known = {r[0] for r in runs}
-        for child in sorted(ws.zarr_path.iterdir()):
-            if child.is_dir() and child.name not in known:
-                rep.warnings.append(f"Zarr folder {child} belongs to no run in the manifest (orphan; safe to delete)")
+        for child in ws.root.children():
+            if child not in known:
+                rep.warnings.append(
+                    f"Zarr folder {ws.root.where(child)} belongs to no run in the manifest (orphan; safe to delete)"
+                )
         partial = list(ws.zarr_path.rglob("*.partial"))
         if partial:
             rep.warnings.append(f"{len(partial)} '.partial' file(s) left by interrupted writes, e.g. {partial[0]}")
@@ -119,18 +124,38 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
     return rep
 
 
+def _check_remote_root(ws: Workspace, rep: VerifyReport) -> bool:
+    """Whether the object store holds this workspace's root group (the same workspace id)."""
+    try:
+        found = ws.root.remote_meta()
+    except Exception as err:  # noqa: BLE001 - any failure to reach it is the finding
+        rep.problems.append(f"the arrays at {ws.root.url} cannot be reached: {type(err).__name__}: {err}")
+        return False
+    mine = ws.root.local_meta().get(location.ID_ATTR)
+    if found is None:
+        rep.problems.append(f"the arrays at {ws.root.url} are gone: no Zarr group there (no zarr.json)")
+        return False
+    if found.get(location.ID_ATTR) != mine:
+        rep.problems.append(
+            f"{ws.root.url} holds the arrays of workspace {found.get(location.ID_ATTR)}, not of this one ({mine})"
+        )
+        return False
+    return True
+
+
 def _check_array(ws: Workspace, info: ArrayInfo, status: str, chunks: list[tuple], checksums: bool, rep: VerifyReport) -> None:
     where = info.key()
     try:
-        folder = layout.node_dir(ws.path, info.zarr_path)
+        zarr_path = layout.check_zarr_path(info.zarr_path)
     except StoreError as err:
         rep.problems.append(f"{where}: {err}")
         return
-    if not (folder / "zarr.json").is_file():
+    folder = ws.root.where(zarr_path)
+    if not ws.root.has(zarr_path):
         rep.problems.append(f"{where}: array missing on disk (expected {folder}/zarr.json)")
         return
     try:
-        node = zarr.open(str(folder), mode="r", zarr_format=3)
+        node = ws.root.open(zarr_path)
     except Exception as err:  # noqa: BLE001
         rep.problems.append(f"{where}: cannot open {folder}: {err}")
         return
@@ -182,16 +207,16 @@ def _check_array(ws: Workspace, info: ArrayInfo, status: str, chunks: list[tuple
 
 def _chunk_location(ws: Workspace, info: ArrayInfo, chunk: int) -> str:
     if info.layout == "dense":
-        return str(layout.dense_chunk_file(ws.path, info.zarr_path, len(info.shape), chunk))
-    return str(ws.zarr_path / info.zarr_path / layout.block_name(chunk))
+        return ws.root.where(info.zarr_path, layout.chunk_file_key(len(info.shape), chunk))
+    return ws.root.where(info.zarr_path, layout.block_name(chunk))
 
 
 def _read_chunk(ws: Workspace, info: ArrayInfo, node: object, chunk: int, start: int, stop: int, n_rows: int) -> np.ndarray:
     if info.layout == "dense":
-        path = layout.dense_chunk_file(ws.path, info.zarr_path, len(info.shape), chunk)
-        if not path.is_file():
+        name = layout.chunk_file_key(len(info.shape), chunk)
+        if ws.root.size(info.zarr_path, name) is None:
             # zarr would silently return fill values for a missing chunk.
-            raise StoreError(f"chunk file {path} is missing")
+            raise StoreError(f"chunk file {ws.root.where(info.zarr_path, name)} is missing")
         assert isinstance(node, zarr.Array)
         values = node[start:stop]
         if values.shape[0] != n_rows:
@@ -205,6 +230,6 @@ def _read_chunk(ws: Workspace, info: ArrayInfo, node: object, chunk: int, start:
         raise StoreError(f"offsets {offsets[:4]}... do not describe {stop - start} samples")
     if int(offsets[-1]) != rows.shape[0] or rows.shape[0] != n_rows:
         raise StoreError(f"block holds {rows.shape[0]} rows, offsets end at {offsets[-1]}, manifest says {n_rows}")
-    if n_rows and not (ws.zarr_path / info.zarr_path / layout.block_name(chunk) / "rows" / layout.chunk_file_key(rows.ndim, 0)).is_file():
+    if n_rows and not ws.root.has(f"{info.zarr_path}/{layout.block_name(chunk)}/rows", layout.chunk_file_key(rows.ndim, 0)):
         raise StoreError("rows chunk file is missing")
     return rows[...]

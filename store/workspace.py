@@ -5,6 +5,8 @@
     <data>/                       default ./data, or $AGNOSIA_DATA, or --data PATH
         manifest.duckdb           the manifest (tables and views of store/schema.py)
         arrays/                   Zarr v3 group: <run>/<tap>/<layer>/<site>/<tokens>
+                                  (or only its metadata and the writer's staging area, when the
+                                  arrays live in an object store: store/location.py)
         writer.lock               who writes (pid, host, run); see store/lock.py
         .trash/                   runs being dropped (removed at the next writer start)
 
@@ -18,6 +20,7 @@ import re
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from store import arrays as layout
-from store import db, reader
+from store import db, location, reader
 from store import schema as schema_mod
 from store.errors import (
     DiskFullError,
@@ -37,6 +40,7 @@ from store.errors import (
     WorkspaceError,
     disk_full_error,
 )
+from store.location import ArrayRoot
 from store.lock import WriterLock
 from store.records import ArrayInfo, ProbeResult, RunInfo, Selection, check_name, to_json
 
@@ -77,6 +81,7 @@ class Workspace:
         self.path = path
         self.manifest_path = path / MANIFEST
         self.zarr_path = path / layout.ZARR_DIR
+        self.root = ArrayRoot(self.zarr_path)  # the remote URL, if any, is read from the group at open
         self.timeout = timeout
         # Opening DuckDB costs ~25 ms, more than reading a few MB. What read() needs from the
         # manifest (array rows, committed chunks, selections) is kept while the manifest file
@@ -95,9 +100,16 @@ class Workspace:
         readonly: bool = False,
         timeout: float = db.DEFAULT_TIMEOUT,
         migrations: list[schema_mod.Migration] | None = None,
+        arrays_url: str | None = None,
     ) -> Workspace:
-        """Open (creating or migrating it unless ``readonly``) the workspace at ``path``."""
+        """Open (creating or migrating it unless ``readonly``) the workspace at ``path``.
+
+        ``arrays_url`` (e.g. ``s3://bucket/prefix``) puts a new workspace's arrays in an object
+        store (store/location.py); for an existing workspace it must name where they already are.
+        """
         ws = cls(resolve_path(path).absolute(), timeout)
+        if arrays_url is not None:
+            arrays_url = location.check_url(arrays_url)
         migrations = migrations or schema_mod.MIGRATIONS
         latest = schema_mod.latest_version(migrations)
         if not ws.manifest_path.exists():
@@ -135,10 +147,47 @@ class Workspace:
                     f"{ws.path} has a manifest but its Zarr group {ws.zarr_path} is missing: restore the arrays folder,"
                     f" or run `python -m store init --data {ws.path}` to start an empty one"
                 )
-            group = layout.open_root(ws.path, read_only=False)
-            group.attrs["agnosia_layout"] = layout.LAYOUT_VERSION
-            layout.fsync_node_chain(ws.path, "")
+            ws._create_root(arrays_url)
+        ws.root = ws._read_root(arrays_url)
         return ws
+
+    def _create_root(self, url: str | None) -> None:
+        attrs: dict[str, Any] = {"agnosia_layout": layout.LAYOUT_VERSION}
+        if url is not None:
+            if self.rows("SELECT count(*) FROM runs")[0][0]:
+                raise WorkspaceError(
+                    f"{self.path} has runs but no arrays folder: its arrays cannot move to {url} now."
+                    " Restore the arrays folder (or open it without --arrays)"
+                )
+            remote = ArrayRoot(self.zarr_path, url)
+            try:
+                found = remote.remote_meta()
+            except OSError as err:
+                raise location.describe_remote_error(url, err) from err
+            if found is not None:
+                raise WorkspaceError(
+                    f"{url} already holds the arrays of another workspace (id {found.get(location.ID_ATTR)}):"
+                    " choose another prefix, or, to read that workspace, use the folder its manifest is in"
+                )
+            attrs.update({location.URL_ATTR: url, location.ID_ATTR: uuid.uuid4().hex})
+        group = layout.open_root(self.path, read_only=False)
+        group.attrs.update(attrs)
+        layout.fsync_node_chain(self.path, "")
+        if url is not None:
+            try:
+                ArrayRoot(self.zarr_path, url).upload_meta("")
+            except OSError as err:
+                raise location.describe_remote_error(url, err) from err
+
+    def _read_root(self, wanted: str | None) -> ArrayRoot:
+        url = ArrayRoot(self.zarr_path).local_meta().get(location.URL_ATTR)
+        if wanted is not None and wanted != url:
+            raise WorkspaceError(
+                f"{self.path} keeps its arrays {'at ' + url if url else 'locally, in ' + str(self.zarr_path)},"
+                f" not at {wanted}: leave --arrays out to use them, or choose a new --data folder for a workspace"
+                f" whose arrays live at {wanted}"
+            )
+        return ArrayRoot(self.zarr_path, url)
 
     def _version(self, con: duckdb.DuckDBPyConnection) -> int:
         try:
@@ -303,10 +352,10 @@ class Workspace:
         if info.layout == "ragged":
             if lazy:
                 raise StoreError("lazy=True reads dense arrays; a ragged array comes back as Ragged (numpy)")
-            return reader.read_ragged(self.path, info, chosen, bf16_as)
+            return reader.read_ragged(self.root, info, chosen, bf16_as)
         if lazy:
-            return reader.read_lazy(self.path, info, chosen, index, bf16_as)
-        return reader.read_dense(self.path, info, chosen, index, bf16_as)
+            return reader.read_lazy(self.root, info, chosen, index, bf16_as)
+        return reader.read_dense(self.root, info, chosen, index, bf16_as)
 
     def _stamp(self) -> tuple[Any, ...]:
         out: list[Any] = []
@@ -369,19 +418,16 @@ class Workspace:
         if not got:
             known = [r[0] for r in self.rows("SELECT name FROM tensors WHERE run = ? ORDER BY name", [run])]
             raise StoreError(f"run {run} has no tensor {name!r}; it has {known or 'none'}")
-        import zarr
-
         from store.dtypes import decode_stored
 
         path, stored = got[0]
-        folder = layout.node_dir(self.path, path)
-        if not (folder / "zarr.json").is_file():
-            raise WorkspaceError(f"tensor {name} of run {run} is in the manifest but missing at {folder}")
-        return decode_stored(zarr.open_array(str(folder), mode="r", zarr_format=3)[...], stored)
+        if not self.root.has(layout.check_zarr_path(path)):
+            raise WorkspaceError(f"tensor {name} of run {run} is in the manifest but missing at {self.root.where(path)}")
+        return decode_stored(self.root.open(path)[...], stored)
 
     def zarr_group(self) -> Any:
-        """The workspace's Zarr group, read-only."""
-        return layout.open_root(self.path, read_only=True)
+        """The workspace's Zarr group, read-only (remote when its arrays live in an object store)."""
+        return self.root.open()
 
     # ------------------------------------------------------------------ writing
 
@@ -484,7 +530,7 @@ class Workspace:
         try:
             known = self.rows("SELECT count(*) FROM runs WHERE run = ?", [run])[0][0]
             folder = self.zarr_path / run
-            if not known and not folder.exists():
+            if not known and not folder.exists() and not (self.root.remote and run in self.root.children()):
                 raise StoreError(f"no run {run!r} in {self.path}; `python -m store info` lists the runs")
             trash = self.path / ".trash"
             parked = trash / f"{run}.{os.getpid()}.{int(time.time() * 1000)}"
@@ -510,6 +556,13 @@ class Workspace:
                 trash.rmdir()
             except OSError:
                 pass  # not empty (another drop's leftovers) or never made
+            if self.root.remote:
+                # Not atomic there, but nothing points at these objects any more; a drop cut short
+                # leaves orphans that verify lists and a second drop-run removes.
+                try:
+                    self.root.remove(run)
+                except OSError as err:
+                    raise location.describe_remote_error(str(self.root.url), err) from err
         finally:
             lock.release()
         return counts

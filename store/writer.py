@@ -45,7 +45,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,13 +59,14 @@ import zarr
 
 from store import arrays as layout
 from store.checksum import crc32c
-from store import db
+from store import db, location
 from store.dtypes import as_numpy, cast, count_nonfinite, default_stored, numpy_dtype
 from store.errors import (
     DiskFullError,
     ManifestBusyError,
     SpecMismatchError,
     StoreError,
+    WorkspaceError,
     WriterError,
     WriterLockError,
     disk_full_error,
@@ -133,6 +134,7 @@ class WriterStats:
     commit_s: float = 0.0
     producer_wait_s: float = 0.0
     partial_chunks_dropped: int = 0
+    upload_s: float = 0.0                  # time spent uploading to a remote array root
 
 
 @dataclass
@@ -243,7 +245,8 @@ class Writer:
                 ws.purge_trash()  # shards share the workspace: a peer may be mid-drop (never; but be safe)
             self._begin_run(info)
             self._stimuli: list[str] | None = self._load_samples()
-            self._root = layout.open_root(ws.path, read_only=False)
+            self._root = layout.open_root(ws.path, read_only=False)  # local: metadata, and staging for a remote root
+            self._check_remote_root()
             # The Zarr root's own leftovers (a kill while a workspace was created) and the run's.
             self._remove_stale_partials([*ws.zarr_path.glob("*.partial"),
                                          *(ws.zarr_path / self.run).rglob("*.partial")])
@@ -320,6 +323,23 @@ class Writer:
                 if pid is None or pid == os.getpid() or _pid_alive(pid):
                     continue
             leftover.unlink(missing_ok=True)
+
+    def _check_remote_root(self) -> None:
+        root = self.ws.root
+        if not root.remote:
+            return
+        mine = root.local_meta().get(location.ID_ATTR)
+        try:
+            found = root.remote_meta()
+        except OSError as err:
+            raise location.describe_remote_error(str(root.url), err) from err
+        if found is None or found.get(location.ID_ATTR) != mine:
+            what = "no Zarr group" if found is None else f"the arrays of workspace {found.get(location.ID_ATTR)}"
+            raise WorkspaceError(
+                f"{root.url} holds {what}, not this workspace's arrays (id {mine}): the bucket or prefix was"
+                f" emptied or reused. Writing there could mix two workspaces; restore the objects, or start a new"
+                f" workspace (python -m store init --data NEW --arrays URL)"
+            )
 
     def owns(self, chunk: int) -> bool:
         """Whether this writer fills ``chunk`` (always, unless it is a shard)."""
@@ -585,6 +605,7 @@ class Writer:
                 attrs["blocks"] = "b<k>/rows [n_rows, ...] and b<k>/offsets [n+1] per chunk of chunk_samples samples"
                 node = layout.create_ragged_group(self._root, info.zarr_path, attrs)
             layout.fsync_node_chain(self.ws.path, info.zarr_path)
+        self._upload(lambda: self.ws.root.upload_meta(info.zarr_path))
         return node
 
     def write_tensor(
@@ -625,7 +646,7 @@ class Writer:
         if known:
             shape, stored, known_crc = known[0]
             if (list(shape) == list(vals.shape) and stored == stored_dtype and known_crc == crc
-                    and (self.ws.zarr_path / path / "zarr.json").is_file()):
+                    and self.ws.root.has(path)):
                 return  # a resume: the committed copy is this tensor; rewriting it could leave a half-written one
             # Forget the old copy before its files change: a kill mid-write leaves no row, not a broken one.
             with db.connect(self.ws.manifest_path, read_only=False, timeout=self._manifest_timeout) as con:
@@ -647,10 +668,12 @@ class Writer:
             )
             arr_z[...] = vals
             folder = self.ws.zarr_path / path
-            for f in sorted(folder.iterdir()):
+            files = sorted(folder.iterdir())
+            for f in files:
                 layout.fsync_path(f)
             layout.fsync_node_chain(self.ws.path, path)
-        nbytes = sum(f.stat().st_size for f in folder.iterdir() if f.name != "zarr.json")
+        nbytes = sum(f.stat().st_size for f in files if f.name != "zarr.json")
+        self._upload(lambda: (self.ws.root.upload(files), self.ws.root.upload_meta(path)))
         with db.connect(self.ws.manifest_path, read_only=False, timeout=self._manifest_timeout) as con:
             con.execute("BEGIN TRANSACTION")
             con.execute("DELETE FROM tensors WHERE run = ? AND name = ?", [self.run, name])
@@ -659,6 +682,8 @@ class Writer:
                 [self.run, name, module, path, list(vals.shape), kind, stored_dtype, nbytes, crc, _now()],
             )
             con.execute("COMMIT")
+        if self.ws.root.remote:
+            _unstage(files)
 
     # ------------------------------------------------------------------ what is left to do
 
@@ -1190,6 +1215,8 @@ class Writer:
             layout.fsync_path(files[0])
         for folder in dict.fromkeys(d for rec in chunks for d in rec.dirs):
             layout.fsync_path(folder)
+        # An object store shows an object only once it is whole: uploaded, then committed.
+        self._upload(lambda: self.ws.root.upload(files))
         now = _now()
         with db.connect(self.ws.manifest_path, read_only=False, timeout=timeout) as con:
             con.execute("BEGIN TRANSACTION")
@@ -1253,6 +1280,8 @@ class Writer:
                 raise
         for rec in chunks:
             rec.handle.committed.add(rec.chunk)
+        if self.ws.root.remote:
+            _unstage(files)
         del self._pending_chunks[: len(chunks)]
         del self._pending_tokens[: len(tokens)]
         del self._pending_generations[: len(gens)]
@@ -1274,6 +1303,24 @@ class Writer:
             [self.run],
         ).fetchone()
         return not (row and row[0])
+
+
+    def _upload(self, send: Callable[[], Any]) -> None:
+        if not self.ws.root.remote:
+            return
+        started = time.perf_counter()
+        try:
+            send()
+        except OSError as err:
+            raise location.describe_remote_error(str(self.ws.root.url), err) from err
+        self.stats.upload_s += time.perf_counter() - started
+
+
+def _unstage(files: list[Path]) -> None:
+    """Remove staged chunk data once it is committed remotely (metadata stays, for reopening)."""
+    for f in files:
+        if f.name != "zarr.json":
+            f.unlink(missing_ok=True)
 
 
 def _without_nulls(value: Any) -> Any:

@@ -1,0 +1,236 @@
+"""Where a workspace's arrays live: its own ``arrays/`` folder, or an object store behind an
+fsspec URL (``s3://bucket/prefix``; any fsspec protocol with an async filesystem works).
+
+With a remote root the local ``arrays/`` folder stays: it holds every node's ``zarr.json`` (a
+copy; the remote has them too) and is the writer's staging area. A chunk is written and
+checksummed locally as always, then uploaded, and only then committed in the manifest; once
+committed its local file is removed. An object store shows an object only once its upload is
+complete, so a kill mid-upload leaves either nothing or a whole uncommitted object, which the
+resumed run overwrites: the same guarantee as the local rename.
+
+The URL is recorded in the root group's attributes (``arrays/zarr.json``: ``agnosia_arrays_url``
+and a workspace id, also written to the remote root), so every later open, reader or writer,
+finds it. Credentials and endpoint never enter the workspace: they come from the usual
+environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, …) and from
+``$AGNOSIA_STORAGE_OPTIONS``, a JSON object of fsspec storage options.
+
+:class:`ArrayRoot` is small and picklable, so Dask tasks carry it to workers; each process builds
+its filesystem client once, on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from store.errors import StoreError, WorkspaceError
+
+URL_ATTR = "agnosia_arrays_url"
+ID_ATTR = "agnosia_workspace"
+OPTIONS_ENV = "AGNOSIA_STORAGE_OPTIONS"
+_URL = re.compile(r"^(?P<protocol>[a-z][a-z0-9+.-]*)://(?P<path>[^?#]+)$")
+# Protocols that are not object stores: a local path should be the workspace folder itself.
+_LOCAL = {"file", "local"}
+_FILESYSTEMS: dict[tuple[str, str], Any] = {}
+
+
+def check_url(url: str) -> str:
+    """``url`` without a trailing '/', or a clear error naming what is wrong with it."""
+    m = _URL.match(url.strip()) if isinstance(url, str) else None
+    if not m:
+        raise WorkspaceError(
+            f"arrays URL {url!r} is not a URL: expected protocol://bucket/prefix, e.g. s3://my-bucket/agnosia/ws1"
+        )
+    if m["protocol"] in _LOCAL:
+        raise WorkspaceError(
+            f"arrays URL {url!r} names a local path: local arrays live in the workspace folder itself;"
+            " leave --arrays out, or point --data at that folder"
+        )
+    path = m["path"].rstrip("/")
+    if not path or any(seg in ("", ".", "..") for seg in path.split("/")):
+        raise WorkspaceError(f"arrays URL {url!r}: the bucket/prefix part must be non-empty, without '.', '..' or '//'")
+    return f"{m['protocol']}://{path}"
+
+
+def storage_options() -> dict[str, Any]:
+    raw = os.environ.get(OPTIONS_ENV)
+    if not raw:
+        return {}
+    try:
+        opts = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise WorkspaceError(f"${OPTIONS_ENV} must be a JSON object of fsspec storage options: {err}") from None
+    if not isinstance(opts, dict):
+        raise WorkspaceError(f"${OPTIONS_ENV} must be a JSON object, got {type(opts).__name__}")
+    return opts
+
+
+@dataclass(frozen=True)
+class ArrayRoot:
+    """The root of a workspace's Zarr group: ``local`` always, ``url`` when it lives remotely."""
+
+    local: Path
+    url: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.url is not None
+
+    def where(self, zarr_path: str = "", name: str = "") -> str:
+        """The node (or one of its files) as a user would name it: a URL or a local path."""
+        parts = [p for p in (zarr_path, name) if p]
+        if self.url is None:
+            return str(self.local.joinpath(*parts))
+        return "/".join([self.url, *parts])
+
+    # ------------------------------------------------------------------ the remote client
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem of ``url`` (one per process and URL)."""
+        assert self.url is not None, "a local ArrayRoot has no remote filesystem"
+        options = storage_options()
+        key = (self.url, json.dumps(options, sort_keys=True))
+        fs = _FILESYSTEMS.get(key)
+        if fs is None:
+            fs = _FILESYSTEMS[key] = _filesystem(self.url, options)
+        return fs
+
+    def _key(self, *parts: str) -> str:
+        assert self.url is not None
+        return "/".join([self.url.split("://", 1)[1], *[p for p in parts if p]])
+
+    # ------------------------------------------------------------------ reading
+
+    def open(self, zarr_path: str = "", *, mode: str = "r") -> Any:
+        """The Zarr node (array or group) at ``zarr_path``, read-only by default."""
+        import zarr
+
+        if self.url is None:
+            return zarr.open(str(self.local / zarr_path) if zarr_path else str(self.local), mode=mode, zarr_format=3)
+        from zarr.storage import FsspecStore
+
+        # zarr drives its own event loop: it builds its own (asynchronous) client from the URL.
+        store = FsspecStore.from_url(self.where(zarr_path), storage_options=_options(self.url, storage_options()),
+                                     read_only=mode == "r")
+        return zarr.open(store=store, mode=mode, zarr_format=3)
+
+    def has(self, zarr_path: str, name: str = "zarr.json") -> bool:
+        """Whether the node's file ``name`` exists where the arrays live."""
+        if self.url is None:
+            return (self.local / zarr_path / name).is_file()
+        return bool(self.fs.exists(self._key(zarr_path, name)))
+
+    def size(self, zarr_path: str, name: str) -> int | None:
+        """Bytes of one of the node's files, None if it is missing."""
+        if self.url is None:
+            try:
+                return (self.local / zarr_path / name).stat().st_size
+            except FileNotFoundError:
+                return None
+        try:
+            return int(self.fs.size(self._key(zarr_path, name)))
+        except FileNotFoundError:
+            return None
+
+    def read_ranges(self, zarr_path: str, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Byte ranges [start, stop) of one remote file, fetched concurrently."""
+        key = self._key(zarr_path, name)
+        return list(self.fs.cat_ranges([key] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges], on_error="raise"))
+
+    def children(self) -> list[str]:
+        """Names of the root's child nodes where the arrays live (the runs)."""
+        if self.url is None:
+            return sorted(p.name for p in self.local.iterdir() if p.is_dir())
+        self.fs.invalidate_cache()
+        base = self._key()
+        return sorted(p.rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False) if p.rstrip("/") != base
+                      and self.fs.isdir(p))
+
+    # ------------------------------------------------------------------ writing (remote roots)
+
+    def upload(self, files: Iterable[Path]) -> None:
+        """Copy staged local files (under ``local``) to the same keys remotely, all at once."""
+        files = list(dict.fromkeys(files))
+        if self.url is None or not files:
+            return
+        remote = [self._key(*Path(f).relative_to(self.local).parts) for f in files]
+        self.fs.put([str(f) for f in files], remote)
+
+    def upload_meta(self, zarr_path: str) -> None:
+        """Upload the ``zarr.json`` of the node and of every group above it."""
+        if self.url is None:
+            return
+        parts = zarr_path.split("/") if zarr_path else []
+        metas = [self.local.joinpath(*parts[:i], "zarr.json") for i in range(len(parts), -1, -1)]
+        self.upload([m for m in metas if m.is_file()])
+
+    def remove(self, zarr_path: str) -> None:
+        """Delete a node and everything under it remotely (missing is fine)."""
+        if self.url is None:
+            return
+        key = self._key(zarr_path)
+        try:
+            self.fs.rm(key, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache()
+
+    def local_meta(self) -> dict[str, Any]:
+        """The local root group's attributes (where the URL and the workspace id are kept)."""
+        meta = self.local / "zarr.json"
+        try:
+            return dict(json.loads(meta.read_text()).get("attributes") or {})
+        except (OSError, json.JSONDecodeError, AttributeError) as err:
+            raise WorkspaceError(
+                f"{meta} is unreadable ({err}): the workspace's root group metadata is damaged; restore it from a backup"
+            ) from None
+
+    def remote_meta(self) -> dict[str, Any] | None:
+        """The remote root group's attributes, None if the prefix holds no Zarr group."""
+        try:
+            raw = self.fs.cat_file(self._key("zarr.json"))
+        except FileNotFoundError:
+            return None
+        try:
+            return dict(json.loads(raw).get("attributes") or {})
+        except (json.JSONDecodeError, AttributeError):
+            raise WorkspaceError(f"{self.where('', 'zarr.json')} is not Zarr v3 group metadata") from None
+
+
+def _options(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    if url.split("://", 1)[0] in ("s3", "s3a"):
+        # Never answer "missing" from a listing made before a peer uploaded the object.
+        return {"use_listings_cache": False, **options}
+    return options
+
+
+def _filesystem(url: str, options: dict[str, Any]) -> Any:
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    try:
+        return fsspec.filesystem(protocol, **_options(url, options))
+    except ImportError as err:
+        package = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+        raise WorkspaceError(
+            f"arrays URL {url}: the {protocol}:// filesystem needs a package that is not installed"
+            f" ({err}); install it: pip install {package.get(protocol, '<the fsspec implementation>')}"
+            " (for S3: pip install 'agnosia[s3]')"
+        ) from None
+    except ValueError as err:
+        raise WorkspaceError(f"arrays URL {url}: fsspec knows no protocol {protocol!r} ({err})") from None
+
+
+def describe_remote_error(url: str, err: BaseException) -> StoreError:
+    """A connection or permission failure, named with the URL and what to check."""
+    return WorkspaceError(
+        f"cannot reach the arrays at {url}: {type(err).__name__}: {err}. Check the bucket exists and the"
+        " credentials and endpoint in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL,"
+        f" ${OPTIONS_ENV})"
+    )

@@ -1,0 +1,161 @@
+"""A workspace whose arrays live in an object store (S3 API, a real moto server on loopback):
+what the writer uploads, what readers fetch, what verify finds, and the errors on bad setups."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import zarr
+
+from store import ArraySpec, RunInfo, StoreError, Workspace, WorkspaceError
+from store.location import check_url
+
+N, CHUNK, TOKENS, DIM = 20, 8, 5, 6
+
+
+def _values(rows) -> np.ndarray:
+    r = np.asarray(rows, dtype=np.float32)[:, None, None]
+    return (np.sin(r * 0.3 + np.arange(TOKENS)[None, :, None] * 0.2 + np.arange(DIM)[None, None, :] * 0.1)
+            * (1 + r)).astype(np.float32)
+
+
+def _answers(row: int) -> np.ndarray:
+    return np.full((row % 3, DIM), row + 0.25, dtype=np.float32)
+
+
+def _write(ws: Workspace, run: str = "r") -> None:
+    """One run with every kind of file: dense raw, dense zstd, ragged blocks, a run tensor."""
+    stimuli = [{"id": f"s{i:02d}", "family": "go", "split": "test", "seed": i, "prompt": "p", "answer": str(i),
+                "truth": {"count": i}} for i in range(N)]
+    with ws.writer(RunInfo(run=run, model="m", dtype="float32", chunk_samples=CHUNK)) as w:
+        w.set_samples(w.register_stimuli(stimuli, dataset="set"))
+        raw = w.array(ArraySpec(tap="llm", layer=0, tokens="image", shape=(TOKENS, DIM)))
+        packed = w.array(ArraySpec(tap="llm", layer=1, tokens="image", shape=(TOKENS, DIM), codec="zstd"))
+        ragged = w.array(ArraySpec(tap="llm", layer=1, tokens="answer", shape=(DIM,), ragged=True))
+        for start in range(0, N, 3):  # batches straddle chunk boundaries
+            stop = min(start + 3, N)
+            w.write_batch(start, {raw: _values(range(start, stop)), packed: _values(range(start, stop)),
+                                  ragged: [_answers(i) for i in range(start, stop)]})
+        w.write_tensor("unembed", np.arange(12, dtype=np.float32).reshape(3, 4))
+        w.finish()
+
+
+@pytest.fixture
+def remote_ws(s3, tmp_path):
+    ws = Workspace.open(tmp_path / "ws", arrays_url=s3.url("ws"))
+    _write(ws)
+    return ws
+
+
+def test_a_run_lives_in_the_bucket_and_reads_back_exactly(remote_ws, s3, tmp_path):
+    ws = Workspace.open(tmp_path / "ws", readonly=True)  # the URL is found by a plain open
+    assert ws.root.url == s3.url("ws")
+    expect = _values(range(N)).astype(np.float16)
+    for layer in (0, 1):
+        assert np.array_equal(ws.read("r", "llm", layer, tokens="image"), expect)
+        rows = [0, 1, 2, 9, 15, 19]  # runs of rows inside and across chunks
+        assert np.array_equal(ws.read("r", "llm", layer, tokens="image", rows=rows), expect[rows])
+        assert np.array_equal(ws.read("r", "llm", layer, tokens="image", rows=rows, index=(slice(1, 3), 0)),
+                              expect[rows][:, 1:3, 0])
+        lazy = ws.read("r", "llm", layer, tokens="image", lazy=True)
+        assert np.array_equal(lazy.compute(scheduler="sync"), expect)
+    rag = ws.read("r", "llm", 1, tokens="answer")
+    assert list(rag.lengths) == [i % 3 for i in range(N)]
+    assert all(np.array_equal(rag[i], _answers(i).astype(np.float16)) for i in range(N))
+    assert np.array_equal(ws.read_tensor("r", "unembed"), np.arange(12, dtype=np.float32).reshape(3, 4))
+
+    # Committed chunks were uploaded, then removed from the local staging area: only metadata stays.
+    local = [p.name for p in (tmp_path / "ws" / "arrays").rglob("*") if p.is_file()]
+    assert set(local) == {"zarr.json"}, sorted(set(local))
+    keys = s3.fs.find(f"{s3.bucket}/ws/r/llm/0/resid_post/image")
+    assert sorted(k.rsplit("/", 1)[1] for k in keys) == ["c.0.0.0", "c.1.0.0", "c.2.0.0", "zarr.json"]
+
+    rep = ws.verify()
+    assert rep.ok and not rep.warnings, (rep.problems, rep.warnings)
+    assert rep.chunks == 9 and rep.bytes_checked > 0
+
+    # Plain zarr-python reads the same arrays from the bucket, without agnosia.
+    opts = {"key": "agnosia", "secret": "agnosia", "endpoint_url": s3.endpoint}
+    z = zarr.open_array(s3.url("ws/r/llm/1/resid_post/image"), mode="r", storage_options=opts)
+    assert np.array_equal(z[...], expect)
+
+
+def test_verify_and_readers_name_damaged_and_missing_objects(remote_ws, s3):
+    base = f"{s3.bucket}/ws/r/llm/0/resid_post/image"
+    chunk = bytearray(s3.fs.cat_file(f"{base}/c.1.0.0"))
+    chunk[7] ^= 0x40
+    s3.fs.pipe(f"{base}/c.1.0.0", bytes(chunk))
+    s3.fs.rm(f"{base}/c.2.0.0")
+    ws = Workspace.open(remote_ws.path, readonly=True)
+    rep = ws.verify()
+    text = "\n".join(rep.problems)
+    assert "chunk 1 (rows 8-15) checksum mismatch" in text and f"{s3.url('ws')}/r/llm/0" in text
+    assert "chunk 2 unreadable" in text and "c.2.0.0 is missing" in text
+    with pytest.raises(WorkspaceError, match=r"chunk 2 of .* is missing: run `python -m store verify"):
+        ws.read("r", "llm", 0, tokens="image", rows=[17])
+    assert ws.read("r", "llm", 0, tokens="image", rows=[3]).shape == (1, TOKENS, DIM)  # the rest still reads
+
+
+def test_resume_rewrites_nothing_committed_and_drop_run_empties_the_prefix(remote_ws, s3):
+    before = {k: s3.fs.info(k)["LastModified"] for k in s3.fs.find(f"{s3.bucket}/ws/r")}
+    _write(remote_ws)  # a second pass over a finished run: every chunk is committed already
+    after = {k: s3.fs.info(k)["LastModified"] for k in s3.fs.find(f"{s3.bucket}/ws/r")}
+    assert after == before
+    counts = remote_ws.drop_run("r")
+    assert counts["chunks"] == 9
+    assert s3.fs.find(f"{s3.bucket}/ws/r") == []
+    assert s3.fs.exists(f"{s3.bucket}/ws/zarr.json")  # the workspace itself stays
+    assert remote_ws.verify().ok
+
+
+def test_an_orphan_prefix_is_reported_and_dropped(remote_ws, s3):
+    s3.fs.pipe(f"{s3.bucket}/ws/ghost/llm/0/zarr.json", b"{}")  # left by a drop cut short
+    rep = Workspace.open(remote_ws.path, readonly=True).verify()
+    assert rep.ok and any("ghost" in w and "orphan" in w for w in rep.warnings), rep.warnings
+    remote_ws.drop_run("ghost")
+    assert not s3.fs.exists(f"{s3.bucket}/ws/ghost/llm/0/zarr.json")
+
+
+def test_one_prefix_holds_one_workspace(remote_ws, s3, tmp_path):
+    with pytest.raises(WorkspaceError, match="already holds the arrays of another workspace"):
+        Workspace.open(tmp_path / "other", arrays_url=s3.url("ws"))
+    with pytest.raises(WorkspaceError, match="keeps its arrays at s3://.*, not at s3://.*/elsewhere"):
+        Workspace.open(remote_ws.path, arrays_url=s3.url("elsewhere"))
+    local = Workspace.open(tmp_path / "local")
+    with pytest.raises(WorkspaceError, match="keeps its arrays locally"):
+        Workspace.open(local.path, arrays_url=s3.url("x"))
+    # The bucket was emptied behind the workspace's back: the writer refuses to start.
+    s3.fs.rm(f"{s3.bucket}/ws", recursive=True)
+    with pytest.raises(WorkspaceError, match="emptied or reused"):
+        _write(Workspace.open(remote_ws.path))
+    rep = Workspace.open(remote_ws.path, readonly=True).verify()
+    assert any("are gone" in p for p in rep.problems), rep.problems
+
+
+def test_bad_urls_and_unreachable_stores_say_what_to_fix(s3, tmp_path, monkeypatch):
+    for bad, why in [("bucket/prefix", "is not a URL"), ("file:///tmp/x", "names a local path"),
+                     ("s3://", "is not a URL"), ("s3://b/../x", "without '.', '..'")]:
+        with pytest.raises(WorkspaceError, match=why):
+            check_url(bad)
+    assert check_url("s3://b/p/") == "s3://b/p"
+    with pytest.raises(WorkspaceError, match="fsspec knows no protocol 'nosuch'"):
+        Workspace.open(tmp_path / "a", arrays_url="nosuch://b/p")
+    with pytest.raises(WorkspaceError, match=r"cannot reach the arrays at s3://no-such-bucket-\w+/p.*credentials"):
+        Workspace.open(tmp_path / "b", arrays_url="s3://no-such-bucket-x1/p")
+    monkeypatch.setenv("AGNOSIA_STORAGE_OPTIONS", "[1, 2]")
+    with pytest.raises(WorkspaceError, match="must be a JSON object"):
+        Workspace.open(tmp_path / "c", arrays_url=s3.url("c"))
+
+
+def test_storage_options_come_from_the_environment_and_never_enter_the_workspace(s3, tmp_path, monkeypatch):
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setenv("AGNOSIA_STORAGE_OPTIONS", json.dumps({"endpoint_url": s3.endpoint}))
+    ws = Workspace.open(tmp_path / "ws", arrays_url=s3.url("opts"))
+    _write(ws)
+    assert ws.verify().ok
+    stored = (tmp_path / "ws" / "arrays" / "zarr.json").read_text()
+    assert s3.url("opts") in stored and s3.endpoint not in stored and "agnosia\"" not in stored
+    with pytest.raises(StoreError):
+        ws.drop_run("nope")
