@@ -27,8 +27,9 @@ def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    ws = Workspace.open(args.data)
-    print(f"workspace {ws.path} ready (schema v{ws.schema_version()})")
+    ws = Workspace.open(args.data, arrays_url=args.arrays)
+    where = f"; arrays at {ws.root.url}" if ws.root.remote else ""
+    print(f"workspace {ws.path} ready (schema v{ws.schema_version()}{where})")
     return 0
 
 
@@ -48,10 +49,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         " bytes_per_value, n_nonfinite, n_clipped FROM v_arrays ORDER BY run, tap, layer, site, tokens"
     ).to_pylist()
     if args.json:
-        print(json.dumps({"workspace": str(ws.path), "runs": runs, "arrays": arrays}, default=str, indent=2))
+        print(json.dumps({"workspace": str(ws.path), "arrays_url": ws.root.url, "runs": runs, "arrays": arrays},
+                         default=str, indent=2))
         return 0
     total = sum(r["bytes"] for r in runs)
-    print(f"workspace {ws.path}  schema v{ws.schema_version()}  {len(runs)} run(s)  {human(total)}")
+    where = f"  arrays at {ws.root.url}" if ws.root.remote else ""
+    print(f"workspace {ws.path}  schema v{ws.schema_version()}  {len(runs)} run(s)  {human(total)}{where}")
     if not runs:
         print("no runs yet")
         return 0
@@ -164,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("init", parents=[common], help="create (or migrate) a workspace")
+    s.add_argument("--arrays", metavar="URL", default=None,
+                   help="keep the arrays in an object store, e.g. s3://bucket/prefix (credentials and endpoint from"
+                        " the environment: AWS_* or $AGNOSIA_STORAGE_OPTIONS); the manifest stays in --data")
     s.set_defaults(fn=cmd_init)
 
     s = sub.add_parser("info", parents=[common], help="runs, arrays and sizes")

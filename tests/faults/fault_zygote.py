@@ -4,9 +4,9 @@ seconds, not a minute of imports.
 
 Protocol: JSON lines on stdin, answers on stdout.
 
-* ``{"op": "run", "argv": [...], "log": PATH, "progress": PATH, "batch_sleep": S, "fsize_limit": B}``
-  forks a child that runs ``python -m extract ARGV`` (``extract.__main__.main``) with stdout and
-  stderr in ``log``. Each queued batch appends a line to ``progress`` and then sleeps ``S``
+* ``{"op": "run", "argv": [...], "log": PATH, "progress": PATH, "batch_sleep": S, "fsize_limit": B,
+  "env": {...}}`` forks a child that runs ``python -m extract ARGV`` (``extract.__main__.main``) with
+  stdout and stderr in ``log`` and ``env`` added to its environment. Each queued batch appends a line to ``progress`` and then sleeps ``S``
   seconds (a slow model: kills land between batches and commits, not only in the set-up).
   SIGXFSZ is ignored in the child, so once its RLIMIT_FSIZE is lowered (``B`` bytes from the
   start, or later by the test with ``prlimit``) a write past the limit fails with EFBIG, as on a
@@ -49,6 +49,7 @@ def _child(cmd: dict) -> int:
     import resource
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    os.environ.update(cmd.get("env") or {})
     if cmd.get("fsize_limit") is not None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (cmd["fsize_limit"], resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     progress, pause = cmd.get("progress"), cmd.get("batch_sleep") or 0.0

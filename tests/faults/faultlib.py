@@ -109,12 +109,12 @@ class Zygote:
         return self._read()
 
     def start(self, manifest: Path, data: Path, *extra: str, batch_sleep: float = 0.0,
-              fsize_limit: int | None = None) -> Child:
+              fsize_limit: int | None = None, env: dict[str, str] | None = None) -> Child:
         """``python -m extract MANIFEST --data DATA --no-progress EXTRA`` in a fresh process."""
         self._n += 1
         log, progress = self.folder / f"child-{self._n}.log", self.folder / f"child-{self._n}.progress"
         got = self._send(op="run", argv=[str(manifest), "--data", str(data), "--no-progress", *extra], log=str(log),
-                         progress=str(progress), batch_sleep=batch_sleep, fsize_limit=fsize_limit)
+                         progress=str(progress), batch_sleep=batch_sleep, fsize_limit=fsize_limit, env=env)
         self.children.add(got["pid"])
         return Child(self, got["pid"], log, progress)
 
