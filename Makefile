@@ -18,10 +18,10 @@ REPORT ?= report
 
 PLAN ?= manifests/probes-demo.yaml
 
-.PHONY: help setup browser test faults stimuli extract probes info verify report toy-model toy-mas variants demo bench clean
+.PHONY: help setup browser test faults stimuli extract probes info verify report toy-model toy-mas toy-g2m variants g2m demo bench clean
 
 help: ## list the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 setup: $(STAMP) ## create .venv and install agnosia with pinned packages (idempotent)
 
@@ -64,6 +64,10 @@ verify: setup ## check every committed chunk of $(DATA) against the manifest (ex
 toy-model: setup ## retrain the counting lab's toy VLM from scratch (lab/toy.yaml) into lab/checkpoints/toy-counter
 	$(PY) -m lab.train
 
+toy-g2m: setup ## retrain the G2M toy (seed 000, lab/toy-g2m.yaml) from scratch into lab/checkpoints/toy-g2m and write its card
+	$(PY) -m lab.train --config lab/toy-g2m.yaml --out lab/checkpoints/toy-g2m --threads 1
+	$(PY) -m lab.g2m card lab/checkpoints/toy-g2m --threads 1
+
 toy-mas: setup ## MAS-fine-tune the toy model (seed 003) into lab/checkpoints/toy-counter-mas
 	$(PY) -m lab.mas --out lab/checkpoints/toy-counter-mas --steps 150 --tau 0.9 --lam 0.1 --threads 1
 
@@ -77,6 +81,13 @@ variants: setup ## the interventions on the toy model as variant runs into $(DAT
 	$(PY) -m queries interventions --data $(DATA)
 	$(PY) -m queries head_overlap --data $(DATA) --param a=toy-heads-visual --param b=toy-heads-text
 
+g2m: setup ## the G2M toy over grids of N = 6 (trained), 8 and 10 into $(DATA): extraction, spatial probes, the gap
+	for n in 6 8 10; do $(PY) -m extract.stimuli g2m --out $(STIMULI)/g2m-toy-n$$n --n 16 --grid-sizes $$n \
+	  --colors 3 --image-size $$((8 * n)) --seed 30000 --overwrite || exit 1; done
+	$(PY) -m extract manifests/demo-g2m.yaml --data $(DATA) --no-progress
+	$(PY) -m probes manifests/probes-demo-g2m.yaml --data $(DATA) --no-progress
+	$(PY) -m queries g2m_gap --data $(DATA) --param run=toy-g2m
+
 report: setup ## write the HTML report of $(DATA) to $(REPORT)/index.html
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
@@ -88,6 +99,7 @@ demo: setup ## the whole pipeline on the committed toy model: stimuli, extractio
 	$(PY) -m queries counting_regimes --data $(DATA)
 	$(PY) -m queries attractors --data $(DATA) --param min_share=0.1
 	$(MAKE) --no-print-directory variants
+	$(MAKE) --no-print-directory g2m
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
 bench: setup ## measure the performance aims side by side (figures go to docs/benchmarks.md by hand)

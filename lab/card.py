@@ -70,3 +70,76 @@ def write(checkpoint: Path, result: dict[str, Any], commands: list[str], notes: 
     out.write_text(render(checkpoint, result, commands, notes) + ("\n" + extra.strip() + "\n" if extra else ""))
     (checkpoint / "evaluation.json").write_text(json.dumps(result, indent=2) + "\n")
     return out
+
+
+def render_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | None = None,
+               notes: str = "") -> str:
+    """The G2M toy's card (``lab.g2m``): recipe, training command and time, the table per N."""
+    from .g2m import markdown as g2m_markdown
+
+    train = json.loads((checkpoint / "training.json").read_text())
+    cfg = train["train_config"]
+    s1 = cfg["stage1"]
+    seconds = train.get("seconds", {})
+    total = sum(seconds.values())
+    size = (checkpoint / "model.safetensors").stat().st_size
+    spec = result["spec"]
+    model = cfg["model"]
+    sizes = ", ".join(str(n) for n in cfg["grid_sizes"])
+    lines = [
+        "# toy-g2m: the lab's toy VLM on Grid2Matrix colour grids (seed 000)",
+        "",
+        "The counting lab's architecture (`model_type: toy_counter`, `import lab` registers the Auto",
+        "classes) trained to transcribe N x N grids of the project's G2M stimuli",
+        "(`extract.stimuli.g2m`: palette, matrix rule, outline, the study's prompt) for small N only,",
+        "then evaluated on larger N. See `docs/toy-lab.md` (section G2M) for the recipe.",
+        "",
+        f"- parameters: {train['parameters']:,}; `model.safetensors` {size / 1024:.0f} KiB",
+        f"- dim {model['hidden_size']}, {model['num_attention_heads']} heads, MLP {model['intermediate_size']},"
+        f" {model['vision_layers']} ViT + {model['decoder_layers']} decoder blocks; vocabulary = the counter's"
+        " + the words of the G2M prompt",
+        f"- grids: N in {{{sizes}}}, C = {cfg['num_colors']}, `{cfg['strategy']}` strategy, drawn at N x"
+        f" {cfg['cell_px']} px (one ViT token per cell)",
+        f"- one stage, {s1['steps']} steps (one batch of {cfg['batch_size']} grids of one N per step, the"
+        f" sizes in turn), AdamW vision {s1['vision_lr'] or s1['lr']:g}, projector + decoder {s1['lr']:g},"
+        f" warmup {s1['warmup']}, cosine to 10%",
+        "- prompt: the study's G2M prompt (`g2m.prompt`) in the toy's template; answer: the N² colour",
+        "  indices in raster order, one digit token each, read by the study's parser (all integers,",
+        "  exactly H·W) and scored by `g2m.score` (Exact Match, Cell Accuracy)",
+        "",
+        "## Training",
+        "",
+        "Retrain from scratch (`lab/toy-g2m.yaml`): `python -m lab.train --config lab/toy-g2m.yaml`"
+        " (`make toy-g2m`).",
+        "",
+        "This checkpoint was produced by:",
+        "",
+        *[f"    {c}" for c in (commands or [train["command"]])],
+        "",
+        "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
+        + f", total {total / 60:.1f} min ({train['threads']} torch thread(s), torch {train['torch']}).",
+        "",
+        "## Evaluation",
+        "",
+        f"`python -m lab.g2m evaluate lab/checkpoints/{checkpoint.name} --per-n {spec['per_n']}`: per N,"
+        f" {spec['per_n']} fresh grids from `extract.stimuli.g2m` (seeds {spec['seed']}..), greedy decoding"
+        " through `generate` (budget N² + 8 tokens), scored by `g2m.score`. The probe is a per-token"
+        " linear classifier (StandardScaler + LogisticRegression) on the ViT output tokens (`vision.norm`,"
+        f" the projector input), trained per N on {spec['probe_grids']} other grids (seeds"
+        f" {spec['probe_seed']}..) and tested on the same test grids; controls: shuffled training labels,"
+        " and the same probe on a randomly initialised ViT of the same shape.",
+        "",
+        g2m_markdown(result),
+        "",
+        notes.strip(),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | None = None,
+              notes: str = "") -> Path:
+    out = checkpoint / "README.md"
+    out.write_text(render_g2m(checkpoint, result, commands, notes))
+    (checkpoint / "evaluation.json").write_text(json.dumps(result, indent=2) + "\n")
+    return out

@@ -91,6 +91,7 @@ class TrainConfig:
     """Everything ``python -m lab.train`` needs; the defaults live in ``lab/toy.yaml``."""
 
     seed: int = 0
+    curriculum: str = "counting"  # "counting" (this class, lab/toy.yaml) or "g2m" (G2MTrainConfig)
     threads: int = 2
     batch_size: int = 128
     compile: bool = False
@@ -118,8 +119,13 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_TRAIN_YAML, **overrides: Any) -> TrainConfig:
+        """The YAML's recipe; ``curriculum: g2m`` in it gives a :class:`G2MTrainConfig`."""
         raw = yaml.safe_load(Path(path).read_text()) or {}
         raw.update(overrides)
+        if cls is TrainConfig and raw.get("curriculum", "counting") != "counting":
+            if raw["curriculum"] != "g2m":
+                raise ValueError(f"{path}: unknown curriculum {raw['curriculum']!r}; known: counting, g2m")
+            return G2MTrainConfig.load(path, **overrides)
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known
         if unknown:
@@ -127,11 +133,35 @@ class TrainConfig:
         for stage in ("stage1", "stage2"):
             if isinstance(raw.get(stage), dict):
                 raw[stage] = StageConfig(**raw[stage])
-        if "variations" in raw:
-            raw["variations"] = tuple(raw["variations"])
+        for key in ("variations", "grid_sizes", "eval_grid_sizes"):
+            if key in raw:
+                raw[key] = tuple(raw[key])
         return cls(**raw)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["variations"] = list(self.variations)
+        for key, value in out.items():
+            if isinstance(value, tuple):
+                out[key] = list(value)
         return out
+
+
+DEFAULT_G2M_YAML = Path(__file__).with_name("toy-g2m.yaml")
+
+
+@dataclass
+class G2MTrainConfig(TrainConfig):
+    """The G2M curriculum (seed 000, ``lab.g2m``): transcribe N x N colour grids, small N only.
+
+    One stage, every parameter: each step is one batch of one grid size, the sizes in turn. An
+    N x N grid is drawn at ``N * cell_px`` px, so the ViT gives one token per cell; ``board_size``
+    is the largest trained N (the model config's nominal grid). Go-board keys are unused.
+    """
+
+    curriculum: str = "g2m"
+    grid_sizes: tuple[int, ...] = (3, 4, 5, 6)  # trained N
+    num_colors: int = 3
+    strategy: str = "random"
+    eval_grid_sizes: tuple[int, ...] = (3, 4, 5, 6, 7, 8, 9, 10, 12)
+    board_size: int = 6
+    stage1: StageConfig = field(default_factory=lambda: StageConfig(steps=3000, lr=3e-3, vision_lr=3e-3))

@@ -27,12 +27,24 @@ class ToyCounterImageProcessor(BaseImageProcessor):
 
     def __init__(self, image_size: int = 88, patch_size: int = 8,
                  image_mean: Sequence[float] = IMAGENET_MEAN,
-                 image_std: Sequence[float] = IMAGENET_STD, **kwargs: Any) -> None:
+                 image_std: Sequence[float] = IMAGENET_STD, variable_size: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.image_size = image_size
         self.patch_size = patch_size
         self.image_mean = list(image_mean)
         self.image_std = list(image_std)
+        # G2M (``lab.g2m``): any square image whose side is a multiple of the patch, one token per
+        # grid cell, so an N x N grid drawn at N * patch px is N**2 tokens. Off for the counter,
+        # whose boards are always ``image_size`` px.
+        self.variable_size = bool(variable_size)
+
+    def side_of(self, image: Any) -> int:
+        """Patches per side of one image (``image_size // patch_size`` unless ``variable_size``)."""
+        if not self.variable_size:
+            return self.image_size // self.patch_size
+        h, w = (image.size[1], image.size[0]) if isinstance(image, Image.Image) else np.asarray(image).shape[:2]
+        return h // self.patch_size
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -55,7 +67,17 @@ class ToyCounterImageProcessor(BaseImageProcessor):
         arrays = []
         for img in images:
             arr = np.asarray(img.convert("RGB") if isinstance(img, Image.Image) else img)
-            if arr.shape[:2] != (self.image_size, self.image_size):
+            if self.variable_size:
+                h, w = arr.shape[:2]
+                if h != w or h % self.patch_size:
+                    raise ValueError(
+                        f"image is {w}x{h} px; this model reads square images whose side is a multiple"
+                        f" of {self.patch_size} px (one patch per grid cell): draw an N x N grid at"
+                        f" N*{self.patch_size} px, resizing would misalign patches")
+                if arrays and arrays[0].shape != arr.shape:
+                    raise ValueError(f"images of {arrays[0].shape[1]} and {w} px in one call: batch one"
+                                     " grid size at a time (pixel_values is one tensor)")
+            elif arr.shape[:2] != (self.image_size, self.image_size):
                 raise ValueError(
                     f"image is {arr.shape[1]}x{arr.shape[0]} px but the model reads"
                     f" {self.image_size}x{self.image_size} (one {self.patch_size}-px patch per"
@@ -79,8 +101,18 @@ class ToyCounterProcessor(ProcessorMixin):
         rows, cols = self.image_processor.grid
         return rows * cols
 
-    def expand(self, text: str) -> str:
-        return text.replace(T.IMAGE, " ".join([T.IMAGE] * self.image_seq_length))
+    def expand(self, text: str, tokens: Sequence[int] | int | None = None) -> str:
+        """Each ``<|image|>`` -> one token per patch (``tokens``: per placeholder, default the fixed grid)."""
+        if tokens is None:
+            return text.replace(T.IMAGE, " ".join([T.IMAGE] * self.image_seq_length))
+        counts = [tokens] * text.count(T.IMAGE) if isinstance(tokens, int) else list(tokens)
+        parts = text.split(T.IMAGE)
+        if len(counts) != len(parts) - 1:
+            raise ValueError(f"{len(parts) - 1} <|image|> placeholders but {len(counts)} token counts")
+        out = parts[0]
+        for n, part in zip(counts, parts[1:]):
+            out += " ".join([T.IMAGE] * n) + part
+        return out
 
     def __call__(self, images: Any = None, text: str | list[str] | None = None,
                  return_tensors: str | None = "pt", padding: bool | str = True,
@@ -90,6 +122,7 @@ class ToyCounterProcessor(ProcessorMixin):
         texts = [text] if isinstance(text, str) else list(text)
         n_images = sum(t.count(T.IMAGE) for t in texts)
         data: dict[str, Any] = {}
+        expanded = None
         if images is not None:
             if isinstance(images, (Image.Image, np.ndarray)):
                 images = [images]
@@ -97,9 +130,14 @@ class ToyCounterProcessor(ProcessorMixin):
             if len(images) != n_images:
                 raise ValueError(f"{len(images)} images for {n_images} <|image|> placeholders")
             data.update(self.image_processor(images, return_tensors=return_tensors))
+            if getattr(self.image_processor, "variable_size", False):
+                sides = iter([self.image_processor.side_of(im) ** 2 for im in images])
+                expanded = [self.expand(t, [next(sides) for _ in range(t.count(T.IMAGE))]) for t in texts]
         elif n_images:
             raise ValueError(f"text has {n_images} <|image|> placeholders but no images were given")
-        enc = self.tokenizer([self.expand(t) for t in texts], add_special_tokens=False,
+        if expanded is None:
+            expanded = [self.expand(t) for t in texts]
+        enc = self.tokenizer(expanded, add_special_tokens=False,
                              padding=padding, return_tensors=return_tensors,
                              **{k: v for k, v in kwargs.items() if k in ("padding_side", "truncation")})
         data.update(enc)
@@ -145,8 +183,10 @@ def answer_suffix(answer: str) -> str:
     return f"{answer} {T.ASSISTANT_END} {T.EOS}"
 
 
-def build_processor(image_size: int = 88, patch_size: int = 8) -> ToyCounterProcessor:
-    tok = T.build_tokenizer()
+def build_processor(image_size: int = 88, patch_size: int = 8, extra_words: Sequence[str] = (),
+                    variable_size: bool = False) -> ToyCounterProcessor:
+    """The counter's processor; ``extra_words``/``variable_size`` build the G2M variant (``lab.g2m``)."""
+    tok = T.build_tokenizer(tuple(extra_words))
     tok.padding_side = "left"  # generation continues every row from its last column
-    return ToyCounterProcessor(ToyCounterImageProcessor(image_size, patch_size), tok,
-                               chat_template=CHAT_TEMPLATE)
+    return ToyCounterProcessor(ToyCounterImageProcessor(image_size, patch_size, variable_size=variable_size),
+                               tok, chat_template=CHAT_TEMPLATE)

@@ -6,6 +6,10 @@ Stage 2 trains vision on boards with at most ``vision_max_count`` black stones, 
 (count or "string vs board: same number?") then one text rehearsal batch per step pair, with a
 higher learning rate for the vision tower than for the projector and decoder.
 
+``python -m lab.train --config lab/toy-g2m.yaml`` runs the G2M curriculum instead (``lab.g2m``:
+one stage, every parameter, small colour grids); the YAML's ``curriculum`` key picks the recipe,
+and the loop below (``Trainer.step``/``run_stage``) is shared.
+
 ``extra_loss`` (Python API) adds a term to every step's loss: a callable
 ``(outputs, batch) -> scalar tensor`` that sees the model outputs including attentions, e.g. the
 MAS hinge ``max(0, tau - MAS)`` of a later issue.
@@ -84,11 +88,16 @@ class Trainer:
         self.cfg = cfg
         self.model = model
         self.extra_loss = extra_loss
-        self.data = BatchMaker(processor, cfg.board_size, cfg.cell_px, cfg.radius, cfg.variations,
-                               cfg.hard_negative_share, cfg.hard_negative_span)
+        self.data = self.make_data(processor)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.forward = torch.compile(model) if cfg.compile else model
         self.log: list[StepLog] = []
+
+    def make_data(self, processor: ToyCounterProcessor) -> Any:
+        """The batch source of this curriculum (a subclass, e.g. ``lab.g2m.G2MTrainer``, swaps it)."""
+        cfg = self.cfg
+        return BatchMaker(processor, cfg.board_size, cfg.cell_px, cfg.radius, cfg.variations,
+                          cfg.hard_negative_share, cfg.hard_negative_span)
 
     def batch(self, task: str) -> Batch:
         cfg, b = self.cfg, self.cfg.batch_size
@@ -172,18 +181,30 @@ class Trainer:
         self.run_stage(2, opt, tasks(), s.steps, s.warmup)
 
 
+def curriculum(cfg: TrainConfig) -> tuple[type[Trainer], ToyCounterProcessor, tuple[int, ...]]:
+    """(trainer class, fresh processor, default stages) of ``cfg.curriculum``."""
+    if cfg.curriculum == "g2m":
+        from .g2m import G2MTrainer, build_g2m_processor
+
+        return G2MTrainer, build_g2m_processor(cfg), (1,)
+    if cfg.curriculum != "counting":
+        raise ValueError(f"unknown curriculum {cfg.curriculum!r}; known: counting, g2m")
+    return Trainer, build_processor(cfg.board_size * cfg.cell_px, cfg.cell_px), (1, 2)
+
+
 def train(cfg: TrainConfig, extra_loss: ExtraLoss | None = None, init: str | Path | None = None,
-          stages: tuple[int, ...] = (1, 2)) -> TrainResult:
-    """Train (both stages by default). ``init`` starts from a saved model folder, e.g. to rerun stage 2."""
+          stages: tuple[int, ...] | None = None) -> TrainResult:
+    """Train (every stage of the curriculum by default). ``init`` starts from a saved model folder, e.g. to rerun stage 2."""
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    processor = build_processor(cfg.board_size * cfg.cell_px, cfg.cell_px)
+    trainer_cls, processor, default_stages = curriculum(cfg)
+    stages = default_stages if stages is None else stages
     if init is not None:
         model = ToyCounterForConditionalGeneration.from_pretrained(init)
     else:
         model = build_model(cfg, processor)
     model.config._attn_implementation = "sdpa" if extra_loss is None else "eager"
-    trainer = Trainer(cfg, model, processor, extra_loss)
+    trainer = trainer_cls(cfg, model, processor, extra_loss)
     result = TrainResult(model, processor)
     for stage in stages:
         t0 = time.perf_counter()
@@ -216,9 +237,11 @@ def save(result: TrainResult, out: Path, cfg: TrainConfig, command: str) -> None
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m lab.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(DEFAULT_TRAIN_YAML), help="training YAML")
-    ap.add_argument("--out", default=str(DEFAULT_CHECKPOINT), help="model folder to write")
+    ap.add_argument("--out", default=None,
+                    help="model folder to write (default lab/checkpoints/toy-counter, or toy-g2m for a G2M config)")
     ap.add_argument("--init", default=None, help="start from this model folder instead of scratch")
-    ap.add_argument("--stages", default="1,2", help="stages to run, e.g. 1,2 or 2 (with --init)")
+    ap.add_argument("--stages", default=None,
+                    help="stages to run, e.g. 1,2 or 2 (with --init); default: all of the curriculum's")
     ap.add_argument("--stage1-steps", type=int, default=None)
     ap.add_argument("--stage2-steps", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None,
@@ -231,7 +254,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg.stage2.steps = args.stage2_steps
     if args.threads is not None:
         cfg.threads = args.threads
-    stages = tuple(int(s) for s in args.stages.split(","))
+    stages = tuple(int(s) for s in args.stages.split(",")) if args.stages else None
+    if args.out is None:
+        args.out = str(DEFAULT_CHECKPOINT if cfg.curriculum == "counting"
+                       else DEFAULT_CHECKPOINT.with_name(f"toy-{cfg.curriculum}"))
     command = "python -m lab.train " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     result = train(cfg, init=args.init, stages=stages)
     save(result, Path(args.out), cfg, command.strip())

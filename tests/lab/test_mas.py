@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from labtest_lib import tiny_config
 
 from lab.data import BatchMaker
 from lab.mas import MasLoss, answer_wrong, mas_hinge, modality_attention_share

@@ -34,13 +34,15 @@ class ToyCounterAdapter(Adapter):
     uses_chat_template = False
 
     def geometry(self, inputs: Mapping[str, Any]) -> list[ImageGeometry]:
-        side = self.config.board_size
+        # One patch per board intersection (or grid cell): the counter's boards are always
+        # board_size patches wide, the G2M toy's grids are drawn at N patches for any N.
+        side = inputs["pixel_values"].shape[-1] // self.config.patch_size
         grid = layout.single(side, side)
         n = inputs["pixel_values"].shape[0]
         return [ImageGeometry(vision=grid, projector_in=grid, projector_out=grid, llm=grid) for _ in range(n)]
 
     def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
-        """One token per board intersection, whatever the image size."""
+        """One token per patch: board intersections for the counter, grid cells for the G2M toy."""
         import torch
 
         return self.geometry({"pixel_values": torch.empty(1, 3, height, width, device="meta")})[0]
