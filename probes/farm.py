@@ -183,16 +183,35 @@ class _Preparer:
                     " the extraction is still running or was interrupted: finish it, or narrow where:"
                 )
         first = arrays[0]
+        kinds = {t.kind: get_kind(t.kind) for t in group.tasks}
         n_tokens = first.shape[1] if first.layout == "dense" and len(first.shape) >= 3 else None
+        dense_tokens = None
+        if first.layout == "ragged" and not all(k.accepts_ragged for k in kinds.values()):
+            dense_tokens = n_tokens = self._uniform_image_tokens(group, infos)
         targets = {t.target: self.target(group.run, group.where, t.target, n_tokens) for t in group.tasks}
         folds = {t.fold_id: self.fold(group.run, group.where, t) for t in group.tasks}
-        kinds = {t.kind: get_kind(t.kind) for t in group.tasks}
         grid = None
         if n_tokens and any(k.uses_grid for k in kinds.values()):
             grids = {token_grid(i, n_tokens) for i in {(i.grid_h, i.grid_w): i for i in infos}.values()}
             grid = grids.pop() if len(grids) == 1 else None
         return GroupJob(workspace=str(self.ws.path), root=self.ws.root, group=group.key, arrays=arrays, rows=rows, tasks=group.tasks,
-                        kinds=kinds, targets=targets, folds=folds, grid=grid, plan=self.plan.name)
+                        kinds=kinds, targets=targets, folds=folds, grid=grid, plan=self.plan.name,
+                        dense_tokens=dense_tokens)
+
+    @staticmethod
+    def _uniform_image_tokens(group: Group, infos: list[SampleInfo]) -> int:
+        """Image tokens per sample when every selected sample has the same number (then a ragged
+        image array reads as dense [n, T, d]); else a ProbeError that says how to select one size."""
+        counts = sorted({(i.grid_h or 0) * (i.grid_w or 0) for i in infos})
+        if len(counts) != 1 or not counts[0]:
+            kinds = sorted({t.kind for t in group.tasks})
+            raise ProbeError(
+                f"{group.run} {group.tap}/{group.site}/{group.tokens}: kind {', '.join(kinds)} needs the same number of"
+                f" image tokens in every selected sample, but the selection ({group.where or 'every sample'}) has"
+                f" {counts[:6]}: select one image size per plan entry, e.g. where: \"(params->>'grid_size')::INT = 6\","
+                " or use kind pooled"
+            )
+        return counts[0]
 
 
 # ----------------------------------------------------------------------------- running

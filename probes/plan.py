@@ -384,7 +384,9 @@ def expand(plan: Plan, arrays: Sequence[ArrayRow]) -> list[ProbeTask]:
                         layout = rows[0].layout
                         for kind in entry.kinds:
                             cls = get_kind(kind)
-                            if layout == "ragged" and not cls.accepts_ragged:
+                            # Image tokens vary with image size: a selection of one size reads
+                            # as a dense [n, T, d] array (checked per group by the farm).
+                            if layout == "ragged" and not cls.accepts_ragged and tok != "image":
                                 raise PlanError(
                                     f"{where}: {what} is ragged (a variable number of tokens per sample); kind {kind}"
                                     " needs fixed token arrays. Use kind pooled for ragged tokens"

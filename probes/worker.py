@@ -46,6 +46,7 @@ class GroupJob:
     grid: tuple[int, int] | None = None
     plan: str = "probes"
     save: bool = True
+    dense_tokens: int | None = None         # a ragged image array whose selected samples all have this many tokens
 
 
 @dataclass
@@ -60,14 +61,23 @@ class GroupResult:
     started_at: float = 0.0                 # time.time() on the worker: a timeline for diagnostics
 
 
-def read_features(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray) -> Any:
+def read_features(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray, dense_tokens: int | None = None) -> Any:
     """The rows' values as float32 (kinds never see float16: sums in fp16 overflow), C-ordered
-    and aligned (misaligned buffers made BLAS 6-8x slower, platform notes §5)."""
+    and aligned (misaligned buffers made BLAS 6-8x slower, platform notes §5). A ragged array
+    comes back as Ragged, or as dense ``[n, dense_tokens, d]`` when that is asked for."""
     from store import Ragged, reader
 
     if info.layout == "ragged":
         got = reader.read_ragged(root, info, rows, "float32")
-        return Ragged(np.require(got.values, np.float32, ["C", "A"]), got.offsets)
+        values = np.require(got.values, np.float32, ["C", "A"])
+        if dense_tokens is None:
+            return Ragged(values, got.offsets)
+        lengths = np.diff(got.offsets)
+        if len(lengths) and not np.all(lengths == dense_tokens):
+            bad = int(np.flatnonzero(lengths != dense_tokens)[0])
+            raise ProbeError(f"{info.key()}: row {int(rows[bad])} has {int(lengths[bad])} tokens, the manifest's"
+                             f" grid says {dense_tokens}: the store and its samples table disagree; run store verify")
+        return values.reshape(len(rows), dense_tokens, *info.item_shape)
     return np.require(reader.read_dense(root, info, rows, None, "float32"), np.float32, ["C", "A"])
 
 
@@ -110,7 +120,7 @@ def run_group(job: GroupJob) -> GroupResult:
     torch.set_num_threads(1)
     try:
         with threadpool_limits(1):
-            Xs = [read_features(job.root, info, job.rows) for info in job.arrays]
+            Xs = [read_features(job.root, info, job.rows, job.dense_tokens) for info in job.arrays]
             result.read_seconds = time.perf_counter() - started
             _train_all(job, Xs, result)
     finally:

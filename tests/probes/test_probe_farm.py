@@ -8,7 +8,7 @@ import pytest
 import yaml
 from probetest_lib import REPO, build_workspace, probe_rows, python
 
-from probes import PlanError, parse_plan, run_plan
+from probes import PlanError, ProbeError, parse_plan, run_plan
 from probes.farm import plan_tasks
 from probes.plan import group_tasks
 
@@ -181,3 +181,48 @@ def test_killed_farm_process_resumes_without_duplicates(tmp_path):
     assert ws.rows("SELECT count(*), count(DISTINCT params->>'key') FROM probes") == [(total, total)]
     run_plan(parse_plan(plan), tmp_path / "ref", in_process=True, **QUIET)
     assert probe_rows(ws) == probe_rows(open_workspace(tmp_path / "ref"))
+
+
+def test_ragged_image_tokens_of_one_size_are_probed_like_a_dense_array(tmp_path):
+    """One run holding grids of two sizes (4x4 and 6x6 image tokens: a ragged image array); a
+    per-size entry trains on it exactly as on a dense run of that size alone, and a selection that
+    mixes sizes is refused with the fix."""
+    from probetest_lib import D, g2m_family, g2m_features
+
+    from store import ArraySpec, RunInfo, TokenSpans, Workspace
+
+    sizes = {4: g2m_family(48, seed=1, grid=4), 6: g2m_family(48, seed=2, grid=6)}
+    feats = {side: g2m_features(mats, 1, side=side) for side, (_, mats) in sizes.items()}
+    mixed, dense = Workspace.open(tmp_path / "mixed"), Workspace.open(tmp_path / "dense")
+    rows = [dict(r, id=f"{r['id']}_{side}") for side, (rs, _) in sizes.items() for r in rs]
+    values = [f for side in sizes for f in feats[side]]
+    with mixed.writer(RunInfo(run="g2m", model="synthetic", dtype="float32", chunk_samples=16)) as w:
+        w.set_samples(w.register_stimuli(rows, dataset="g2m"))
+        h = w.array(ArraySpec(tap="vision", layer=0, tokens="image", shape=(D,), ragged=True))
+        for s in range(0, len(rows), 16):
+            w.write_batch(s, {h: values[s:s + 16]},
+                          tokens=[TokenSpans(seq_len=len(v) + 4, image_start=1, image_count=len(v),
+                                             grid_h=int(len(v) ** 0.5), grid_w=int(len(v) ** 0.5), last_prompt=len(v) + 3)
+                                  for v in values[s:s + 16]])
+        w.finish()
+    rows6 = [dict(r, id=f"{r['id']}_6") for r in sizes[6][0]]
+    with dense.writer(RunInfo(run="g2m", model="synthetic", dtype="float32", chunk_samples=16)) as w:
+        w.set_samples(w.register_stimuli(rows6, dataset="g2m"))
+        h = w.array(ArraySpec(tap="vision", layer=0, tokens="image", shape=(36, D)))
+        w.write_batch(0, {h: feats[6]}, tokens=[TokenSpans(seq_len=40, image_start=1, image_count=36, grid_h=6,
+                                                           grid_w=6, last_prompt=39)] * 48)
+        w.finish()
+    entry = {"taps": ["vision"], "tokens": ["image"], "targets": ["g2m.cell_color"], "kinds": ["linear"]}
+    spatial = {**entry, "targets": ["g2m.matrix"], "kinds": ["conv_spatial"]}
+    six = "(params->>'grid_size')::INT = 6"
+    plan = parse_plan({"name": "sizes", "defaults": {"seeds": [0, 1]},
+                       "probes": [{**entry, "where": six}, {**spatial, "where": six}]})
+    run_plan(plan, mixed.path, in_process=True, **QUIET)
+    run_plan(plan, dense.path, in_process=True, **QUIET)
+    sql = "SELECT target, kind, n_train, n_test, round(score, 6), round(control_score, 6) FROM probes ORDER BY ALL"
+    got = mixed.rows(sql)
+    assert len(got) == 4 and got == dense.rows(sql)  # 2 kinds x 2 seeds
+    assert all(score > 0.9 for *_, score, _ in got if score is not None)
+    everything = parse_plan({"name": "all", "defaults": {"seeds": [0]}, "probes": [entry]})
+    with pytest.raises(ProbeError, match=r"same number of image tokens .* has \[16, 36\]: select one image size"):
+        run_plan(everything, mixed.path, in_process=True, **QUIET)
