@@ -33,6 +33,7 @@ from store.errors import StoreError, WorkspaceError
 URL_ATTR = "agnosia_arrays_url"
 ID_ATTR = "agnosia_workspace"
 OPTIONS_ENV = "AGNOSIA_STORAGE_OPTIONS"
+MERGE_GAP = 1 << 20  # bytes between two wanted ranges of one object below which one GET fetches both
 _URL = re.compile(r"^(?P<protocol>[a-z][a-z0-9+.-]*)://(?P<path>[^?#]+)$")
 # Protocols that are not object stores: a local path should be the workspace folder itself.
 _LOCAL = {"file", "local"}
@@ -138,10 +139,24 @@ class ArrayRoot:
         except FileNotFoundError:
             return None
 
-    def read_ranges(self, zarr_path: str, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Byte ranges [start, stop) of one remote file, fetched concurrently."""
-        key = self._key(zarr_path, name)
-        return list(self.fs.cat_ranges([key] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges], on_error="raise"))
+    def read_ranges(self, zarr_path: str, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """Byte ranges ``(file name, start, stop)`` (ascending per file) of a node's remote files,
+        fetched concurrently. Ranges of one file less than ``MERGE_GAP`` apart share one GET: a
+        request costs more than that much transfer."""
+        merged: list[list[Any]] = []  # [name, start, stop, [indices of the ranges it serves]]
+        for i, (name, lo, hi) in enumerate(ranges):
+            if merged and merged[-1][0] == name and 0 <= lo - merged[-1][2] < MERGE_GAP:
+                merged[-1][2] = max(merged[-1][2], hi)
+                merged[-1][3].append(i)
+            else:
+                merged.append([name, lo, hi, [i]])
+        keys = [self._key(zarr_path, m[0]) for m in merged]
+        got = self.fs.cat_ranges(keys, [m[1] for m in merged], [m[2] for m in merged], on_error="raise")
+        out: list[bytes] = [b""] * len(ranges)
+        for (_, start, _, served), piece in zip(merged, got):
+            for i in served:
+                out[i] = piece[ranges[i][1] - start : ranges[i][2] - start]
+        return out
 
     def children(self) -> list[str]:
         """Names of the root's child nodes where the arrays live (the runs)."""

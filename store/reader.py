@@ -67,6 +67,11 @@ def read_dense(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray, index: Index 
         if index is not None:
             values = values[(slice(None), *index)]
         return decode_stored(np.ascontiguousarray(values), info.stored_dtype, bf16_as)
+    if root.remote:  # every selected row's bytes in one batch of concurrent ranged GETs
+        values = _fetch_rows(root, info, rows, np.dtype(stored).newbyteorder("<"))
+        if index is not None:
+            values = np.ascontiguousarray(values[(slice(None), *index)])
+        return decode_stored(values, info.stored_dtype, bf16_as)
     out = np.empty((len(rows), *_item_shape_after(info, index)), dtype=stored)
     for k, local, a, b in group_by_chunk(rows, info.chunk_samples):
         read_chunk_rows(root, info, k, local, index, raw=True, out=out[a:b])
@@ -97,7 +102,7 @@ def read_chunk_rows(
     stored = np.dtype(numpy_dtype(info.stored_dtype)).newbyteorder("<")
     shape = (info.chunk_samples, *info.item_shape)
     if root.remote:
-        values = _fetch_rows(root, info, k, local, stored, shape)
+        values = _fetch_rows(root, info, local + k * info.chunk_samples, stored)
         if index is not None:
             values = values[(slice(None), *index)]
         if out is not None:
@@ -145,29 +150,32 @@ def _check_chunk_size(root: ArrayRoot, info: ArrayInfo, k: int, size: int | None
         )
 
 
-def _fetch_rows(
-    root: ArrayRoot, info: ArrayInfo, k: int, local: np.ndarray, stored: np.dtype, shape: tuple[int, ...]
-) -> np.ndarray:
-    """Rows of an uncompressed remote chunk: one ranged GET per run of consecutive rows, all at once."""
-    name = layout.chunk_file_key(len(info.shape), k)
-    row_bytes = int(np.prod(shape[1:])) * stored.itemsize
-    out = np.empty((len(local), *shape[1:]), dtype=stored)
-    if not len(local):
+def _fetch_rows(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray, stored: np.dtype) -> np.ndarray:
+    """Rows (ascending) of an uncompressed remote array: one ranged GET per run of consecutive rows
+    inside a chunk, all issued at once."""
+    row_bytes = int(np.prod(info.item_shape)) * stored.itemsize
+    out = np.empty((len(rows), *info.item_shape), dtype=stored)
+    if not len(rows):
         return out
-    cuts = np.flatnonzero(np.diff(local) != 1) + 1
-    starts = np.concatenate([[0], cuts])
-    stops = np.concatenate([cuts, [len(local)]])
-    ranges = [(int(local[a]) * row_bytes, (int(local[b - 1]) + 1) * row_bytes) for a, b in zip(starts, stops)]
+    ks = rows // info.chunk_samples
+    cuts = np.flatnonzero((np.diff(rows) != 1) | (np.diff(ks) != 0)) + 1
+    starts, stops = np.concatenate([[0], cuts]), np.concatenate([cuts, [len(rows)]])
+    ndim = len(info.shape)
+    ranges = [(layout.chunk_file_key(ndim, int(ks[a])), int(rows[a] - ks[a] * info.chunk_samples) * row_bytes,
+               int(rows[b - 1] - ks[a] * info.chunk_samples + 1) * row_bytes) for a, b in zip(starts, stops)]
+    expected = info.chunk_samples * row_bytes
     try:
-        pieces = root.read_ranges(info.zarr_path, name, ranges)
+        pieces = root.read_ranges(info.zarr_path, ranges)
     except FileNotFoundError:
-        _check_chunk_size(root, info, k, None, 0)
+        for k in sorted(set(ks.tolist())):  # name the missing chunk
+            _check_chunk_size(root, info, k, root.size(info.zarr_path, layout.chunk_file_key(ndim, k)), expected)
         raise
-    for (a, b), (lo, hi), piece in zip(zip(starts, stops), ranges, pieces):
+    for a, b, (name, lo, hi), piece in zip(starts, stops, ranges, pieces):
         if len(piece) != hi - lo:
-            _check_chunk_size(root, info, k, root.size(info.zarr_path, name), int(np.prod(shape)) * stored.itemsize)
+            k = int(ks[a])
+            _check_chunk_size(root, info, k, root.size(info.zarr_path, name), expected)
             raise WorkspaceError(f"chunk {k} of {info.key()}: a ranged read returned {len(piece)} of {hi - lo} bytes")
-        out[a:b] = np.frombuffer(piece, dtype=stored).reshape((b - a, *shape[1:]))
+        out[a:b] = np.frombuffer(piece, dtype=stored).reshape((b - a, *info.item_shape))
     return out
 
 
