@@ -247,6 +247,7 @@ class Writer:
             self._stimuli: list[str] | None = self._load_samples()
             self._root = layout.open_root(ws.path, read_only=False)  # local: metadata, and staging for a remote root
             self._check_remote_root()
+            self._unstage_committed()
             # The Zarr root's own leftovers (a kill while a workspace was created) and the run's.
             self._remove_stale_partials([*ws.zarr_path.glob("*.partial"),
                                          *(ws.zarr_path / self.run).rglob("*.partial")])
@@ -340,6 +341,25 @@ class Writer:
                 f" emptied or reused. Writing there could mix two workspaces; restore the objects, or start a new"
                 f" workspace (python -m store init --data NEW --arrays URL)"
             )
+
+    def _unstage_committed(self) -> None:
+        """Remove staged copies of chunks already committed remotely: a kill between a commit and
+        its clean-up leaves them, and a resume never writes those chunks again. Uncommitted files
+        stay (a peer shard may be about to commit them)."""
+        if not self.ws.root.remote or not (self.ws.zarr_path / self.run).is_dir():
+            return
+        committed = set(self.ws.rows("SELECT zarr_path, chunk FROM chunks WHERE run = ?", [self.run]))
+        for f in (self.ws.zarr_path / self.run).rglob("c.*"):
+            if f.name.endswith(".partial"):
+                continue
+            node = f.parent.relative_to(self.ws.zarr_path).as_posix()
+            block = f.parent.parent.name if f.parent.name in ("rows", "offsets") else ""
+            if block.startswith("b") and block[1:].isdigit():  # a ragged block's rows/offsets
+                key = (f.parent.parent.parent.relative_to(self.ws.zarr_path).as_posix(), int(block[1:]))
+            else:
+                key = (node, int(f.name.split(".")[1]) if f.name.split(".")[1].isdigit() else -1)
+            if key in committed:
+                f.unlink(missing_ok=True)
 
     def owns(self, chunk: int) -> bool:
         """Whether this writer fills ``chunk`` (always, unless it is a shard)."""

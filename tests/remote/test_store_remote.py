@@ -100,9 +100,15 @@ def test_verify_and_readers_name_damaged_and_missing_objects(remote_ws, s3):
 
 def test_resume_rewrites_nothing_committed_and_drop_run_empties_the_prefix(remote_ws, s3):
     before = {k: s3.fs.info(k)["LastModified"] for k in s3.fs.find(f"{s3.bucket}/ws/r")}
+    # A kill between a commit and its clean-up leaves staged copies of committed chunks behind.
+    staged = remote_ws.zarr_path / "r/llm/0/resid_post/image/c.1.0.0"
+    block = remote_ws.zarr_path / "r/llm/1/resid_post/answer/b2/offsets/c.0"
+    for f in (staged, block):
+        f.write_bytes(b"left behind")
     _write(remote_ws)  # a second pass over a finished run: every chunk is committed already
     after = {k: s3.fs.info(k)["LastModified"] for k in s3.fs.find(f"{s3.bucket}/ws/r")}
     assert after == before
+    assert not staged.exists() and not block.exists()  # the resume removed them
     counts = remote_ws.drop_run("r")
     assert counts["chunks"] == 9
     assert s3.fs.find(f"{s3.bucket}/ws/r") == []
