@@ -3,7 +3,9 @@
 ``<workspace>/probes/<key>.safetensors`` holds a probe's tensors (numpy arrays) and, in the
 safetensors metadata under ``agnosia_probe``, its kind, parameters and whatever the kind needs
 to rebuild itself (classes, grid, ...). Writes go to a temporary file that is renamed into
-place, so a worker killed mid-write leaves no half file under the final name.
+place, so a process killed mid-write leaves no half file under the final name. Workers never
+write them: a worker serialises the probe (:func:`dumps`) and its bytes travel back with the
+result, so only the farm's client touches the workspace folder (workers need only the arrays).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save as save_bytes
 
 META_KEY = "agnosia_probe"
 FOLDER = "probes"
@@ -37,16 +39,26 @@ def artifact_path(workspace: str | os.PathLike[str], key: str) -> Path:
     return Path(workspace) / FOLDER / f"{key}.safetensors"
 
 
-def save(path: str | os.PathLike[str], tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def dumps(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> bytes:
+    """The safetensors file of a probe, as bytes."""
     arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     if not arrays:
         arrays = {"_empty": np.zeros(0, dtype=np.float32)}  # safetensors needs one tensor
+    return save_bytes(arrays, metadata={META_KEY: json.dumps(meta, sort_keys=True, default=_plain)})
+
+
+def write(path: str | os.PathLike[str], blob: bytes) -> Path:
+    """Put a serialised probe at ``path`` whole (temporary file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(arrays, str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True, default=_plain)})
+    tmp.write_bytes(blob)
     os.replace(tmp, path)
     return path
+
+
+def save(path: str | os.PathLike[str], tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
+    return write(path, dumps(tensors, meta))
 
 
 def load(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from probes import artifacts
 from probes.errors import ProbeError
 from probes.kinds import get_kind
 from probes.plan import ArrayRow, Group, Plan, ProbeTask, expand, group_tasks
@@ -303,6 +304,9 @@ def run_plan(
     bar = _progress(n_todo, progress)
 
     def take(res: GroupResult) -> None:
+        # The weights first, each whole: a recorded probe always has its file.
+        for key, blob in res.weights.items():
+            artifacts.write(artifacts.artifact_path(ws.path, key), blob)
         recorder.add(res.records)
         report.trained += len(res.records)
         report.flops += res.flops

@@ -2,9 +2,10 @@
 
 The worker gets paths, array descriptions, row indices and small label arrays, never
 activations: it reads only the Zarr chunks holding its rows, straight from the workspace
-folder, and never opens the DuckDB manifest (the farm's client is its only writer and does all
-manifest reads). It trains every probe of the group, writes their weights as safetensors and
-returns small result records.
+folder or the object store, and never opens the DuckDB manifest (the farm's client is its only
+writer and does all manifest reads). It trains every probe of the group and returns small
+result records plus each probe's weights as safetensors bytes, which the client writes: a worker
+writes nothing, so it needs no access to the workspace folder when the arrays are in a bucket.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class GroupResult:
     group: str
     records: list[ProbeResult] = field(default_factory=list)
     failures: list[tuple[str, str]] = field(default_factory=list)   # (probe key, error)
+    weights: dict[str, bytes] = field(default_factory=dict)          # probe key -> safetensors bytes, for the client to write
     seconds: float = 0.0
     read_seconds: float = 0.0
     flops: float = 0.0
@@ -162,21 +164,22 @@ def _train_all(job: GroupJob, Xs: list[Any], result: GroupResult) -> None:
             for layer, task in wanted[sig].items():
                 out = outcomes[layer_index[layer]][j]
                 try:
-                    result.records.append(_record(job, task, out, per_probe, result.worker))
+                    result.records.append(_record(job, task, out, per_probe, result.worker, result.weights))
                     result.flops += out.flops
                 except Exception as err:
                     result.failures.append((task.key, f"{type(err).__name__}: {err}"))
 
 
-def _record(job: GroupJob, task: ProbeTask, out: Outcome, seconds: float, worker: str) -> ProbeResult:
+def _record(job: GroupJob, task: ProbeTask, out: Outcome, seconds: float, worker: str,
+            weights: dict[str, bytes]) -> ProbeResult:
     fold = job.folds[task.fold_id]
     if _nan(out.score):
         raise ProbeError(f"{task.kind} on {task.target} scored NaN: no labelled test rows ({out.n_test}); select more rows")
     artifact = None
     if job.save and out.probe is not None:
-        path = artifacts.artifact_path(job.workspace, task.key)
-        out.probe.save(path, extra={"key": task.key, "task": task.identity(), "split": fold.rule,
-                                    "train_where": task.train_where})
+        path = artifacts.artifact_path(job.workspace, task.key)  # checks the key; the client writes the file
+        weights[task.key] = out.probe.dumps(extra={"key": task.key, "task": task.identity(), "split": fold.rule,
+                                                   "train_where": task.train_where})
         artifact = str(path.relative_to(job.workspace))
     control = out.control_score
     params = {

@@ -169,9 +169,13 @@ class Probe:
         self.meta_ = dict(meta)
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        return artifacts.write(path, self.dumps(extra))
+
+    def dumps(self, extra: dict[str, Any] | None = None) -> bytes:
+        """The probe as safetensors bytes (what :meth:`save` writes)."""
         meta = {"kind": self.name, "params": self.params.model_dump(mode="json"), "random_state": self.random_state,
                 "meta": self.meta_, **(extra or {})}
-        return artifacts.save(path, self.state_dict(), meta)
+        return artifacts.dumps(self.state_dict(), meta)
 
     @classmethod
     def load(cls, path: str | Path) -> Probe:

@@ -226,3 +226,30 @@ def test_ragged_image_tokens_of_one_size_are_probed_like_a_dense_array(tmp_path)
     everything = parse_plan({"name": "all", "defaults": {"seeds": [0]}, "probes": [entry]})
     with pytest.raises(ProbeError, match=r"same number of image tokens .* has \[16, 36\]: select one image size"):
         run_plan(everything, mixed.path, in_process=True, **QUIET)
+
+
+def test_workers_write_nothing_the_client_writes_each_weight_file(tmp_path):
+    """A group runs where the workspace folder cannot even be created (as on a cluster node that
+    only sees the arrays): it still trains and hands back the weights, which load as the probe."""
+    import dataclasses
+
+    from probes import Probe
+    from probes.farm import _Preparer
+    from probes.worker import run_group
+
+    ws = build_workspace(tmp_path / "ws", n=64, families=("go",))
+    plan = parse_plan({"name": "w", "defaults": {"seeds": [0]},
+                       "probes": [{"taps": ["vision"], "targets": ["go.intersection"], "kinds": ["linear"]}]})
+    prep = _Preparer(ws, plan)
+    (tmp_path / "file").write_text("not a folder")
+    group = group_tasks(plan_tasks(plan, ws), plan.layers_per_task)[0]
+    job = dataclasses.replace(prep.job(group), workspace=str(tmp_path / "file" / "ws"))
+    result = run_group(job)
+    assert not result.failures and len(result.records) == len(result.weights) == len(group.tasks) >= 1
+    assert not (ws.path / "probes").exists()
+    key, blob = next(iter(result.weights.items()))
+    (tmp_path / "w.safetensors").write_bytes(blob)
+    assert Probe.load(tmp_path / "w.safetensors").name == "linear"
+    run_plan(plan, ws.path, in_process=True, **QUIET)  # the client writes them, then records the rows
+    for row in ws.query("SELECT artifact FROM probes").to_pylist():
+        assert Probe.load(ws.path / row["artifact"]).name == "linear"
