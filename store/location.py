@@ -206,6 +206,16 @@ class ArrayRoot:
                 f"{meta} is unreadable ({err}): the workspace's root group metadata is damaged; restore it from a backup"
             ) from None
 
+    def foreign(self) -> str | None:
+        """None when the remote root group is this workspace's (same id as the local one); else
+        what the prefix holds instead. Raises OSError when the store cannot be reached."""
+        found = self.remote_meta()
+        if found is None:
+            return "no Zarr group"
+        if found.get(ID_ATTR) != self.local_meta().get(ID_ATTR):
+            return f"the arrays of workspace {found.get(ID_ATTR)}"
+        return None
+
     def remote_meta(self) -> dict[str, Any] | None:
         """The remote root group's attributes, None if the prefix holds no Zarr group."""
         try:

@@ -2,8 +2,9 @@
 
 Uncompressed dense chunks are plain C-order little-endian bytes (one file per sample chunk), so
 they are memory-mapped and only the selected samples' pages are touched, exactly like a
-memory-mapped ``.npy``; in an object store, only the selected rows' byte ranges are fetched. Compressed chunks go through zarr-python, one orthogonal selection, which
-decodes only the chunks that hold selected rows.
+memory-mapped ``.npy``; in an object store, only the selected rows' byte ranges are fetched.
+Compressed chunks go through zarr-python, one orthogonal selection, which decodes only the
+chunks that hold selected rows.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def read_chunk_rows(
         return values if raw else decode_stored(values, info.stored_dtype, bf16_as)
     path = layout.dense_chunk_file(root.local.parent, info.zarr_path, len(info.shape), k)
     expected = int(np.prod(shape)) * stored.itemsize
-    _check_chunk_size(root, info, k, path.stat().st_size if path.is_file() else None, expected)
+    _check_chunk_size(root, info, k, root.size(info.zarr_path, path.name), expected)
     mm = np.memmap(path, dtype=stored, mode="r", shape=shape)
     # One copy from the page cache into the result, like fancy-indexing a memory-mapped .npy.
     if index is None:

@@ -127,17 +127,14 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
 def _check_remote_root(ws: Workspace, rep: VerifyReport) -> bool:
     """Whether the object store holds this workspace's root group (the same workspace id)."""
     try:
-        found = ws.root.remote_meta()
+        what = ws.root.foreign()
     except Exception as err:  # noqa: BLE001 - any failure to reach it is the finding
         rep.problems.append(f"the arrays at {ws.root.url} cannot be reached: {type(err).__name__}: {err}")
         return False
-    mine = ws.root.local_meta().get(location.ID_ATTR)
-    if found is None:
-        rep.problems.append(f"the arrays at {ws.root.url} are gone: no Zarr group there (no zarr.json)")
-        return False
-    if found.get(location.ID_ATTR) != mine:
+    if what is not None:
         rep.problems.append(
-            f"{ws.root.url} holds the arrays of workspace {found.get(location.ID_ATTR)}, not of this one ({mine})"
+            f"the arrays at {ws.root.url} are gone: it holds {what}, not this workspace's arrays"
+            f" (id {ws.root.local_meta().get(location.ID_ATTR)})"
         )
         return False
     return True

@@ -329,17 +329,15 @@ class Writer:
         root = self.ws.root
         if not root.remote:
             return
-        mine = root.local_meta().get(location.ID_ATTR)
         try:
-            found = root.remote_meta()
+            what = root.foreign()
         except OSError as err:
             raise location.describe_remote_error(str(root.url), err) from err
-        if found is None or found.get(location.ID_ATTR) != mine:
-            what = "no Zarr group" if found is None else f"the arrays of workspace {found.get(location.ID_ATTR)}"
+        if what is not None:
             raise WorkspaceError(
-                f"{root.url} holds {what}, not this workspace's arrays (id {mine}): the bucket or prefix was"
-                f" emptied or reused. Writing there could mix two workspaces; restore the objects, or start a new"
-                f" workspace (python -m store init --data NEW --arrays URL)"
+                f"{root.url} holds {what}, not this workspace's arrays (id {root.local_meta().get(location.ID_ATTR)}):"
+                " the bucket or prefix was emptied or reused. Writing there could mix two workspaces; restore the"
+                " objects, or start a new workspace (python -m store init --data NEW --arrays URL)"
             )
 
     def _unstage_committed(self) -> None:
