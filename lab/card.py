@@ -9,6 +9,10 @@ from typing import Any
 from .evaluate import markdown
 
 
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 def render(checkpoint: Path, result: dict[str, Any], commands: list[str], notes: str = "") -> str:
     train = json.loads((checkpoint / "training.json").read_text())
     cfg = train["train_config"]
@@ -35,7 +39,9 @@ def render(checkpoint: Path, result: dict[str, Any], commands: list[str], notes:
         f" 0..{cfg['text_max_count']} + text TF ({cfg['tf_share_stage1']:.0%} of steps)",
         f"- stage 2: {cfg.get('stage2_steps_total', s2['steps'])} pairs (one vision batch + one text batch), AdamW vision"
         f" {s2['vision_lr']:g}, decoder + projector {s2['lr']:g}; boards n <= {cfg['vision_max_count']};"
-        f" every {cfg['tf_every_stage2']}rd pair is the contrastive task",
+        f" every {ordinal(cfg['tf_every_stage2'])} pair is the contrastive task"
+        + ("" if cfg.get("vision_tf_partners_in_range", True)
+           else f" (unequal partner strings over 0..{cfg['text_max_count']})"),
         "",
         "## Training",
         "",
