@@ -59,3 +59,11 @@ def test_text_counting_matches_model_card(committed):
     texts = answer(model, processor, stimuli, "text_only_num", 64)
     acc = float(np.mean([correct(s, "text_only_num", t) for s, t in zip(stimuli, texts)]))
     assert acc >= 0.85
+
+
+def test_committed_weights_come_from_the_committed_recipe():
+    """`make toy-model` (lab/toy.yaml) is the recipe the checkpoint's training record names."""
+    from lab.config import TrainConfig
+
+    recorded = json.loads((CKPT / "training.json").read_text())["train_config"]
+    assert TrainConfig.load().to_dict() == recorded
