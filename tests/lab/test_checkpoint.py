@@ -52,6 +52,21 @@ def test_visual_accuracy_matches_model_card(committed, counts, regime):
         assert acc <= 0.05
 
 
+@pytest.mark.parametrize("counts, regime", [("0-49", "ID"), ("50-99", "VE")])
+def test_contrastive_accuracy_matches_model_card(committed, counts, regime):
+    # Board vs string "same number?": near perfect in range; past it the card records chance.
+    model, processor = committed
+    torch.set_num_threads(1)
+    card = json.loads((CKPT / "evaluation.json").read_text())["regimes"][regime]["multimodal_tf"]
+    spec = EvalSpec()
+    stimuli = boards(model, spec, counts, spec.per_count, spec.seed, "test")
+    texts = answer(model, processor, stimuli, "multimodal_tf", 100)
+    acc = float(np.mean([correct(s, "multimodal_tf", t) for s, t in zip(stimuli, texts)]))
+    assert abs(acc - card) <= 0.05
+    if regime == "ID":
+        assert acc >= 0.95
+
+
 def test_text_counting_matches_model_card(committed):
     model, processor = committed
     spec = EvalSpec(variation="mild")
