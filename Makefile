@@ -64,11 +64,11 @@ verify: setup ## check every committed chunk of $(DATA) against the manifest (ex
 toy-model: setup ## retrain the counting lab's toy VLM from scratch (lab/toy.yaml) into lab/checkpoints/toy-counter
 	$(PY) -m lab.train
 
-toy-g2m: setup ## retrain the G2M toy (seed 000, lab/toy-g2m.yaml) from scratch into lab/checkpoints/toy-g2m and write its card
+toy-g2m: setup ## retrain the G2M toy (g2m, lab/toy-g2m.yaml) from scratch into lab/checkpoints/toy-g2m and write its card
 	$(PY) -m lab.train --config lab/toy-g2m.yaml --out lab/checkpoints/toy-g2m --threads 1
 	$(PY) -m lab.g2m card lab/checkpoints/toy-g2m --threads 1
 
-toy-mas: setup ## MAS-fine-tune the toy model (seed 003) into lab/checkpoints/toy-counter-mas
+toy-mas: setup ## MAS-fine-tune the toy model (study counting-tricks) into lab/checkpoints/toy-counter-mas
 	$(PY) -m lab.mas --out lab/checkpoints/toy-counter-mas --steps 150 --tau 0.9 --lam 0.1 --threads 1
 
 variants: setup ## the interventions on the toy model as variant runs into $(DATA) (after make demo's stimuli)

@@ -1,9 +1,9 @@
 """Store benchmark: the store against plain numpy on the same data, in one run.
 
 * write: ``Writer`` (background thread, chunk files fsynced, manifest commits) vs
-  ``numpy.save`` + fsync of the same bytes. Goal >= 0.8x (DESIGN.md aims at 0.9x).
+  ``numpy.save`` + fsync of the same bytes. Goal >= 0.8x (docs/design.md#performance-aims: 0.9x).
 * read: the rows an SQL filter selects (a quarter of the samples, scattered), ``ws.read`` (query
-  included) vs fancy indexing a memory-mapped ``.npy``. Goal >= 0.5x (DESIGN.md: 0.8x). Both warm.
+  included) vs fancy indexing a memory-mapped ``.npy``. Goal >= 0.5x (the design: 0.8x). Both warm.
 * bytes on disk per value for each codec (lossless goal <= 2.0), with write speed and the error
   of the lossy BitRound options.
 

@@ -114,7 +114,7 @@ class GenerationSpec(_Strict):
 
 
 class RopeScalingSpec(_Strict):
-    """Seed 002's vision RoPE scaling: frequency i of d/2 multiplied by g(x_i), x_i = 2i/d.
+    """images-as-text's vision RoPE scaling: frequency i of d/2 multiplied by g(x_i), x_i = 2i/d.
 
     ``poly``: g = 1 + alpha * x**p; ``sigmoid``: g = 1 + alpha * sigmoid(k * (x - m)).
     The study's defaults: alpha 99, p 6 (model file) / 8 (evaluation patch) / 10 (training script).
@@ -129,7 +129,7 @@ class RopeScalingSpec(_Strict):
 
 
 class HeadAblationSpec(_Strict):
-    """Seed 001's counting heads: zero one attention head at a time, teacher-forced on the
+    """counting-bottleneck's counting heads: zero one attention head at a time, teacher-forced on the
     reference answer, and record whether any answer token's argmax flips."""
 
     kind: Literal["head_ablation"]
@@ -139,7 +139,7 @@ class HeadAblationSpec(_Strict):
 
 
 class TokenCompressionSpec(_Strict):
-    """Seed 002's run-length compression of image tokens at prefill: each image token's top-1
+    """images-as-text's run-length compression of image tokens at prefill: each image token's top-1
     vocabulary token (through ``decoder``, default the model's own unembedding of the projector
     output), runs of one token merged into one embedding, punctuation/whitespace runs dropped."""
 

@@ -1,4 +1,4 @@
-"""The counting lab (seed 001): a toy VLM trained on Go boards with the decoupled curriculum.
+"""The counting lab (study counting-bottleneck): a toy VLM trained on Go boards with the decoupled curriculum.
 
 Importing ``lab`` registers the model with the transformers Auto classes, so a checkpoint folder
 loads with ``AutoModelForImageTextToText`` / ``AutoModelForCausalLM`` / ``AutoProcessor``.

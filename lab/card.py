@@ -23,7 +23,7 @@ def render(checkpoint: Path, result: dict[str, Any], commands: list[str], notes:
     spec = result["spec"]
     model = cfg["model"]
     lines = [
-        "# toy-counter: the counting lab's toy VLM (seed 001)",
+        "# toy-counter: the counting lab's toy VLM (counting-bottleneck)",
         "",
         "A transformers model (`model_type: toy_counter`; `import lab` registers it with AutoConfig,",
         "AutoModelForImageTextToText, AutoModelForCausalLM, AutoProcessor) trained on 11x11 Go boards",
@@ -93,7 +93,7 @@ def render_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | N
     model = cfg["model"]
     sizes = ", ".join(str(n) for n in cfg["grid_sizes"])
     lines = [
-        "# toy-g2m: the lab's toy VLM on Grid2Matrix colour grids (seed 000)",
+        "# toy-g2m: the lab's toy VLM on Grid2Matrix colour grids (study g2m)",
         "",
         "The counting lab's architecture (`model_type: toy_counter`, `import lab` registers the Auto",
         "classes) trained to transcribe N x N grids of the project's G2M stimuli",

@@ -151,7 +151,7 @@ DEFAULT_G2M_YAML = Path(__file__).with_name("toy-g2m.yaml")
 
 @dataclass
 class G2MTrainConfig(TrainConfig):
-    """The G2M curriculum (seed 000, ``lab.g2m``): transcribe N x N colour grids, small N only.
+    """The G2M curriculum (study g2m, ``lab.g2m``): transcribe N x N colour grids, small N only.
 
     One stage, every parameter: each step is one batch of one grid size, the sizes in turn. An
     N x N grid is drawn at ``N * cell_px`` px, so the ViT gives one token per cell; ``board_size``

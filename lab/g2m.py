@@ -1,4 +1,4 @@
-"""The G2M curriculum (seed 000's "digital agnosia" in the lab): transcribe small colour grids.
+"""The G2M curriculum (the g2m study's "digital agnosia" in the lab): transcribe small colour grids.
 
 The toy VLM of ``lab/`` (same architecture, same word-level tokenizer plus the words of the G2M
 prompt) learns to transcribe N x N grids of C colours for small N only (``lab/toy-g2m.yaml``:
@@ -413,7 +413,7 @@ NOTES = """\
 - **What does not.** A per-token linear probe on the ViT output tokens reads every cell at every
   N, a probe trained on the trained sizes only keeps reading the larger grids, and so does a probe
   on the decoder's last layer at the image tokens: the colours reach the language model and are
-  lost when it writes them out, seed 000's representation/expression gap in the toy.
+  lost when it writes them out, the g2m study's representation/expression gap in the toy.
 - **Caveat.** The probe is at ceiling on a randomly initialised ViT too: on these clean grids a
   cell's patch is one of C fixed pictures, linearly separable whatever the weights, so "the vision
   encoder keeps the grid" is a weak statement here (as with the counter's hidden-number probe).

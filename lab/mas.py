@@ -1,4 +1,4 @@
-"""MAS fine-tuning (seed 003, seed-code-facts §4.3): pull answer-query attention toward the image.
+"""MAS fine-tuning (docs/studies.md#counting-tricks-mas): pull answer-query attention toward the image.
 
 The Modality Attention Share of one sample is the image-key share of the attention its answer
 queries pay, averaged over heads, then queries, then layers::

@@ -1,4 +1,4 @@
-"""The toy counting VLM of seed 001 as a transformers model.
+"""The toy counting VLM of counting-bottleneck as a transformers model.
 
 Module paths (the extraction adapter's contract)::
 
@@ -72,7 +72,7 @@ def rope_2d(rows: int, cols: int, head_dim: int, theta: float, device: torch.dev
             gain: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[rows*cols, head_dim]``: half of the rotary pairs turn with the row, half with the column.
 
-    ``gain`` (``[head_dim // 4]``) multiplies the frequencies, as seed 002's RoPE scaling does to
+    ``gain`` (``[head_dim // 4]``) multiplies the frequencies, as images-as-text's RoPE scaling does to
     Qwen2-VL's vision tower (``extract.interventions.rope``); None leaves them untouched.
     """
     quarter = head_dim // 4

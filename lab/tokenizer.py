@@ -1,4 +1,4 @@
-"""The toy VLM's word-level tokenizer (seed 001, semproj ``tokenizer.py``).
+"""The toy VLM's word-level tokenizer (counting-bottleneck, semproj ``tokenizer.py``).
 
 One token per whitespace-separated word and one per digit, so a count is spelled digit by digit
 ("4 7") and strings are written one letter per token ("c a b ..."). The vocabulary is closed:

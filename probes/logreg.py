@@ -5,7 +5,7 @@ plus ``||w||^2 / (2 C n)`` with the intercept unpenalised; binary targets get on
 (sklearn's binary formulation; a 2-class softmax would halve the penalty), multinomial targets
 ``K`` vectors. Probes are independent, so the sum of their objectives has a block-diagonal
 Hessian and L-BFGS on the sum reaches every probe's own optimum. Batching buys one matmul
-``[G, n, d] @ [G, d, P]`` per evaluation instead of P small ones (platform notes §5).
+``[G, n, d] @ [G, d, P]`` per evaluation instead of P small ones (docs/design.md#blas-threads-and-dask-buffers).
 
 Two things make it several times faster than one sklearn fit per probe on one core:
 

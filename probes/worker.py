@@ -65,7 +65,7 @@ class GroupResult:
 
 def read_features(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray, dense_tokens: int | None = None) -> Any:
     """The rows' values as float32 (kinds never see float16: sums in fp16 overflow), C-ordered
-    and aligned (misaligned buffers made BLAS 6-8x slower, platform notes §5). A ragged array
+    and aligned (misaligned buffers made BLAS 6-8x slower, docs/design.md#blas-threads-and-dask-buffers). A ragged array
     comes back as Ragged, or as dense ``[n, dense_tokens, d]`` when that is asked for."""
     from store import Ragged, reader
 

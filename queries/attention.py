@@ -1,4 +1,4 @@
-"""Does the answer's attention land on the objects? (seed 003, seed-code-facts §4.4)
+"""Does the answer's attention land on the objects? (docs/studies.md#counting-tricks-attention)
 
 Per LLM layer with stored ``last``-query attention rows, for every sample whose truth names
 objects with boxes (CountingTricks, spatial scenes) and whose image tokens form one grid:

@@ -1,4 +1,4 @@
-"""Where G2M transcriptions go wrong (seed 000): per-cell error maps and positional-bias scalars.
+"""Where G2M transcriptions go wrong (study g2m): per-cell error maps and positional-bias scalars.
 
 The error map of a run at grid size N is each cell's error rate over the run's N x N grids. A
 failed parse counts every cell as wrong, the paper's denominator. Heatmaps do not compare across

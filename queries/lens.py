@@ -1,4 +1,4 @@
-"""The logit lens over stored hidden states (seed 002, seed-code-facts §3.1), with no model.
+"""The logit lens over stored hidden states (docs/studies.md#images-as-text-logit-lens), with no model.
 
 Every image token's hidden state at an LLM layer is read through the run's stored unembedding
 (``lm_head.weight``) as its top-1 vocabulary token. The study reads intermediate layers with no
@@ -11,7 +11,7 @@ grid (raster order).
 Three measures per layer:
 
 - ``retained_ratio``: runs of equal consecutive tokens in raster order / tokens. It is the share
-  that seed 002's run-length compression would keep, before dropping punctuation.
+  that images-as-text's run-length compression would keep, before dropping punctuation.
 - ``attribute_share`` / ``object_share``: over the tokens of the patches that overlap a scene
   object's box, the share that name its colour (an attribute) or its shape (the object's class).
   A token matches a word when ``" " + token`` is a substring of ``" " + word`` (the study's rule),

@@ -1,11 +1,11 @@
 """Short DuckDB connections to the manifest, with retry on the file lock.
 
 DuckDB lets one process hold a database file read-write *or* many hold it read-only, never both
-(platform notes §4). So no agnosia process keeps the manifest open: every read and every write
-is connect -> statements -> close, and a caller that finds the file held by another process
-retries with backoff for up to ``timeout`` seconds. A long extraction therefore holds the file
-for a few tens of milliseconds per commit, and queries, ``verify`` and the probe farm get in
-between.
+(docs/design.md#duckdb-one-writer-or-many-readers). So no agnosia process keeps the manifest open:
+every read and every write is connect -> statements -> close, and a caller that finds the file held
+by another process retries with backoff for up to ``timeout`` seconds. A long extraction therefore
+holds the file for a few tens of milliseconds per commit, and queries, ``verify`` and the probe
+farm get in between.
 
 DuckDB's lock is a try-lock with no queue, so a busy reader loop could starve a writer. A writer
 that meets a conflict touches ``manifest.duckdb.writer-waiting``; readers step aside (up to a

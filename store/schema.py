@@ -1,6 +1,6 @@
 """The manifest schema: table DDL, views, and the migrations that bring any older file up to date.
 
-Table and view names are a contract with probes/ and queries/ (DESIGN.md); columns may grow, so
+Table and view names are a contract with probes/ and queries/ (docs/design.md#the-tables); columns may grow, so
 new columns arrive as a new migration step, never by editing an applied one.
 """
 
@@ -239,7 +239,7 @@ CREATE TABLE head_ablations (              -- one row per (stimulus, head) of a 
     n_positions INTEGER NOT NULL,          -- answer positions scored (teacher-forced reference)
     n_flipped   INTEGER NOT NULL,          -- positions whose argmax changed when the head was zeroed
     flipped     BOOLEAN NOT NULL,          -- n_flipped > 0: the head is critical for this stimulus
-    flip_mask   BIGINT  NOT NULL,          -- bit p set: answer position p flipped (seed 001 compares these)
+    flip_mask   BIGINT  NOT NULL,          -- bit p set: answer position p flipped (counting-bottleneck compares)
     logit_drop  DOUBLE,                    -- mean drop of the reference tokens' log-probability
     recorded_at TIMESTAMP NOT NULL,
     PRIMARY KEY (run, stimulus, tap, layer, head)

@@ -249,7 +249,7 @@ class Workspace:
     def _array_info(
         self, con: duckdb.DuckDBPyConnection, run: str, tap: str, layer: int, site: str, tokens: str, *, required: bool
     ) -> ArrayInfo | None:
-        if layer == -1:  # DESIGN: -1 aliases the last layer
+        if layer == -1:  # docs/design.md#the-arrays: -1 aliases the last layer
             last = con.execute(
                 "SELECT max(layer) FROM activations WHERE run = ? AND tap = ? AND site = ? AND tokens = ?",
                 [run, tap, site, tokens],

@@ -1,4 +1,4 @@
-"""Run-length compression of image tokens at prefill (seed 002, seed-code-facts §3.2).
+"""Run-length compression of image tokens at prefill (docs/studies.md#images-as-text-compression).
 
 Each image token of the LLM's input (the projector output) is read as its top-1 vocabulary token
 through a *visual decoder*: by default the model's own unembedding (``lm_head``, no final norm),

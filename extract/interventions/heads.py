@@ -1,4 +1,4 @@
-"""Head ablation (seed 001's "counting heads", seed-code-facts §2.4).
+"""Head ablation ("counting heads": docs/studies.md#counting-bottleneck-heads).
 
 One attention head is zeroed at a time: its slice of the attention output, the input of the
 output projection (``o_proj`` / ``out_proj`` / ``proj``), is set to 0, so the projection sees the

@@ -1,4 +1,4 @@
-"""RoPE scaling of the vision tower (seed 002, seed-code-facts §3.3).
+"""RoPE scaling of the vision tower (docs/studies.md#images-as-text-rope-scaling).
 
 The study multiplies the rotary frequencies of Qwen2-VL's *vision* encoder (not the LLM's M-RoPE)
 channel by channel: with ``d/2`` frequencies shared by the row and column axes and

@@ -3,10 +3,10 @@
 1. No video processors: the PyPI torchvision wheel crashes on import with CPU torch, so transformers
    has no video processors there, and processors that declare a ``video_processor`` attribute cannot
    be built, saved or loaded. Dropping that attribute from ``ProcessorMixin.get_attributes`` lets
-   every VLM processor work on images (platform-notes §2). Applied with or without torchvision: agnosia
-   feeds images only, the tiny-model recipes build processors with ``video_processor=None`` (which
-   transformers refuses when torchvision is importable, as on CUDA machines), and one processor
-   layout on every machine keeps CPU and GPU runs alike.
+   every VLM processor work on images (docs/design.md#torchvision-and-video-processors). Applied with
+   or without torchvision: agnosia feeds images only, the tiny-model recipes build processors with
+   ``video_processor=None`` (which transformers refuses when torchvision is importable, as on CUDA
+   machines), and one processor layout on every machine keeps CPU and GPU runs alike.
 2. The ``"capture"`` attention implementation: eager attention for the modules whose maps are
    requested (exactly the model's own eager code, so values match ``output_attentions``), the
    model's usual kernel for every other module. Eager/sdpa alone cannot do this: sdpa returns no

@@ -2,10 +2,10 @@
 
 Families (``python -m extract.stimuli --help``):
 
-- ``g2m``      Grid2Matrix colour grids (seed 000)
-- ``go``       Go boards for the counting lab, with text twins and contrastive pairs (seed 001)
-- ``counting`` CountingTricks: 32 cases of objects vs the patch grid (seed 003)
-- ``spatial``  two-object spatial relations, 4-way multiple choice (seed 002)
+- ``g2m``      Grid2Matrix colour grids (study g2m)
+- ``go``       Go boards for the counting lab, with text twins and contrastive pairs (study counting-bottleneck)
+- ``counting`` CountingTricks: 32 cases of objects vs the patch grid (study counting-tricks)
+- ``spatial``  two-object spatial relations, 4-way multiple choice (study images-as-text)
 
 Each family is one module exposing ``FAMILY`` (a :class:`~extract.stimuli.base.Family`).
 """

@@ -1,9 +1,9 @@
-"""CountingTricks (seed 003): 32 counting cases that move objects against the patch grid.
+"""CountingTricks (study counting-tricks): 32 counting cases that move objects against the patch grid.
 
 A ``image_size`` canvas (384 px, white) is cut into a ``patch_size`` grid (P = 27 or 14 in the
 study; ``grid = image_size // P``); ``R0 = P // 2`` makes the base diameter about one patch.
 Objects are filled shapes (circle by default, or square / triangle) in one colour (red).
-Cases 1-8 follow the MAS ``generate.py`` rule for rule (seed-code-facts §4.1); 1C/1D and 9-15
+Cases 1-8 follow the MAS ``generate.py`` rule for rule (docs/studies.md#counting-tricks-cases); 1C/1D and 9-15
 are this project's definitions (the code has none). Full rules: ``docs/stimuli/counting-tricks.md``.
 
 =====  ==================================================  ============================  =======
@@ -766,7 +766,7 @@ def _samples(config: Config, n: int, seed: int, split: str) -> Iterator[Stimulus
 
 FAMILY = Family(
     name="counting",
-    description="CountingTricks: count shapes placed against the patch grid (32 cases, seed 003)",
+    description="CountingTricks: count shapes placed against the patch grid (32 cases, counting-tricks)",
     config=Config,
     generate=generate,
 )

@@ -1,7 +1,7 @@
-"""Grid2Matrix colour grids (seed 000), exactly as the study's ``generate_data.py`` draws them.
+"""Grid2Matrix colour grids (study g2m), exactly as the study's ``generate_data.py`` draws them.
 
 An N×N grid of C palette colours on a white 512 px canvas; the model transcribes it into a
-matrix. What must match the study bit for bit (seed-code-facts §1.1–1.2):
+matrix. What must match the study bit for bit (docs/studies.md#g2m-generator to #g2m-metrics):
 
 - palette RGBs and the colour-name order (White, Red, Blue, Green, …) behind the prompt's
   ``{White: 0, Red: 1, ...}`` mapping;
@@ -274,7 +274,7 @@ def metrics(scores: Sequence[GridScore]) -> GridMetrics:
 
 FAMILY = Family(
     name="g2m",
-    description="Grid2Matrix colour grids: N×N cells of C palette colours to transcribe (seed 000)",
+    description="Grid2Matrix colour grids: N×N cells of C palette colours to transcribe (study g2m)",
     config=Config,
     generate=generate,
 )

@@ -1,4 +1,4 @@
-"""Go boards for the counting lab (seed 001: "visual counting bottleneck", Russellpang/semproj).
+"""Go boards for the counting lab (study counting-bottleneck: "visual counting bottleneck", Russellpang/semproj).
 
 Each sample is a board with exactly ``count`` black stones and a random number of white
 distractors, rendered as in the study's ``draw_board`` (background ``#DEB887``, black grid
@@ -466,7 +466,7 @@ def task_inputs(truth: Mapping[str, Any], task: str) -> TaskInputs:
 
 FAMILY = Family(
     name=NAME,
-    description="Go boards with exact black-stone counts, text twins and contrastive pairs (seed 001)",
+    description="Go boards with exact black-stone counts, text twins and contrastive pairs (counting-bottleneck)",
     config=Config,
     generate=generate,
     task_inputs=task_inputs,

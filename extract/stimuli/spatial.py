@@ -1,4 +1,4 @@
-"""Two-object spatial relations as 4-way multiple choice (seed 002: "Reading Images Like Texts").
+"""Two-object spatial relations as 4-way multiple choice (study images-as-text: "Reading Images Like Texts").
 
 A WhatsUp-style controlled stimulus: a *subject* and a *reference* object (shape x colour, always
 two different colours) stand in one relation, and the model picks the true caption
@@ -342,7 +342,7 @@ def _object_truth(obj: Obj, roles: dict[str, Obj], order: list[str], role: str,
 
 FAMILY = Family(
     name=NAME,
-    description="two objects left/right/above/below or front/behind, 4-way multiple choice (seed 002)",
+    description="two objects left/right/above/below or front/behind, 4-way multiple choice (images-as-text)",
     config=Config,
     generate=generate,
 )

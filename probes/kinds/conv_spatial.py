@@ -1,4 +1,4 @@
-"""``conv_spatial``: the Grid2Matrix probe (seed 000, seed-code-facts §1.3).
+"""``conv_spatial``: the Grid2Matrix probe (docs/studies.md#g2m-probe).
 
 Tokens ``[n, s*s, D]`` -> map ``[D, s, s]`` -> bilinear resize (``align_corners=False``, float32)
 to the N x N grid -> Conv1x1(hidden) -> BatchNorm -> GELU -> Conv1x1(C); cross-entropy over
@@ -168,7 +168,7 @@ MAX_MAP_CELLS = 64 * 64  # larger maps are left out of the recorded metrics (the
 
 def error_maps(pred: np.ndarray, y: np.ndarray) -> dict[str, list[list[float]]]:
     """Per grid size N (the labelled extent of each test grid): the probe's error rate per cell,
-    for the report's heatmap beside the model's own (G2M, seed 000)."""
+    for the report's heatmap beside the model's own (study g2m)."""
     ok = y >= 0
     sizes = ok.any(2).sum(1)  # labelled rows per grid = N for an N x N grid in a padded frame
     out = {}

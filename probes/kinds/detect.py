@@ -1,4 +1,4 @@
-"""``detect``: the CountingTricks detection probe (seed 003, seed-code-facts §4.5), compact.
+"""``detect``: the CountingTricks detection probe (docs/studies.md#counting-tricks-detect), compact.
 
 Tokens -> map ``[D, h, w]`` -> 1x1 bottleneck + GroupNorm + SiLU -> two 3x3 conv blocks
 (BN, SiLU) -> 1x1 head with objectness, box (tx, ty, tw, th) and class logits per cell.

@@ -1,4 +1,6 @@
-"""``hidden_number``: the counting lab's per-token probe and its hidden number N_H (seed 001, §2.3).
+"""``hidden_number``: the counting lab's per-token probe and its hidden number N_H (counting-bottleneck).
+
+The study's probe: docs/studies.md#counting-bottleneck-hidden-number.
 
 A 3-class linear probe (black / white / empty, the codes of ``go.intersection``) is trained on
 boards whose count is in the vision-trained range (``train_max_count``, 49 by default; a plan's

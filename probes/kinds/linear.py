@@ -43,7 +43,7 @@ def _stats(X: torch.Tensor, standardize: bool) -> tuple[torch.Tensor, torch.Tens
 
 
 def _as_float(X: Any) -> np.ndarray:
-    # Dask may hand over misaligned buffers (platform notes §5); an aligned C copy is cheap.
+    # Dask may hand over misaligned buffers (docs/design.md#blas-threads-and-dask-buffers); an aligned C copy is cheap.
     return np.require(np.asarray(X, dtype=np.float32), requirements=["C", "A"])
 
 

@@ -1,4 +1,4 @@
--- Seed 001's gaps per regime, from the hidden-number probe's per-board N_H (tokens a per-token
+-- counting-bottleneck's gaps per regime, from the hidden-number probe's per-board N_H (tokens a per-token
 -- probe labels black; stored per test board in the probe's params.predictions): Vision Gap =
 -- mean |N_H - N_G| (what the encoder holds vs the truth), Language Gap = mean |N_H - N_P| (what
 -- the encoder holds vs what the model says), with N_G the true count and N_P the parsed answer of

@@ -1,4 +1,4 @@
--- Critical heads of head-ablation runs (seed 001's counting heads): per zeroed head, the share of
+-- Critical heads of head-ablation runs (counting-bottleneck's counting heads): per zeroed head, the share of
 -- stimuli whose teacher-forced answer flips (any answer token's argmax changes), the share per
 -- answer position, and the mean drop of the reference tokens' log-probability.
 -- param: run  a head-ablation run, or '%' for every one (default '%')

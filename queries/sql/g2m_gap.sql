@@ -1,4 +1,4 @@
--- G2M's gap curve (seed 000): per grid size N, the cell accuracy of a spatial probe on a tap's
+-- G2M's gap curve (study g2m): per grid size N, the cell accuracy of a spatial probe on a tap's
 -- image tokens (per test grid, stored by the conv_spatial probe in params.predictions) beside the
 -- model's own end-to-end cell accuracy on the same grids; gap = probe - model. A large gap at large
 -- N means the encoder still holds the grid the model fails to write out. Means over probe seeds.

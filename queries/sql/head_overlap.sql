@@ -1,4 +1,4 @@
--- Do two head-ablation runs over the same stimuli rely on the same heads? (seed 001: the visual
+-- Do two head-ablation runs over the same stimuli rely on the same heads? (counting-bottleneck: the visual
 -- and the text version of each count.) Per stimulus, each run's critical-head tensor is the
 -- flip mask of every (tap, layer, head): 'equal' when the two tensors match exactly (the study's
 -- Equal %; its "95.7% of heads differ" is most likely 1 - equal_share), and the Jaccard overlap

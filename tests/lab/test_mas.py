@@ -1,4 +1,4 @@
-"""The MAS loss (seed 003): share, hinge and gradient against hand computations, and the
+"""The MAS loss (counting-tricks): share, hinge and gradient against hand computations, and the
 fine-tuning hook on a real (tiny) training run."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The G2M curriculum (seed 000 in the lab): data, training steps, and the committed toy-g2m checkpoint."""
+"""The G2M curriculum (study g2m in the lab): data, training steps, and the committed toy-g2m checkpoint."""
 
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ class Adapter:
         return inputs
 
     def user_text(self, question: str, strings: tuple[str, ...] = ()) -> str:
-        """The user's text: strings to read (one character each, as seed 001 gave Qwen3-VL), then
+        """The user's text: strings to read (one character each, as counting-bottleneck gave Qwen3-VL), then
         the question. Families that were trained on another layout override it."""
         shown = [f"{list(s)!r}, String length: {len(s)}." for s in strings]
         return " ".join([*shown, question])
