@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import unicodedata
 from functools import cache
 from pathlib import Path
@@ -15,17 +16,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve()
 
-# Build outputs, environments and data a run leaves in the tree: not part of what a user clones.
-_SKIP_DIRS = {"data", "report", "stimuli", "models", "build", "dist"}  # at the top level only
+# Outputs and environments a run leaves in a checkout (when there is no git to list what is tracked).
+_SKIP_DIRS = {"data", "report", "models", "build", "dist", "__pycache__", "node_modules"}
 _TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sql", ".toml", ".jinja", ".sh", ".txt", ".cfg", ".ini"}
+
+
+def _tracked() -> list[Path] | None:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [ROOT / name for name in out.stdout.decode().split("\0") if name]
 
 
 def _walk() -> list[Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(ROOT):
-        top = Path(dirpath) == ROOT
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in ("__pycache__", "node_modules")
-                             and not (top and d in _SKIP_DIRS))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
         out += [Path(dirpath) / f for f in sorted(filenames)]
     ci = ROOT / ".ci" / "run"  # the one file in a dot-folder that is ours
     return out + ([ci] if ci.is_file() else [])
@@ -33,7 +40,9 @@ def _walk() -> list[Path]:
 
 @cache
 def text_files() -> tuple[Path, ...]:
-    return tuple(p for p in _walk() if p.suffix in _TEXT_SUFFIXES or p.name in ("Makefile", "run"))
+    """What a user clones: git's tracked files, or the tree without run outputs."""
+    files = _tracked() or _walk()
+    return tuple(p for p in files if p.is_file() and (p.suffix in _TEXT_SUFFIXES or p.name in ("Makefile", "run")))
 
 
 def markdown_docs() -> list[Path]:
