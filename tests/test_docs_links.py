@@ -138,7 +138,7 @@ def resolve(source: Path, target: str, base: Path | None = None) -> str | None:
 # ----------------------------------------------------------------------------- the checks
 
 
-def test_slugs_follow_github():
+def test_slugs_follow_github() -> None:
     assert github_slug("Measured (`python -m bench store`, 2048×256×768 fp16 = 805 MB, this shared 2-core machine)") \
         == "measured-python--m-bench-store-2048256768-fp16--805-mb-this-shared-2-core-machine"
     assert github_slug("g2m: parser") == "g2m-parser"
@@ -146,7 +146,7 @@ def test_slugs_follow_github():
 
 
 @pytest.mark.parametrize("doc", markdown_docs(), ids=rel)
-def test_relative_links_resolve(doc):
+def test_relative_links_resolve(doc: Path) -> None:
     broken = []
     for line, target in links(doc):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):  # http:, https:, mailto:
@@ -160,7 +160,7 @@ def test_relative_links_resolve(doc):
 _CITED_DOC = re.compile(r"(?<![\w/.-])docs/[\w./-]*?\.md(?:#[\w-]+)?")
 
 
-def test_cited_docs_exist():
+def test_cited_docs_exist() -> None:
     missing = []
     for path in text_files():
         for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
@@ -183,7 +183,7 @@ _FORBIDDEN = {
 }
 
 
-def test_nothing_cites_material_outside_the_repository():
+def test_nothing_cites_material_outside_the_repository() -> None:
     hits = []
     for path in text_files():
         if path == THIS:
@@ -194,6 +194,6 @@ def test_nothing_cites_material_outside_the_repository():
     assert not hits, "\n".join(hits)
 
 
-def test_design_and_studies_are_linked_from_the_readme():
+def test_design_and_studies_are_linked_from_the_readme() -> None:
     targets = {t.partition("#")[0] for _, t in links(ROOT / "README.md")}
     assert {"docs/design.md", "docs/studies.md"} <= targets
