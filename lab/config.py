@@ -61,8 +61,9 @@ class ToyCounterConfig(PreTrainedConfig):
         self.initializer_range = initializer_range
         kwargs.pop("num_hidden_layers", None)
         kwargs.setdefault("tie_word_embeddings", False)
-        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                         pad_token_id=pad_token_id, **kwargs)
+        # token ids reach PreTrainedConfig through **kwargs (its typed signature does not list them)
+        kwargs.update(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        super().__init__(**kwargs)
 
     @property
     def head_dim(self) -> int:

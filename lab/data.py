@@ -54,7 +54,7 @@ class Style:
 
     @classmethod
     def of(cls, names: tuple[str, ...]) -> Style:
-        rows = []
+        rows: list[list[float]] = []
         for name in names:
             if name == "none":
                 rows.append([1, 1, 0, 0, 0, 0, 0, 0, 1])
@@ -259,7 +259,7 @@ class BatchMaker:
             labels = self.renderer.labels(counts, gen)
             style_idx = torch.randint(0, len(self.style.names), (b,), generator=gen)
             raw = self.renderer.render(labels, style_idx, self.style, gen)
-            pixel_values = self.processor.image_processor.normalize(raw)
+            pixel_values = self.processor.image_processor.normalize_pixels(raw)
         tail = torch.tensor([self.end, self.eos]).repeat(b, 1)
         answer = torch.cat([answer_ids, tail], dim=1)
         # Left-align each answer right after the prompt; pad positions stay IGNORE.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from extract.stimuli.base import Stimulus
 
 from . import DEFAULT_CHECKPOINT
 from . import tokenizer as T
-from .config import TrainConfig
+from .config import G2MTrainConfig, TrainConfig
 from .data import IGNORE, Batch
 from .processor import ToyCounterProcessor, answer_suffix, build_processor, prompt
 from .train import Trainer
@@ -129,7 +129,7 @@ class G2MBatchMaker:
         input_ids[:, start:start + n * n] = self.digit[matrices.view(b, -1)]
         labels = torch.full_like(input_ids, IGNORE)
         labels[:, start:] = input_ids[:, start:]  # the digits, <|assistant_end|>, <|eos|>
-        pixels = self.processor.image_processor.normalize(self.renderer.render(matrices))
+        pixels = self.processor.image_processor.normalize_pixels(self.renderer.render(matrices))
         return Batch(task=f"n{n}", input_ids=input_ids, labels=labels, pixel_values=pixels,
                      counts=torch.full((b,), n), image_mask=input_ids == self.image_id)
 
@@ -140,6 +140,8 @@ class G2MTrainer(Trainer):
     One stage over every parameter (vision with ``stage1.vision_lr``, the rest with ``stage1.lr``);
     step i is one batch of grid size ``grid_sizes[i % len]``.
     """
+
+    cfg: G2MTrainConfig
 
     def make_data(self, processor: ToyCounterProcessor) -> G2MBatchMaker:
         cfg = self.cfg
@@ -272,7 +274,8 @@ def readout_attention(model: Any, processor: Any, stimuli: Sequence, batch_size:
     token before it; a head "reads the right cell" there when its attention over the N² image
     tokens peaks at image token k.
     """
-    hits, total, mass = None, 0, 0.0
+    hits: torch.Tensor | None = None
+    total, mass = 0, 0.0
     start_id = processor.tokenizer.convert_tokens_to_ids(T.ASSISTANT_START)
     for i in range(0, len(stimuli), batch_size):
         chunk = stimuli[i:i + batch_size]
@@ -289,6 +292,8 @@ def readout_attention(model: Any, processor: Any, stimuli: Sequence, batch_size:
         hits = ok if hits is None else hits + ok
         mass += float(att.sum(-1).mean((1, 2)).sum())  # per answer query, averaged over layers/heads
         total += len(chunk) * cells
+    if hits is None:
+        raise ValueError("attention_probe needs at least one stimulus")
     return (hits / total).numpy(), mass / total
 
 
@@ -369,8 +374,10 @@ def evaluate(model: Any, processor: Any, spec: G2MEvalSpec = G2MEvalSpec(),
 
 
 def markdown(result: dict[str, Any]) -> str:
-    pct = lambda v: f"{100 * v:.1f}%"  # noqa: E731
-    cols = [("grids", "grids", str), ("end-to-end Exact Match", "exact_match", pct),
+    def pct(v: float) -> str:
+        return f"{100 * v:.1f}%"
+
+    cols: list[tuple[str, str, Callable[[Any], str]]] = [("grids", "grids", str), ("end-to-end Exact Match", "exact_match", pct),
             ("end-to-end Cell Accuracy", "cell_accuracy", pct), ("parse failures", "parse_failures", str),
             ("digits emitted (mean; N² expected)", "digits_mean", "{:.1f}".format),
             ("lenient cell accuracy (raster prefix)", "lenient_cell_accuracy", pct),

@@ -69,10 +69,13 @@ class MasLoss:
     lam: float = 0.1
 
     def __call__(self, out: ToyCounterOutput, batch: Batch) -> torch.Tensor:
+        logits = out.logits
+        if logits is None:
+            raise ValueError("the MAS loss needs the model's logits")
         if batch.pixel_values is None or not out.attentions:
-            return out.logits.new_zeros(())
+            return logits.new_zeros(())
         mas = modality_attention_share(out.attentions, batch.image_mask, batch.labels != IGNORE)
-        return mas_hinge(mas, answer_wrong(out.logits.detach(), batch.labels), self.tau, self.lam)
+        return mas_hinge(mas, answer_wrong(logits.detach(), batch.labels), self.tau, self.lam)
 
 
 def main(argv: list[str] | None = None) -> None:

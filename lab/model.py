@@ -226,7 +226,7 @@ class ToyCounterPreTrainedModel(PreTrainedModel):
     config_class = ToyCounterConfig
     base_model_prefix = "toy_counter"
     main_input_name = "input_ids"
-    input_modalities = ("image", "text")
+    input_modalities = ["image", "text"]
     _supports_sdpa = True
     _supports_attention_backend = True
     _no_split_modules = ["Block"]
@@ -252,6 +252,8 @@ class ToyCounterForConditionalGeneration(ToyCounterPreTrainedModel, GenerationMi
         return self.decoder.embed_tokens
 
     def set_input_embeddings(self, value: nn.Module) -> None:
+        if not isinstance(value, nn.Embedding):
+            raise TypeError(f"the toy decoder's input embeddings are an nn.Embedding, got {type(value).__name__}")
         self.decoder.embed_tokens = value
 
     def get_output_embeddings(self) -> nn.Module:
@@ -319,12 +321,14 @@ class ToyCounterForConditionalGeneration(ToyCounterPreTrainedModel, GenerationMi
             cache = DynamicCache(config=self.config)
         past = cache.get_seq_length() if cache is not None else 0
         b, t, _ = inputs_embeds.shape
-        if position_ids is None:
-            if attention_mask is not None:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
-            else:
-                position_ids = torch.arange(past, past + t, device=inputs_embeds.device)[None].expand(b, t)
-        cos, sin = rope_1d(position_ids, self.config.head_dim, self.config.rope_theta)
+        positions: torch.Tensor
+        if position_ids is not None:
+            positions = position_ids
+        elif attention_mask is not None:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
+        else:
+            positions = torch.arange(past, past + t, device=inputs_embeds.device)[None].expand(b, t)
+        cos, sin = rope_1d(positions, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)
         mask = self._mask(attention_mask, t, past, inputs_embeds.dtype)
 

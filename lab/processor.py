@@ -52,19 +52,16 @@ class ToyCounterImageProcessor(BaseImageProcessor):
         side = self.image_size // self.patch_size
         return side, side
 
-    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+    def normalize_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8-range ``[N, 3, H, W]`` -> normalised float32 (training renders call this too)."""
         mean = torch.tensor(self.image_mean, dtype=torch.float32, device=pixels.device)[:, None, None]
         std = torch.tensor(self.image_std, dtype=torch.float32, device=pixels.device)[:, None, None]
         return (pixels.float() / 255.0 - mean) / std
 
-    def __call__(self, images: Any, return_tensors: str | None = "pt", **kwargs: Any) -> BatchFeature:
-        return self.preprocess(images, return_tensors=return_tensors)
-
     def preprocess(self, images: Any, return_tensors: str | None = "pt", **kwargs: Any) -> BatchFeature:
         if isinstance(images, (Image.Image, np.ndarray)):
             images = [images]
-        arrays = []
+        arrays: list[np.ndarray] = []
         for img in images:
             arr = np.asarray(img.convert("RGB") if isinstance(img, Image.Image) else img)
             if self.variable_size:
@@ -84,7 +81,7 @@ class ToyCounterImageProcessor(BaseImageProcessor):
                     " intersection); render the board at that size, resizing would misalign patches")
             arrays.append(arr)
         pixels = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)
-        return BatchFeature({"pixel_values": self.normalize(pixels)}, tensor_type=return_tensors)
+        return BatchFeature({"pixel_values": self.normalize_pixels(pixels)}, tensor_type=return_tensors)
 
 
 class ToyCounterProcessor(ProcessorMixin):

@@ -33,7 +33,7 @@ class AnyresAdapter(ClipTowerAdapter):
 
     def _trace(self, n_views: int, side: int, size: torch.Tensor) -> np.ndarray:
         """The model's packing applied to token indices -> LLM token -> vision token (or -1)."""
-        inner = self.model.model
+        inner: Any = self.model.model  # the family's inner model; pack_image_features is its method
         feats = torch.arange(n_views * side * side, dtype=torch.float32).view(n_views, side * side, 1)
         newline = torch.tensor([-1.0])
         pack = inner.pack_image_features
@@ -60,6 +60,7 @@ class AnyresAdapter(ClipTowerAdapter):
             base = GridSegment(0, side, side, view=names[0])
             rest = source[side * side :]
             newlines = int((rest == -1).sum())
+            llm: tuple[GridSegment, ...]
             if n > 1 and newlines:
                 stride = rest.size // newlines
                 llm = (base, GridSegment(side * side, newlines, stride - 1, stride, view="tiles"))

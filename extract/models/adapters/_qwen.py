@@ -40,7 +40,7 @@ class QwenAdapter(Adapter):
 
     def _grids(self, inputs: Mapping[str, Any]) -> list[tuple[int, int, int]]:
         thw = inputs["image_grid_thw"]
-        return [tuple(int(v) for v in row) for row in thw.tolist()]
+        return [(int(t), int(h), int(w)) for t, h, w in thw.tolist()]
 
     def geometry(self, inputs: Mapping[str, Any]) -> list[ImageGeometry]:
         out = []
@@ -154,7 +154,7 @@ class QwenAdapter(Adapter):
         )
 
     @staticmethod
-    def tiny_token_ids(tok: Any) -> dict[str, int]:
+    def tiny_token_ids(tok: Any) -> dict[str, Any]:
         return dict(
             image_token_id=tok.image_token_id,
             video_token_id=tok.video_token_id,

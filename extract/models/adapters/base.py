@@ -41,7 +41,8 @@ class Adapter:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.config = model.config
+        # transformers configs are dynamic attribute bags: Any, not nn.Module's Tensor | Module.
+        self.config: Any = model.config
 
     # --- sizes ----------------------------------------------------------------------------
     def module(self, path: str) -> nn.Module:
@@ -49,10 +50,16 @@ class Adapter:
 
     def n_layers(self, tap: str) -> int:
         if tap == "vision":
-            return len(self.module(self.vision_layers))
+            return len(self._layer_list(self.vision_layers))
         if tap in ("llm", "attn"):
-            return len(self.module(self.llm_layers))
+            return len(self._layer_list(self.llm_layers))
         return 1  # projector, logits: one module
+
+    def _layer_list(self, path: str) -> nn.ModuleList:
+        layers = self.module(path)
+        if not isinstance(layers, nn.ModuleList):
+            raise TypeError(f"{type(self).__name__}: {path!r} is a {type(layers).__name__}, not a ModuleList of blocks")
+        return layers
 
     def sites(self, tap: str) -> tuple[str, ...]:
         base = tuple(s for s in SITES[tap] if s not in FAMILY_SITES)

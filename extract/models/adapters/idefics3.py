@@ -78,6 +78,7 @@ class Idefics3Adapter(Adapter):
             size={"longest_edge": size}, max_image_size={"longest_edge": size}, do_image_splitting=False
         )
         template = chat_template(IDEFICS_TURNS, "<image>", prefix="<|begin_of_text|>")
+        processor: Any
         if smol:
             processor = tf.SmolVLMProcessor(
                 image_processor=images, tokenizer=tok, video_processor=None, image_seq_len=seq, chat_template=template

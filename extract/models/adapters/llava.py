@@ -92,7 +92,7 @@ class LlavaAdapter(ClipTowerAdapter):
         config = LlavaConfig(
             vision_config=tower_config("clip_vision_model", size),
             text_config=llama_text_config(tok),
-            image_token_id=tok.image_token_id,
+            image_token_index=tok.image_token_id,
             vision_feature_layer=-2,
             vision_feature_select_strategy="default",
             image_seq_length=(size // 14) ** 2,

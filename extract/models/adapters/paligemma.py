@@ -60,7 +60,7 @@ class PaliGemmaAdapter(Adapter):
         tok = gemma_tokenizer({"image_token": "<image>"})
         size = TINY.image
         images = SiglipImageProcessorPil(size={"height": size, "width": size})
-        images.image_seq_length = (size // 14) ** 2
+        images.image_seq_length = (size // 14) ** 2  # type: ignore[attr-defined]  # read by PaliGemmaProcessor
         processor = PaliGemmaProcessor(image_processor=images, tokenizer=tok)  # adds the <loc>/<seg> tokens
         config = PaliGemmaConfig(
             vision_config=dict(tower_config("siglip_vision_model", size), projection_dim=TINY.hidden),
