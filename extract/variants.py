@@ -16,7 +16,7 @@ import torch
 
 from extract.interventions.compression import compress, greedy, load_decoder, punctuation_ids
 from extract.interventions.heads import HeadSite, ablate, head_site
-from extract.manifest import HeadAblationSpec, Manifest, ManifestError, expand_layers
+from extract.manifest import HeadAblationSpec, Manifest, ManifestError, TokenCompressionSpec, expand_layers
 from extract.models import LoadedModel, prepare_batch
 from extract.run import Sample, _by_modality, _progress, _stop_ids, answer_length
 from extract.scoring import score_answer
@@ -30,6 +30,8 @@ def run_variant(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]
     spec = manifest.intervention
     sites = _sites(lm, spec) if isinstance(spec, HeadAblationSpec) else []
     if not sites:
+        if not isinstance(spec, TokenCompressionSpec):
+            raise ManifestError(f"this runner handles head ablation and token compression, not {type(spec).__name__}")
         decoder = load_decoder(lm, spec.decoder)
         dropped = punctuation_ids(lm.tokenizer) if spec.drop_punctuation else set()
     ws = Workspace.open(where)
@@ -47,6 +49,7 @@ def run_variant(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]
             for offset, group in _by_modality([s for _, s in chunk]):
                 rows = [i for i, _ in chunk[offset : offset + len(group)]]
                 if sites:
+                    assert isinstance(spec, HeadAblationSpec)  # sites come only from a head ablation
                     gens = _ablate_group(lm, ws, manifest, group, rows, sites, spec)
                 else:
                     gens = [_compressed_answer(lm, manifest, s, spec, decoder, dropped) for s in group]

@@ -24,7 +24,8 @@ def render_table(table: pa.Table, max_rows: int = 200) -> str:
 
 
 def render_schema(table: pa.Table) -> str:
-    lines, current = [], None
+    lines: list[str] = []
+    current = None
     for row in table.to_pylist():
         if row["table"] != current:
             current = row["table"]

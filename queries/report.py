@@ -186,7 +186,7 @@ def g2m_position_sections(ws: Workspace, out: Path) -> list[Section]:
         return []  # the gap curve needs the model's answers too
     bias = pa.concat_tables([bias_table(ws, r) for r in runs], promote_options="default")
     align = [t for t in (alignment_table(ws, r) for r in runs) if t.num_rows]
-    figures = []
+    figures: list[str] = []
     for run in runs[:4]:
         maps = {n: m for n, (m, _) in error_maps(ws, run).items() if m.sum() > 0}
         if not maps:

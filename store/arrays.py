@@ -34,9 +34,9 @@ from store.errors import StoreError, WorkspaceError
 
 ZARR_DIR = "arrays"
 LAYOUT_VERSION = 1
-_KEY_ENCODING = {"name": "default", "separator": "."}
+_KEY_ENCODING: dict[str, Any] = {"name": "default", "separator": "."}
 _MANTISSA = {"float16": 10, "float32": 23, "bfloat16": 7}
-_UINT = {2: np.uint16, 4: np.uint32}
+_UINT: dict[int, type[np.unsignedinteger[Any]]] = {2: np.uint16, 4: np.uint32}
 _EXPONENT = {"float16": 0x7C00, "float32": 0x7F800000, "bfloat16": 0x7F80}
 
 
@@ -64,7 +64,7 @@ def check_zarr_path(zarr_path: object) -> str:
             " refusing to read or write outside the workspace. The manifest was edited or corrupted: restore it"
             " or drop the run"
         )
-    return zarr_path
+    return str(zarr_path)  # a str: the check above refused everything else
 
 
 def node_dir(workspace: Path, zarr_path: str) -> Path:

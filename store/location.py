@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from store.errors import StoreError, WorkspaceError
 
@@ -108,7 +108,7 @@ class ArrayRoot:
 
     # ------------------------------------------------------------------ reading
 
-    def open(self, zarr_path: str = "", *, mode: str = "r") -> Any:
+    def open(self, zarr_path: str = "", *, mode: Literal["r", "r+", "a", "w", "w-"] = "r") -> Any:
         """The Zarr node (array or group) at ``zarr_path``, read-only by default."""
         import zarr
 

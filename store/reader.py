@@ -64,7 +64,8 @@ def read_dense(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray, index: Index 
     stored = numpy_dtype(info.stored_dtype)
     if info.codec != "none":
         z = _open_array(root, info)
-        values = z.get_orthogonal_selection((rows, *[slice(None)] * len(info.item_shape)))
+        # np.asarray: zarr types its reads as a scalar-or-array union; these are always arrays
+        values = np.asarray(z.get_orthogonal_selection((rows, *[slice(None)] * len(info.item_shape))))
         if index is not None:
             values = values[(slice(None), *index)]
         return decode_stored(np.ascontiguousarray(values), info.stored_dtype, bf16_as)
@@ -93,7 +94,7 @@ def read_chunk_rows(
     """Rows ``local`` (0-based inside chunk ``k``) of a dense array; also the dask task."""
     if info.codec != "none":
         z = _open_array(root, info)
-        values = z.get_orthogonal_selection((local + k * info.chunk_samples, *[slice(None)] * len(info.item_shape)))
+        values = np.asarray(z.get_orthogonal_selection((local + k * info.chunk_samples, *[slice(None)] * len(info.item_shape))))
         if index is not None:
             values = values[(slice(None), *index)]
         if out is not None:

@@ -281,10 +281,14 @@ def _v1(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(_VIEWS_V1)
 
 
+def _v2(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(_V2)
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "initial manifest: runs, stimuli, samples, activations, chunks, tensors, generations, probes", _v1),
     Migration(2, "interventions (runs.intervention, head_ablations) and the vocabulary for the logit lens",
-              lambda con: con.execute(_V2)),
+              _v2),
 ]
 
 

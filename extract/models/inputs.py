@@ -133,7 +133,7 @@ def prepare_batch(
             " other, so split the batch by modality"
         )
     with_image = not text_only[0]
-    pil = [open_image(im) for im in images] if with_image else []
+    pil = [open_image(im) for im in images if im is not None] if with_image else []
     texts = [chat_text(lm, p, system, image=with_image, strings=strings[i] if strings is not None else ())
              for i, p in enumerate(prompts)]
     tok = lm.processor.tokenizer

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from .adapters import Adapter, adapter_class, registry
 from .compat import patch_processors_without_torchvision, register_capture_attention
@@ -28,7 +27,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 class LoadedModel:
     """A model ready for capture: weights, processor, adapter and what to record about the run."""
 
-    model: nn.Module
+    model: Any  # a transformers PreTrainedModel (nn.Module + generate + a dynamic config)
     processor: Any
     adapter: Adapter
     source: str

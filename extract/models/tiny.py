@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .compat import patch_processors_without_torchvision
+
+if TYPE_CHECKING:  # adapters import this module for their tiny recipes
+    from .adapters.base import Adapter
 
 
 @dataclass(frozen=True)
@@ -102,10 +105,11 @@ def architectures() -> list[str]:
     return sorted(name for name, cls in registry().items() if _has_tiny(cls))
 
 
-def _has_tiny(cls: type) -> bool:
+def _has_tiny(cls: type[Adapter]) -> bool:
     from .adapters.base import Adapter
 
-    return cls.build_tiny.__func__ is not Adapter.build_tiny.__func__
+    # a classmethod is bound anew on each access: compare the functions behind it
+    return getattr(cls.build_tiny, "__func__", None) is not getattr(Adapter.build_tiny, "__func__", None)
 
 
 def build(arch: str, out: str | Path, seed: int = 0) -> Path:
@@ -119,6 +123,7 @@ def build(arch: str, out: str | Path, seed: int = 0) -> Path:
     cls = adapter_class(arch)
     if not _has_tiny(cls):
         raise ValueError(f"{arch}: no tiny-model recipe; families with one: {', '.join(architectures())}")
+    model: Any
     model, processor = cls.build_tiny(seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
