@@ -18,7 +18,7 @@ REPORT ?= report
 
 PLAN ?= manifests/probes-demo.yaml
 
-.PHONY: help setup browser test faults stimuli extract probes info verify report toy-model toy-mas toy-g2m variants g2m demo bench clean
+.PHONY: help setup browser lint test test-fast faults stimuli extract probes info verify report toy-model toy-mas toy-g2m variants g2m demo bench clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -39,8 +39,15 @@ browser: ## install Debian's headless Chromium for the report test (root + apt),
 	    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "the report test needs Chromium: run 'apt-get install chromium' as root"; exit 1; fi; }
 
+lint: setup ## ruff (style, imports, bugbear) and mypy over the packages: clean before every commit
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
 test: setup browser ## run the test suite
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10
+
+test-fast: setup ## the quick loop: every test not marked slow or browser
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not browser" --durations=10
 
 faults: setup ## the fault-injection suite alone (kill -9, full disk, dead Dask workers, damaged files; docs/reliability.md)
 	$(PY) -m pytest -q tests/faults
