@@ -208,9 +208,9 @@ def _first_list_of_lists(s: str) -> str | None:
 
     The regex's backtracking order decides which text it returns: the leftmost ``[``, then the
     shortest first element, then as many further elements as can still be closed by ``]``, each
-    as short as possible. Where an element ends depends only on where it starts, so one
-    right-to-left pass computes, for every position, the match end the regex would reach from
-    there (``after_elem``: continue after an element; ``from_close``: the first ``]`` at or after
+    as short as possible. Whether (and where) the rest of a match closes depends only on the
+    position it continues from, so one right-to-left pass computes, for every position, the
+    match end the regex would reach from there (``after_elem``: continue after an element; ``from_close``: the first ``]`` at or after
     a position whose continuation closes).
     """
     n = len(s)
@@ -269,7 +269,7 @@ def _literal_matrix(s: str, h: int, w: int) -> np.ndarray | None:
 
 
 def _row_matrix(s: str, h: int, w: int) -> np.ndarray | None:
-    """Step 2: ``ROW{i}=[a, b, ...]`` lines, split on commas after deleting spaces, as the study does.
+    r"""Step 2: ``ROW{i}=[a, b, ...]`` lines, split on commas after deleting spaces, as the study does.
 
     ``ROW1=[0 1]`` reads as the single value 1 (not two), and any piece ``int()`` refuses
     (``0\t1``, ``1-2``, a bare ``-``) abandons the whole step.
