@@ -1,7 +1,7 @@
-"""Grid2Matrix colour grids (g2m), exactly as the study's ``generate_data.py`` draws them.
+"""Grid2Matrix colour grids (study g2m), exactly as the study's ``generate_data.py`` draws them.
 
 An N×N grid of C palette colours on a white 512 px canvas; the model transcribes it into a
-matrix. What must match the study bit for bit (docs/stimuli/g2m.md lists the rules):
+matrix. What must match the study bit for bit (docs/studies.md#g2m-generator to #g2m-metrics):
 
 - palette RGBs and the colour-name order (White, Red, Blue, Green, …) behind the prompt's
   ``{White: 0, Red: 1, ...}`` mapping;
