@@ -11,15 +11,24 @@ One entry point, :func:`score_answer`, picks the parser by family and task:
 | spatial  | choice          | ``parse_choice_letter`` (strict)| the letter is the shuffled answer |
 
 Anything else falls back to an exact match of the stripped text. A failed parse is wrong.
+No answer text aborts scoring: every parser returns a value or None on any string.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from extract.stimuli import g2m
-from extract.stimuli.answers import parse_choice_letter, parse_digit_string, parse_number
+from extract.stimuli.answers import (
+    parse_choice_letter,
+    parse_digit_string,
+    parse_number,
+)
 from store import Generation
 
 _BOOL = re.compile(r"\b(true|false|yes|no)\b", re.IGNORECASE)
@@ -35,26 +44,55 @@ def parse_bool(text: str | None) -> str | None:
 
 def score_answer(family: str, task: str, text: str, answer: str, truth: dict[str, Any],
                  n_tokens: int | None = None) -> Generation:
+    """The parsed, scored generation; never raises on the answer text.
+
+    A parser that raises anyway (a bug) does not abort the run: the answer is recorded as
+    unparsable, with ``metrics["parse_error"]`` naming the exception, and a RuntimeWarning says
+    so. The truth is read outside that guard, so a stimulus without its truth still fails loudly.
+    """
     if family == "g2m":
-        s = g2m.score(text, truth["matrix"])
-        return Generation(
-            text=text,
-            prediction=None if s.parsed is None else s.parsed.tolist(),
-            parse_ok=s.parse_ok,
-            correct=s.exact,
-            score=s.cells_correct / s.cells_total,
-            metrics={"cells_correct": s.cells_correct, "cells_total": s.cells_total},
-            n_tokens=n_tokens,
-        )
+        gt = np.asarray(truth["matrix"], dtype=np.int64)
+        return _guarded(family, task, text, n_tokens, lambda: _score_grid(text, gt, n_tokens))
+    read, expected = _reader(family, task, answer, truth)
+    return _guarded(family, task, text, n_tokens, lambda: _compare(text, read(text), expected, n_tokens))
+
+
+def _reader(family: str, task: str, answer: str, truth: dict[str, Any]) -> tuple[Callable[[str], Any], Any]:
+    """The answer parser of a (family, task) and the value a correct answer parses to."""
     if family == "go" and task.endswith("_num"):
-        return _compare(text, parse_digit_string(text), truth["count"], n_tokens)
+        return parse_digit_string, truth["count"]
     if family == "go" and task.endswith("_tf"):
-        return _compare(text, parse_bool(text), answer, n_tokens)
+        return parse_bool, answer
     if family == "counting":
-        return _compare(text, parse_number(text), truth["count"], n_tokens)
+        return parse_number, truth["count"]
     if family == "spatial":
-        return _compare(text, parse_choice_letter(text), answer, n_tokens)
-    return _compare(text, text.strip() or None, answer.strip(), n_tokens)
+        return parse_choice_letter, answer
+    return (lambda text: text.strip() or None), answer.strip()
+
+
+def _guarded(family: str, task: str, text: str, n_tokens: int | None,
+             scored: Callable[[], Generation]) -> Generation:
+    try:
+        return scored()
+    except Exception as err:  # noqa: BLE001 - one answer must not abort an extraction; recorded below
+        reason = f"{type(err).__name__}: {err}"[:500]
+        warnings.warn(f"{family}/{task}: the answer parser raised {reason}; recorded as unparsable",
+                      RuntimeWarning, stacklevel=3)
+        return Generation(text=text, prediction=None, parse_ok=False, correct=False, score=0.0,
+                          metrics={"parse_error": reason}, n_tokens=n_tokens)
+
+
+def _score_grid(text: str, gt: np.ndarray, n_tokens: int | None) -> Generation:
+    s = g2m.score(text, gt)
+    return Generation(
+        text=text,
+        prediction=None if s.parsed is None else s.parsed.tolist(),
+        parse_ok=s.parse_ok,
+        correct=s.exact,
+        score=s.cells_correct / s.cells_total,
+        metrics={"cells_correct": s.cells_correct, "cells_total": s.cells_total},
+        n_tokens=n_tokens,
+    )
 
 
 def _compare(text: str, parsed: Any, expected: Any, n_tokens: int | None) -> Generation:

@@ -34,22 +34,35 @@ _NUMBER_RE = re.compile(
 )
 
 
+def _to_int(digits: str) -> int | None:
+    """``int(digits)``, or None past Python's int() string limit (4300 digits by default).
+
+    Such a number is no count anyone asked for; reading it as None (no answer) keeps a runaway
+    generation from raising inside scoring.
+    """
+    try:
+        return int(digits)
+    except ValueError:
+        return None
+
+
 def parse_number(text: str | None, *, which: str = "first") -> int | None:
     """The first (or ``which="last"``) whole number in ``text``, as digits or English words.
 
     ``"There are three circles."`` -> 3, ``"I count 12"`` -> 12, ``"not sure"`` -> None,
     ``"twenty-one"`` -> 21, ``"no circles"`` -> 0, ``"No, there are 4"`` -> 4,
-    ``"I have no idea"`` -> None, ``"1,000"`` -> 1000, ``"3.5"`` -> None.
+    ``"I have no idea"`` -> None, ``"1,000"`` -> 1000, ``"3.5"`` -> None. A chosen number too
+    long for ``int()`` gives None rather than another number.
     """
     if which not in ("first", "last"):
         raise ValueError(f"which={which!r}: use 'first' or 'last'")
     if not text:
         return None
-    found = []
+    found: list[int | None] = []
     for m in _NUMBER_RE.finditer(text):
         digits, tens, unit, word, no = m.groups()
         if digits is not None:
-            found.append(int(digits.replace(",", "")))
+            found.append(_to_int(digits.replace(",", "")))
         elif tens is not None:
             found.append(_TENS[tens.lower()] + (NUMBER_WORDS[unit.lower()] if unit else 0))
         elif word is not None:
@@ -76,14 +89,15 @@ def parse_digit_string(text: str | None) -> int | None:
     """The counting lab's answer form: the digit characters of the answer joined into one integer.
 
     The toy model emits digits as separate tokens (``"4 7"`` -> 47). Returns ``None`` when the
-    answer holds no digit (the study's code mapped that to 0, which hides empty answers).
+    answer holds no digit (the study's code mapped that to 0, which hides empty answers), or
+    more digits than ``int()`` reads (a runaway answer).
     """
     if text is None:
         return None
     # ASCII only: str.isdigit() also accepts "²" or "①", which int() then rejects with a crash.
     # Special tokens go first so a raw decode's "<|extra_0|>" adds no digit.
     digits = "".join(_ASCII_DIGIT.findall(_SPECIAL_TOKEN.sub(" ", text)))
-    return int(digits) if digits else None
+    return _to_int(digits) if digits else None
 
 
 def parse_choice_letter(text: str | None, letters: str = "ABCD") -> str | None:

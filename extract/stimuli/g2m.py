@@ -9,14 +9,15 @@ matrix. What must match the study bit for bit (docs/studies.md#g2m-generator to 
   overlap by one pixel and the later cell wins (internal lines ≈ 2·lw−1 px, border lw px);
 - outline (60, 60, 60) with width 0 / 2 / clamp(int(0.05·cell), 2, 10);
 - ``random`` grids: ``default_rng(seed + i)``, draw, force every colour once, shuffle;
-- the parser cascade (list of lists → ``ROW{i}=`` lines → all integers) and the metrics'
-  denominators (a failed parse scores 0 cells but still counts all H·W cells).
-"""
+- the parser cascade of ``run_vlm_zeroshot.py`` (list of lists → ``ROW{i}=`` lines → all
+  integers) and the metrics' denominators (a failed parse scores 0 cells but still counts all
+  H·W cells)."""
 
 from __future__ import annotations
 
 import ast
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -194,39 +195,125 @@ def generate(config: Config, n: int, seed: int, split: str) -> Iterator[Stimulus
 
 # --- parsing and metrics -----------------------------------------------------------------
 
-_LIST_OF_LISTS = re.compile(r"\[\s*\[.*?\]\s*(?:,\s*\[.*?\]\s*)*\]", re.DOTALL)
+# The study's step-1 pattern. Python's backtracking engine needs exponential time on it when the
+# closing "]" is missing, e.g. a long list cut off by the token cap, so it is documented here
+# and matched by ``_first_list_of_lists``, which returns the same match in linear time.
+LIST_OF_LISTS_PATTERN = r"\[\s*\[.*?\]\s*(?:,\s*\[.*?\]\s*)*\]"
+_ROW_VALUES = r"\[([0-9,\s-]+)\]"
+_NO_MATCH = -1
+
+
+def _first_list_of_lists(s: str) -> str | None:
+    """``re.search(LIST_OF_LISTS_PATTERN, s, re.DOTALL)``'s match text, found in linear time.
+
+    The regex's backtracking order decides which text it returns: the leftmost ``[``, then the
+    shortest first element, then as many further elements as can still be closed by ``]``, each
+    as short as possible. Whether (and where) the rest of a match closes depends only on the
+    position it continues from, so one right-to-left pass computes, for every position, the
+    match end the regex would reach from there (``after_elem``: continue after an element; ``from_close``: the first ``]`` at or after
+    a position whose continuation closes).
+    """
+    n = len(s)
+    skip_ws = [n] * (n + 1)  # first non-whitespace index >= i (re's \s is str.isspace)
+    for i in range(n - 1, -1, -1):
+        skip_ws[i] = skip_ws[i + 1] if s[i].isspace() else i
+    after_elem = [_NO_MATCH] * (n + 1)
+    from_close = [_NO_MATCH] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        if s[i] == "]":
+            # lazy ".*?\]" tries this "]" first, then the later ones
+            here = after_elem[skip_ws[i + 1]]
+            from_close[i] = here if here != _NO_MATCH else from_close[i + 1]
+        else:
+            from_close[i] = from_close[i + 1]
+        # greedy "(?:,\s*\[.*?\]\s*)*": one more element first, else close with "]"
+        if s[i] == ",":
+            y = skip_ws[i + 1]
+            if y < n and s[y] == "[":
+                after_elem[i] = from_close[y + 1]
+        elif s[i] == "]":
+            after_elem[i] = i + 1
+    for p in range(n):
+        if s[p] == "[":
+            q = skip_ws[p + 1]
+            if q < n and s[q] == "[" and from_close[q + 1] != _NO_MATCH:
+                return s[p:from_close[q + 1]]
+    return None
+
+
+def _int_matrix(values: list, h: int, w: int) -> np.ndarray:
+    """An h×w matrix of ``values``; ints beyond int64 stay Python ints (an object array).
+
+    The study's ``np.array`` turns such values into float64 or object arrays and scores them;
+    they are never a colour index, so the cell is wrong either way.
+    """
+    try:
+        arr = np.array(values, dtype=np.int64)
+    except OverflowError:
+        arr = np.array(values, dtype=object)
+    return arr.reshape(h, w)
+
+
+def _literal_matrix(s: str, h: int, w: int) -> np.ndarray | None:
+    """Step 1: the first list of lists, ``ast.literal_eval``-ed, if it is an h×w int64 array."""
+    found = _first_list_of_lists(s)
+    if found is None:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # literal_eval warns on odd escapes inside strings
+            arr = np.array(ast.literal_eval(found), dtype=np.int64)
+    except Exception:  # noqa: BLE001 - the study's bare except: whatever literal_eval or int64 refuses
+        return None
+    return arr if arr.shape == (h, w) else None
+
+
+def _row_matrix(s: str, h: int, w: int) -> np.ndarray | None:
+    r"""Step 2: ``ROW{i}=[a, b, ...]`` lines, split on commas after deleting spaces, as the study does.
+
+    ``ROW1=[0 1]`` reads as the single value 1 (not two), and any piece ``int()`` refuses
+    (``0\t1``, ``1-2``, a bare ``-``) abandons the whole step.
+    """
+    rows = []
+    for i in range(1, h + 1):
+        m = re.search(rf"ROW{i}={_ROW_VALUES}", s)
+        if m is None:
+            return None
+        try:
+            values = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+        except ValueError:
+            return None
+        if len(values) != w:
+            return None
+        rows.append(values)
+    return _int_matrix(rows, h, w)
 
 
 def parse_grid(text: str | None, h: int, w: int) -> np.ndarray | None:
-    """The study's three-step cascade; ``None`` when no step yields an h×w integer matrix."""
+    """The study's three-step cascade; ``None`` when no step yields an h×w integer matrix.
+
+    Never raises: every text, however malformed, parses or is ``None``.
+    """
     if text is None:
         return None
-    s = text.strip().replace("```python", "").replace("```", "")
-
-    m = _LIST_OF_LISTS.search(s)
-    if m:
-        try:
-            arr = np.array(ast.literal_eval(m.group(0)), dtype=np.int64)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            arr = None
-        if arr is not None and arr.shape == (h, w):
-            return arr
-
+    s = text.strip().replace("```python", "").replace("```", "").strip()
+    arr = _literal_matrix(s, h, w)
+    if arr is not None:
+        return arr
     if "ROW1=" in s:
-        rows = []
-        for r in range(1, h + 1):
-            row = re.search(rf"ROW{r}=\[([0-9,\s-]+)\]", s)
-            values = [int(v) for v in re.findall(r"-?\d+", row.group(1))] if row else []
-            if len(values) != w:
-                break
-            rows.append(values)
-        if len(rows) == h:
-            return np.array(rows, dtype=np.int64)
-
+        arr = _row_matrix(s, h, w)
+        if arr is not None:
+            return arr
     numbers = re.findall(r"\d+", s)
-    if len(numbers) == h * w:
-        return np.array([int(v) for v in numbers], dtype=np.int64).reshape(h, w)
-    return None
+    if len(numbers) != h * w:
+        return None
+    try:
+        values = [int(v) for v in numbers]
+    except ValueError:
+        # A number over Python's 4300-digit int() limit: the study's code raises here; we count
+        # the transcription as unparsed (wrong, all H·W cells in the denominator).
+        return None
+    return _int_matrix(values, h, w)
 
 
 @dataclass(frozen=True)
@@ -248,7 +335,7 @@ def score(text: str | None, truth: Sequence[Sequence[int]] | np.ndarray) -> Grid
     parsed = parse_grid(text, *gt.shape)
     if parsed is None:
         return GridScore(None, False, 0, gt.size)
-    correct = int((parsed == gt).sum())
+    correct = int(np.count_nonzero(parsed == gt))
     return GridScore(parsed, correct == gt.size, correct, gt.size)
 
 

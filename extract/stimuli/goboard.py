@@ -82,6 +82,9 @@ FULL_EXTRAPOLATION = "FE"
 
 SUPERSAMPLE = 4
 MAX_ATTEMPTS = 10_000
+# Each board's attempts must succeed with probability >= this, so MAX_ATTEMPTS all fail with
+# probability <= (1 - 0.0025) ** 10_000 ~ 1e-11.
+MIN_DRAW_SUCCESS = 0.0025
 
 
 @dataclass(frozen=True)
@@ -219,21 +222,77 @@ def white_counts(count: int, cells: int, white_range: int) -> set[int]:
     return {min(w, cells - count) for w in range(lo, hi + 1)}
 
 
-def check_capacity(plan: Plan, n: int) -> None:
-    """Fail early when a count has fewer distinct boards or text pairs than ``n`` asks for."""
+@dataclass(frozen=True)
+class Pool:
+    """What one count can draw from: boards grouped by white count, and the text strings."""
+
+    groups: tuple[tuple[int, int], ...]  # per white count w': (draws of the 2R+1 giving w', boards)
+    draws: int  # 2R+1, or fewer where n - R < 0
+    strings: int  # strings of the board's length with n target letters
+
+    @property
+    def capacity(self) -> int:
+        """Distinct boards with their text pairs: text_c and text_eq take 2 strings each."""
+        return min(sum(size for _, size in self.groups), self.strings // 2)
+
+
+def pool(plan: Plan, count: int) -> Pool:
     cells = plan.cells
+    lo, hi = max(0, count - plan.white_range), count + plan.white_range
+    draws: dict[int, int] = {}
+    for w in range(lo, hi + 1):
+        draws[min(w, cells - count)] = draws.get(min(w, cells - count), 0) + 1
+    placements = math.comb(cells, count)
+    groups = tuple((k, placements * math.comb(cells - count, w)) for w, k in draws.items())
+    return Pool(groups, hi - lo + 1, placements * 2 ** (cells - count))
+
+
+def draw_success(pool: Pool, drawn: int) -> float:
+    """A lower bound on the chance that one attempt finds a new board and strings after ``drawn``.
+
+    The board is new unless it is one of the ``drawn`` taken, and those weigh at most as much as
+    the ``drawn`` likeliest boards (a white count w' is drawn with probability #w/(2R+1), then
+    one of its boards uniformly). text_c and text_eq are uniform over the strings, 2·drawn of
+    them taken. Only int / int divisions: board counts exceed the float range.
+    """
+    taken, left = 0.0, drawn
+    for k, size in sorted(pool.groups, key=lambda g: g[0] / (pool.draws * g[1]), reverse=True):
+        take = min(left, size)
+        taken, left = taken + (k * take) / (pool.draws * size), left - take
+    free = pool.strings - 2 * drawn
+    return max(1.0 - taken, 0.0) * (max(free, 0) / pool.strings) * (max(free - 1, 0) / pool.strings)
+
+
+def reliable_limit(pool: Pool) -> int:
+    """The most boards rejection sampling draws from ``pool`` without running out of attempts:
+    the last board still succeeds with probability >= MIN_DRAW_SUCCESS per attempt."""
+    lo, hi = 1, pool.capacity
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if draw_success(pool, mid - 1) >= MIN_DRAW_SUCCESS:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def check_capacity(plan: Plan, n: int) -> None:
+    """Fail before drawing when a count cannot give ``n`` distinct boards and text pairs, or
+    could only by luck (rejection sampling starves on a count's last few boards)."""
     for count in plan.counts:
-        boards = math.comb(cells, count) * sum(
-            math.comb(cells - count, w) for w in white_counts(count, cells, plan.white_range)
-        )
-        # text_c and text_eq are distinct and unique within the count: 2 strings per board.
-        strings = math.comb(cells, count) * 2 ** (cells - count)
-        capacity = min(boards, strings // 2)
-        if n > capacity:
+        p = pool(plan, count)
+        where = f"count {count} on the {plan.board_size}x{plan.board_size} board"
+        if n > p.capacity:
             raise StimulusError(
-                f"count {count} on the {plan.board_size}x{plan.board_size} board has only"
-                f" {capacity} distinct boards/text pairs, fewer than --n={n}: lower --n,"
-                " drop that count, or use a larger board"
+                f"{where} has only {p.capacity} distinct boards/text pairs, fewer than --n={n}:"
+                " lower --n, drop that count, or use a larger board"
+            )
+        if draw_success(p, n - 1) < MIN_DRAW_SUCCESS:
+            limit = reliable_limit(p)
+            raise StimulusError(
+                f"{where} has {p.capacity} distinct boards/text pairs, but random draws reach only"
+                f" {limit} of them reliably, fewer than --n={n}: lower --n to {limit}, drop that"
+                " count, or use a larger board"
             )
 
 

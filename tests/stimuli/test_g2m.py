@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import random
+import re
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from extract.stimuli.g2m import (
     OUTLINE,
     PALETTE,
     Config,
+    _first_list_of_lists,
     cell_boxes,
     cell_centres,
     color_mapping,
@@ -173,3 +177,81 @@ def test_metrics_use_the_papers_denominators():
 
 def test_family_is_registered():
     assert get_family("g2m").config is Config
+
+
+HUGE = 11111111111111111111  # >= 2**63: int64 refuses it, the study's np.array keeps it
+# What the study's parser (run_vlm_zeroshot.py, parse_output) returns for a 3x3 grid, worked
+# out by hand from its three steps; None is its parse error.
+STUDY_TABLE = [
+    ("clean", "[[0, 1, 2], [2, 1, 0], [1, 1, 1]]", GT),
+    ("fenced python", "```python\n[[0,1,2],[2,1,0],[1,1,1]]\n```", GT),
+    ("fenced plain", "```\n[[0, 1, 2],\n [2, 1, 0],\n [1, 1, 1]]\n```", GT),
+    ("prose around", "Here it is: [[0, 1, 2], [2, 1, 0], [1, 1, 1]] Hope this helps.", GT),
+    ("numbers in the prose, list wins", "The 3x3 grid: [[0, 1, 2], [2, 1, 0], [1, 1, 1]]", GT),
+    ("wrong size 2x3", "[[0, 1, 2], [2, 1, 0]]", None),
+    ("wrong size 4x3", "[[0, 1, 2], [2, 1, 0], [1, 1, 1], [0, 0, 0]]", None),
+    # ragged: np.array(..., dtype=int) raises, the 9 integers then fill the grid row-major
+    ("ragged", "[[0, 1, 2], [2, 1], [0, 1, 1, 1]]", GT),
+    ("flat list", "[0, 1, 2, 2, 1, 0, 1, 1, 1]", GT),
+    ("one row of nine", "[[0, 1, 2, 2, 1, 0, 1, 1, 1]]", GT),
+    ("truncated list", "[[0, 1, 2], [2, 1, 0], [1, 1", None),
+    ("first list closes early", "[[0, 1, 2]] and [[2, 1, 0], [1, 1, 1]]", GT),
+    ("three levels", "[[[0, 1, 2], [2, 1, 0], [1, 1, 1]]]", GT),
+    ("floats truncate", "[[0.0, 1.9, 2.0], [2.0, 1.0, 0.0], [1.0, 1.0, 1.0]]", GT),
+    ("quoted digits", "[['0', '1', '2'], ['2', '1', '0'], ['1', '1', '1']]", GT),
+    ("negative", "[[0, -1, 2], [2, 1, 0], [1, 1, 1]]", [[0, -1, 2], [2, 1, 0], [1, 1, 1]]),
+    ("huge integer", f"[[0, 1, 2], [2, 1, 0], [1, 1, {HUGE}]]", [[0, 1, 2], [2, 1, 0], [1, 1, HUGE]]),
+    ("arabic-indic digits", "[[٠, ١, ٢], [٢, ١, ٠], [١, ١, ١]]", GT),
+    ("ROW with commas", "ROW1=[0, 1, 2]\nROW2=[2, 1, 0]\nROW3=[1, 1, 1]", GT),
+    # spaces are deleted before the comma split: "012" is one value, and the row labels'
+    # digits make 12 integers for step 3
+    ("ROW without commas", "ROW1=[0 1 2]\nROW2=[2 1 0]\nROW3=[1 1 1]", None),
+    ("ROW mixed", "ROW1=[0, 1, 2]\nROW2=[2 1 0]\nROW3=[1, 1, 1]", None),
+    ("ROW with a tab", "ROW1=[0\t1\t2]\nROW2=[2, 1, 0]\nROW3=[1, 1, 1]", None),
+    ("ROW with newlines", "ROW1=[0,\n1,\n2]\nROW2=[2, 1, 0]\nROW3=[1, 1, 1]", GT),
+    ("ROW negative", "ROW1=[0, -1, 2]\nROW2=[2, 1, 0]\nROW3=[1, 1, 1]", [[0, -1, 2], [2, 1, 0], [1, 1, 1]]),
+    ("ROW missing a row", "ROW1=[0, 1, 2]\nROW3=[1, 1, 1]", None),
+    ("ROW short row", "ROW1=[0, 1, 2]\nROW2=[2, 1]\nROW3=[1, 1, 1]", None),
+    ("ROW trailing comma", "ROW1=[0, 1, 2,]\nROW2=[2, 1, 0]\nROW3=[1, 1, 1]", GT),
+    ("ROW spaced equals", "ROW1 = [0, 1, 2]\nROW2 = [2, 1, 0]\nROW3 = [1, 1, 1]", None),
+    ("nine loose integers", "0 1 2\n2 1 0\n1 1 1", GT),
+    ("garbage", "I cannot see the image.", None),
+    ("empty", "", None),
+    ("none", None, None),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), [row[1:] for row in STUDY_TABLE], ids=[row[0] for row in STUDY_TABLE])
+def test_parser_matches_the_study_on_malformed_outputs(text, expected):
+    parsed = parse_grid(text, 3, 3)
+    assert (None if parsed is None else parsed.tolist()) == expected
+
+
+def test_row_step_splits_on_commas_only():
+    # The study reads "0 1" as the single value 1: a 3x1 grid parses, a 1x2 grid does not.
+    assert parse_grid("ROW1=[0 1]\nROW2=[1]\nROW3=[2]", 3, 1).tolist() == [[1], [1], [2]]
+    assert parse_grid("ROW1=[0 1]", 1, 2) is None
+    assert parse_grid("ROW1=[0, 1]", 1, 2).tolist() == [[0, 1]]
+
+
+def test_huge_integers_score_as_wrong_cells():
+    s = score(f"[[0, 1, 2], [2, 1, 0], [1, 1, {HUGE}]]", GT)
+    assert (s.parse_ok, s.exact, s.cells_correct, s.cells_total) == (True, False, 8, 9)
+
+
+def test_list_matcher_equals_the_studys_regex():
+    # The study's pattern backtracks exponentially on unclosed lists, so compare on short texts.
+    pattern = re.compile(r"\[\s*\[.*?\]\s*(?:,\s*\[.*?\]\s*)*\]", re.DOTALL)
+    rng = random.Random(7)
+    for _ in range(20_000):
+        text = "".join(rng.choice("[[[]]], ,\n1x\u2003") for _ in range(rng.randint(0, 14)))
+        m = pattern.search(text)
+        assert _first_list_of_lists(text) == (m.group(0) if m else None), repr(text)
+
+
+def test_a_long_unclosed_list_parses_in_linear_time():
+    # 40 rows cut off by the token cap: the study's regex would backtrack for hours here.
+    text = "[[" + "], [".join(", ".join("1" for _ in range(64)) for _ in range(40)) + ", 2"
+    start = time.perf_counter()
+    assert parse_grid(text, 64, 64) is None
+    assert time.perf_counter() - start < 5.0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import io
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -23,7 +25,9 @@ from extract.stimuli.goboard import (
     draw_sample,
     generate,
     make_plan,
+    pool,
     regime,
+    reliable_limit,
     white_counts,
 )
 from extract.stimuli.io import read_set, write_set
@@ -176,6 +180,36 @@ def test_boards_unique_per_count_with_recorded_retries() -> None:
         assert redrawn.text_c == stim.truth["text_c"]
     with pytest.raises(StimulusError, match="--n=17"):
         list(generate(config, n=17, seed=0, split="test"))
+
+
+def test_a_count_at_its_distinct_limit_is_refused_up_front(tmp_path) -> None:
+    # Count 120 on 11x11 has 121 boards (one white stone) and 242 strings: drawing all of them
+    # at random starved at board 117. The refusal names how many draw reliably, before drawing.
+    out = tmp_path / "go"
+    got = subprocess.run([sys.executable, "-m", "extract.stimuli", "go", "--preset", "small", "--counts", "120",
+                          "--n", "121", "--out", str(out)], capture_output=True, text=True, timeout=120, check=False)
+    assert got.returncode == 2
+    assert got.stderr.strip().splitlines() == [(
+        "error: count 120 on the 11x11 board has 121 distinct boards/text pairs, but random draws reach"
+        " only 105 of them reliably, fewer than --n=121: lower --n to 105, drop that count, or use a larger board"
+    )]
+    assert not out.exists()
+    with pytest.raises(StimulusError, match="lower --n to 105"):
+        generate(Config(preset="small", counts="0,120"), n=106, seed=0, split="test")
+
+
+def test_the_reliable_limit_is_drawn_in_full() -> None:
+    stims = make(n=105, preset="small", counts="120")
+    assert len({tuple(s.truth["labels"]) for s in stims}) == 105
+    assert len({s.truth[k] for s in stims for k in ("text_c", "text_eq")}) == 210
+    # Tiny pools, several seeds: every count's limit draws without running out of attempts.
+    for count in range(4):
+        config = Config(board_size=2, cell_px=8, radius=3, counts=str(count))
+        limit = reliable_limit(pool(make_plan(config), count))
+        assert 4 <= limit <= pool(make_plan(config), count).capacity
+        for seed in range(3):
+            boards = {tuple(s.truth["labels"]) for s in generate(config, n=limit, seed=seed, split="test")}
+            assert len(boards) == limit
 
 
 def test_default_set_boards_are_unique() -> None:
