@@ -5,6 +5,8 @@ rest), so its weights must be filed under those keys' true positions. Every fami
 model can have sliding-window layers is built tiny with a window of :data:`WINDOW` tokens (Gemma3's
 recipe has one already) and every captured row, prompt pass and every decode step, is compared with
 transformers' own ``output_attentions`` of one plain eager forward over prompt + generated tokens.
+The other families' text models have no window: LLaVA 1.5, Idefics3 and SmolVLM run Llama, and
+Qwen3-VL's text config has no sliding-window option.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from devices import close, cpu, load, model_config
-from tiny_cases import IMAGE, noise_image
+from devices import allclose, close, cpu, load
+from tiny_cases import IMAGE, SPATIAL_BATCH, SPATIAL_STEPS, noise_image
 
 from extract.models import RaggedTokens, capture_generate, prepare_batch
 
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:Depreca
 WINDOW = 16
 STEPS = 4
 TOL = dict(rtol=1e-4, atol=1e-5)  # KV-cache decoding vs one full forward: float rounding only
+STORED_TOL = dict(rtol=1e-3, atol=1e-5)  # stored values are float16
 _QWEN2 = dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"])
 # family -> text-config changes that give its language model sliding-window layers, as checkpoints of
 # the family have or may have them; {}: the tiny recipe has them already
@@ -136,34 +139,13 @@ def test_windowed_rows_equal_output_attentions(arch, cache, windowed):
 
 # ------------------------------------------------------------------------------------------ the stored rows
 
-@pytest.fixture(scope="module")
-def spatial_run(tiny_dir, tmp_path_factory):
-    """A tiny Gemma3 run over spatial scenes (prompts of several lengths, all longer than its window)."""
-    from extract.manifest import parse_manifest
-    from extract.run import run_extraction
-    from extract.stimuli import get_family
-    from extract.stimuli.io import write_set
-
-    family = get_family("spatial")
-    stimuli = write_set(family, family.config(image_size=112), n=4, seed=0, split="test",
-                        out=tmp_path_factory.mktemp("stimuli") / "spatial")
-    model = tiny_dir("gemma3")
-    manifest = parse_manifest({
-        "run": "w", "model": {"path": str(model), **model_config()}, "stimuli": [{"set": str(stimuli)}],
-        "taps": [{"tap": "llm", "layers": [0], "tokens": ["last"]}],
-        "attention": {"layers": "all", "queries": ["last", "answer"]},
-        "generation": {"max_new_tokens": STEPS}, "batch_size": 2, "chunk_samples": 2,
-    })
-    data = tmp_path_factory.mktemp("ws") / "data"
-    run_extraction(manifest, workspace=data, progress=False)
-    return model, data
-
-
 def test_stored_windowed_rows_match_spans_and_transformers(spatial_run):
-    """Stored rows: one per key of the sequence the spans describe, equal to output_attentions."""
+    """A tiny Gemma3 run over spatial scenes (conftest): one stored row per key of the sequence the spans
+    describe, equal to output_attentions, on prompts of several lengths, all longer than the window."""
     from store import Workspace
 
-    model, data = spatial_run
+    manifest, data = spatial_run
+    model = manifest.model.path
     ws = Workspace.open(data, readonly=True)
     lm = load(model, attn_implementation="eager")  # as the run, which captured every layer eagerly
     assert sliding_layers(lm) == [0]
@@ -173,11 +155,11 @@ def test_stored_windowed_rows_match_spans_and_transformers(spatial_run):
     for layer in range(lm.adapter.n_layers("attn")):
         last = ws.read("w", "attn", layer, site="probs", tokens="last")
         answer = ws.read("w", "attn", layer, site="probs", tokens="answer")
-        for i in range(0, len(rows), 2):  # the run's batches
-            pair = rows[i : i + 2]
+        for i in range(0, len(rows), SPATIAL_BATCH):  # the run's batches
+            pair = rows[i : i + SPATIAL_BATCH]
             batch = prepare_batch(lm, [f"{r[1]}/{r[2]}" for r in pair], [r[3] for r in pair], padding_side="left")
             with torch.no_grad():
-                sequences = lm.model.generate(**batch.inputs, do_sample=False, max_new_tokens=STEPS)
+                sequences = lm.model.generate(**batch.inputs, do_sample=False, max_new_tokens=SPATIAL_STEPS)
             want = reference_attentions(lm, batch, sequences)[layer].numpy()
             T = batch.seq_len
             for b, (row, _, _, _, seq_len, last_prompt, n_ans) in enumerate(pair):
@@ -185,7 +167,6 @@ def test_stored_windowed_rows_match_spans_and_transformers(spatial_run):
                 assert seq_len == last_prompt + 1 + n_ans
                 assert last.lengths[row] == last_prompt + 1 and answer.lengths[row] == n_ans * seq_len
                 keys = np.r_[first:T, T : T + n_ans]
-                np.testing.assert_allclose(last[row], want[b, :, T - 1, first:T].T, rtol=1e-3, atol=1e-5)
+                allclose(last[row], want[b, :, T - 1, first:T].T, **STORED_TOL)
                 expected = want[b][:, T : T + n_ans][:, :, keys].transpose(1, 2, 0).reshape(-1, want.shape[1])
-                np.testing.assert_allclose(answer[row], expected, rtol=1e-3, atol=1e-5,
-                                           err_msg=f"layer {layer}, row {row}")
+                allclose(answer[row], expected, **STORED_TOL, err_msg=f"layer {layer}, row {row}")
