@@ -3,17 +3,23 @@
 The model is built on PyTorch's meta device from its ``config.json`` (no weights, no memory), so
 layer counts, hidden sizes and parameter counts come from the real module tree. Token counts:
 
-* when the model folder (or hub id) has its processor files, the real processor runs on the first
-  stimulus of each image size: exact prompt lengths and image tokens;
+* when the model folder (or hub id) has its processor files, the real processor runs once per
+  distinct (image size, prompt, shown strings) of the run, up to :data:`EXACT_PROMPTS` of them:
+  exact prompt lengths and image tokens (a stimulus's image tokens depend on its size alone). Past
+  that limit, the other prompts are the length of a processed prompt of their image size plus the
+  difference of the two texts' token counts: an estimate, and the plan says so;
 * from ``config.json`` alone (a folder holding only config files, such as
   ``manifests/configs/qwen2.5-vl-7b-instruct``), the family adapter's ``plan_geometry`` computes the
   image tokens from the config and ``preprocessor_config.json`` if present (Qwen: (H/14)*(W/14)/4
   after the processor's resize; LLaVA-1.5: 576), and the text of the prompt is estimated at
   :data:`CHARS_PER_TOKEN` characters per token plus :data:`TEMPLATE_TOKENS` tokens of chat template.
 
-Answer tokens are counted at their budget (``max_new_tokens``, or each stimulus's own with
-``from_stimulus``): an upper bound. Values are stored at 2 bytes (the store's float16 default),
-divided by the codec's measured ratio; dense arrays pad their last chunk (docs/store.md).
+Answer tokens are what generation fed back: at most the batch's token budget minus one
+(``max_new_tokens``, or the largest ``from_stimulus`` budget of the batch; the last generated
+token is never fed back). Arrays that hold answer tokens are planned at that bound, and every
+array says whether its figure is exact, an upper bound or an estimate. Values are stored at 2
+bytes (the store's float16 default), divided by the codec's measured ratio; dense arrays pad their
+last chunk (docs/store.md).
 
 Time (:func:`estimate_time`, docs/scale.md): prefill costs 2·params·tokens FLOPs per sample (vision
 blocks x vision tokens, projector x its output tokens, LLM layers x prompt tokens) at
@@ -55,6 +61,12 @@ CHARS_PER_TOKEN = 4  # text-token estimate without a tokenizer (English BPE: 3.5
 TEMPLATE_TOKENS = 32  # chat template turns, system prompt, image start/end markers (estimate)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 PARAM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# distinct (image size, prompt, strings) the processor runs on; a processor call is milliseconds, so
+# this keeps a dry run of a large sweep under a minute while small runs get every prompt exact
+EXACT_PROMPTS = 2000
+PROCESSOR_BATCH = 64
+EXACT, BOUND, ESTIMATE = "exact", "upper bound", "estimate"
+QK_NORMS = ("q_norm", "k_norm", "query_norm", "key_norm")
 
 
 @dataclass(frozen=True)
@@ -90,10 +102,11 @@ class PlannedArray:
     name: str
     kind: str
     values_per_sample: int  # the largest over samples (exact for fixed-size arrays)
-    values: int  # over all samples (answers at their budget)
+    values: int  # over all samples (answers at their bound)
     ragged: bool
     n_chunks: int
     bytes: int  # stored, uncompressed (a dense array's last chunk is stored full-size)
+    basis: str = EXACT  # EXACT, BOUND (answer tokens at their bound) or ESTIMATE (estimated prompt lengths)
 
     @property
     def chunk_files(self) -> int:
@@ -150,7 +163,7 @@ class RunPlan:
     token_source: str
     first_seq: int
     first_image_tokens: int
-    max_answer: int
+    max_answer: int  # generated tokens of the largest budget (answer tokens kept: one fewer)
     params: Params
     arrays: list[PlannedArray]
     lens_values: int  # unembedding + final norm (run tensors for the logit lens); 0 when off
@@ -201,7 +214,8 @@ class RunPlan:
             f"GPU memory: weights {human(self.weight_bytes)} + KV cache at batch {min(self.batch_size, self.n_samples)}"
             f" {human(self.kv_bytes)} = {human(self.weight_bytes + self.kv_bytes)} (plus activations)",
             f"first sample: {self.first_seq} prompt tokens, {self.first_image_tokens} image tokens in the LLM,"
-            f" answers up to {self.max_answer} tokens ({self.token_source})",
+            f" answers up to {self.max_answer} generated tokens",
+            self.basis_line(),
             f"time: ~{_duration(t.seconds)} = max(GPU ~{_duration(t.gpu_seconds)}, writing ~{_duration(t.write_seconds)});"
             f" GPU = prefill {_flops(t.prefill_flops)} at {hw.gpu_tflops:g} TFLOP/s ({_duration(t.prefill_seconds)})"
             f" + {t.decode_steps:,} decode steps bound by {t.decode_bound} ({_duration(t.decode_seconds)});"
@@ -209,15 +223,23 @@ class RunPlan:
             f" {hw.disk_mbps:g} MB/s",
             *[f"note: {n}" for n in self.notes],
             "",
-            f"{'array':<28} {'tokens':<7} {'values/sample':>14} {'bytes':>12}",
+            f"{'array':<28} {'tokens':<7} {'values/sample':>14} {'bytes':>12}  figure",
         ]
         for a in self.arrays:
-            lines.append(f"{a.name:<28} {a.kind:<7} {a.values_per_sample:>14,} {human(a.bytes):>12}")
+            size = human(a.bytes)
+            lines.append(f"{a.name:<28} {a.kind:<7} {a.values_per_sample:>14,} {size:>12}  {a.basis}")
         lens = f"; plus the unembedding and final norm for the logit lens ({human(self.lens_bytes)})" if self.lens_values else ""
         lines += ["", f"{len(self.arrays)} arrays, {human(self.raw_bytes)} as float16 ({human(self.bytes)} with codec"
                       f" {self.codec}), {self.chunk_files:,} chunk files ({self.files:,} files with Zarr metadata,"
                       f" chunks of {self.chunk_samples} samples){lens}"]
         return "\n".join(lines)
+
+    def basis_line(self) -> str:
+        """Which figures are exact, which are bounds and which are estimates."""
+        prompts = "exact" if self.exact_tokens else "estimated"
+        return (f"figures: image tokens and 'last' arrays exact; prompt lengths {prompts} ({self.token_source});"
+                " answer arrays an upper bound: each answer at its batch's token budget - 1 (the last generated"
+                " token is not fed back), fewer where generation ends earlier")
 
 
 def _count(n: int) -> str:
@@ -291,7 +313,10 @@ def image_processor_settings(source: str | Path) -> tuple[dict[str, Any], str]:
 
 def _norm_dim(module: nn.Module) -> int | None:
     for name, p in module.named_parameters():
-        if p.ndim == 1 and "norm" in name:
+        # a block's norms are as wide as its residual stream, except the per-head query/key norms
+        # inside attention (Gemma3, Qwen3: head_dim wide, and Gemma3 lists them first)
+        owner = name.rsplit(".", 2)[-2] if name.count(".") else ""
+        if p.ndim == 1 and "norm" in name and owner not in QK_NORMS:
             return int(p.shape[0])
     return None
 
@@ -349,27 +374,84 @@ def planned_layout(lm: LoadedModel, sample: PlanSample, settings: dict[str, Any]
                         last_position=seq - 1, length=seq)
 
 
-def sample_layouts(lm: LoadedModel, samples: Sequence[PlanSample], images: Sequence[Path | None] | None = None
-                   ) -> tuple[list[SampleLayout], bool, str]:
-    """One layout per sample (shared by samples of one image size), whether they are exact, and how
-    they were made. With a processor, it runs on the first sample of each size (``images`` needed)."""
-    by_size: dict[tuple[int, int], int] = {}
-    for i, s in enumerate(samples):
-        by_size.setdefault((s.width, s.height), i)
-    layouts: dict[tuple[int, int], SampleLayout] = {}
-    if lm.processor is not None and images is not None:
-        for size, i in by_size.items():
-            image = images[i] if samples[i].has_image else None
-            layouts[size] = prepare_batch(lm, [image], [samples[i].prompt], strings=[samples[i].strings]).layouts[0]
-        exact, source = True, "from the model's processor"
-    else:
+def sample_layouts(lm: LoadedModel, samples: Sequence[PlanSample], images: Sequence[Path | None] | None = None,
+                   limit: int = EXACT_PROMPTS) -> tuple[list[SampleLayout], bool, str]:
+    """One layout per sample, whether every one is exact, and how they were made.
+
+    With a processor (``images`` needed), it runs on each distinct (image size, prompt, strings), up
+    to ``limit`` of them, one image per size; past the limit a prompt is estimated from a processed
+    one of its size (see :func:`_shifted`). Without one, the adapter's planned geometry and
+    estimated text (:func:`planned_layout`).
+    """
+    if lm.processor is None or images is None:
         settings, where = image_processor_settings(lm.source)
-        for size, i in by_size.items():
-            layouts[size] = planned_layout(lm, samples[i], settings)
-        exact = False
+        planned: dict[PlanSample, SampleLayout] = {}
+        for s in samples:
+            if s not in planned:
+                planned[s] = planned_layout(lm, s, settings)
         source = (f"image tokens from {where}, no tokenizer: text at ~{CHARS_PER_TOKEN} characters per token"
                   f" + {TEMPLATE_TOKENS} template tokens")
-    return [layouts[(s.width, s.height)] for s in samples], exact, source
+        return [planned[s] for s in samples], False, source
+    keys = [(s.width, s.height, s.prompt, s.strings) for s in samples]
+    first = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    # the first prompt of every image size is always processed: each estimated prompt leans on one
+    anchor: dict[tuple[int, int], tuple] = {}
+    for key in first:
+        anchor.setdefault(key[:2], key)
+    order = list(anchor.values()) + [k for k in first if anchor[k[:2]] != k]
+    chosen = order[: max(limit, len(anchor))]
+    processed = _processed_layouts(lm, [samples[first[k]] for k in chosen], [images[first[k]] for k in chosen])
+    layouts = dict(zip(chosen, processed))
+    estimated = order[len(chosen):]
+    if estimated:
+        for key in estimated:
+            base = anchor[key[:2]]
+            layouts[key] = _shifted(lm, layouts[base], samples[first[base]], samples[first[key]])
+        source = (f"the model's processor on {len(chosen):,} of {len(first):,} distinct prompts; the others"
+                  " estimated from their token count")
+    else:
+        source = f"the model's processor on every distinct prompt ({len(first):,})"
+    return [layouts[k] for k in keys], not estimated, source
+
+
+def _processed_layouts(lm: LoadedModel, samples: Sequence[PlanSample], images: Sequence[Path | None]
+                       ) -> list[SampleLayout]:
+    """The processor's layouts of ``samples``, in batches of one modality, one decoded image per size."""
+    from PIL import Image
+
+    pictures: dict[tuple[int, int], Any] = {}
+    for s, path in zip(samples, images):
+        if s.has_image and (s.width, s.height) not in pictures:
+            with Image.open(path) as im:
+                pictures[(s.width, s.height)] = im.convert("RGB")
+    out: list[SampleLayout] = []
+    start = 0
+    while start < len(samples):
+        stop = start + 1
+        while (stop < len(samples) and stop - start < PROCESSOR_BATCH
+               and samples[stop].has_image == samples[start].has_image):
+            stop += 1
+        part = samples[start:stop]
+        pics = [pictures[(s.width, s.height)] if s.has_image else None for s in part]
+        out += prepare_batch(lm, pics, [s.prompt for s in part], strings=[s.strings for s in part]).layouts
+        start = stop
+    return out
+
+
+def _shifted(lm: LoadedModel, base: SampleLayout, base_sample: PlanSample, sample: PlanSample) -> SampleLayout:
+    """An estimated layout: ``base`` (same image size) lengthened by the difference of the two texts'
+    token counts (exact up to tokens merging across the template's boundaries)."""
+    tok = lm.processor.tokenizer
+
+    def count(s: PlanSample) -> int:
+        return len(tok(" ".join((*s.strings, s.prompt)), add_special_tokens=False)["input_ids"])
+
+    delta = count(sample) - count(base_sample)
+    return SampleLayout(geometry=base.geometry, image_positions=base.image_positions,
+                        last_position=base.last_position + delta, length=base.length + delta,
+                        first_position=base.first_position)
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -398,6 +480,16 @@ def plan_samples(manifest: Manifest) -> tuple[int, list[PlanSample], list[Path]]
         budget = int(s.params.get("max_new_tokens", 32)) if max_new == "from_stimulus" else int(max_new)
         out.append(PlanSample(width, height, s.prompt, budget, tuple(s.strings)))
     return len(sets), out, [s.image for s in samples]
+
+
+def answer_bounds(samples: Sequence[PlanSample], batch_size: int) -> np.ndarray:
+    """The most answer tokens each sample can keep: generation runs its batch to the batch's largest
+    budget, and the last generated token is never fed back (so it has no activations)."""
+    out = np.zeros(len(samples), dtype=np.int64)
+    for start in range(0, len(samples), batch_size):
+        batch = samples[start:start + batch_size]
+        out[start:start + len(batch)] = max(max(s.answer_budget for s in batch) - 1, 0)
+    return out
 
 
 def estimate_time(lm: LoadedModel, params: Params, layouts: Sequence[SampleLayout], samples: Sequence[PlanSample],
@@ -446,27 +538,30 @@ def plan_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[PlanSample],
     # image tokens are dense when every sample has an image and all have one size (as the run decides)
     uniform = all(s.has_image for s in samples) and len({(s.width, s.height) for s in samples}) == 1
     budgets = np.array([s.answer_budget for s in samples], dtype=np.int64)
+    answers = answer_bounds(samples, manifest.batch_size)
     seqs = np.array([lay.length for lay in layouts], dtype=np.int64)
+    prompt_basis = EXACT if exact else ESTIMATE
     arrays = []
     for name, kinds in request.items():
         spec = TapSpec.parse(name)
         spec = TapSpec(spec.tap, spec.layer % lm.adapter.n_layers(spec.tap), spec.site)
         dim = None if spec.tap == "attn" else hidden_size(lm, spec)
         for kind in kinds:
-            if spec.tap == "attn":
-                per = heads * (seqs if kind == "last" else budgets * (seqs + budgets))
-                ragged = True  # one [heads] row per key (or per query x key)
-            elif kind == "image":
+            if spec.tap == "attn":  # one [heads] row per key of the prompt (last) or per answer query x key
+                ragged = True
+                per = heads * (seqs if kind == "last" else answers * (seqs + answers))
+                basis = prompt_basis if kind == "last" else (BOUND if exact else ESTIMATE)
+            elif kind == "image":  # its size decides an image's tokens: the processor's or plan_geometry's
                 per = np.array([(extent(g) if (g := lay.grid(spec.tap, spec.site)) else len(lay.image_positions))
                                 for lay in layouts], dtype=np.int64) * dim
-                ragged = not uniform
+                ragged, basis = not uniform, EXACT
             elif kind == "last":
-                per, ragged = np.full(n, dim, dtype=np.int64), False
+                per, ragged, basis = np.full(n, dim, dtype=np.int64), False, EXACT
             else:  # answer: one row per answer token
-                per, ragged = budgets * dim, True
+                per, ragged, basis = answers * dim, True, BOUND
             total = int(per.sum())
             stored = total * STORED_BYTES if ragged else n_chunks * cs * int(per.max()) * STORED_BYTES
-            arrays.append(PlannedArray(spec.name, kind, int(per.max()), total, ragged, n_chunks, stored))
+            arrays.append(PlannedArray(spec.name, kind, int(per.max()), total, ragged, n_chunks, stored, basis))
     lens = 0
     if manifest.logit_lens:
         a = lm.adapter

@@ -14,7 +14,9 @@ Stored layout per run (arrays addressed by ``(tap, layer, site, tokens)``):
   end-of-sequence token excluded);
 - attention (tap ``attn``, site ``probs``): ragged rows of ``[heads]``; for query kind ``last``
   one row per key of the prompt, for ``answer`` one row per (answer query, key) pair over the
-  full sequence (keys past the query are 0). ``samples``/token spans give the reshape;
+  full sequence (keys past the query are 0, and so are keys before a sliding window's start: every
+  row is filed under the keys' true positions). ``samples``/token spans give the reshape:
+  ``answer_count x seq_len`` rows;
 - run tensors ``lm_head.weight`` (+ ``lm_head.bias``), ``final_norm.weight`` (+ bias) and the
   norm's kind/eps/offset in the run config, for an offline logit lens.
 """
@@ -259,7 +261,8 @@ def sample_values(key: CaptureKey, value: Any, b: int, first: int, pad_len: int,
         keys = torch.cat([torch.arange(first, pad_len), torch.arange(pad_len, pad_len + n_answer)])
         if key.kind == "last":  # [heads, 1, keys]
             return row[:, 0, first:pad_len].T.contiguous()
-        q = row[:, :n_answer][:, :, keys[keys < row.shape[-1]]]  # [heads, n, L]
+        # every step's row spans the whole sequence (windowed layers included): no key is out of range
+        q = row[:, :n_answer][:, :, keys]  # [heads, n, L]
         return q.permute(1, 2, 0).reshape(-1, q.shape[0]).contiguous()
     if key.kind == "answer":
         return row[:n_answer]

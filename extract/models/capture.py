@@ -230,6 +230,22 @@ def _first(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def key_aligned(row: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """One query's weights ``[..., keys]`` laid out over key positions ``0..n_keys - 1`` (the query's own
+    position is ``n_keys - 1``).
+
+    The cache decides which keys a decode step sees. A sliding-window layer of a dynamic cache (Gemma3,
+    Gemma2, Mistral, Qwen2 with ``use_sliding_window``), and a full static sliding-window buffer, hand it
+    only the last ``K < n_keys`` positions: they are ``n_keys - K .. n_keys - 1``, and the keys before them
+    get weight 0 (left zero padding). A static buffer longer than the sequence starts at position 0 and
+    its slots past the query are masked to weight 0: they are dropped.
+    """
+    k = row.shape[-1]
+    if k < n_keys:
+        return torch.nn.functional.pad(row, (n_keys - k, 0))
+    return row[..., :n_keys]
+
+
 # ------------------------------------------------------------------------------------------------
 # the recorder: hooks + attention sink
 # ------------------------------------------------------------------------------------------------
@@ -262,6 +278,12 @@ class Recorder:
         spec = point.spec
         w = weights.detach()
         if self.step == 0:
+            if w.shape[-1] < self.seq_len:
+                raise TapError(
+                    f"{spec.name}: the prompt pass saw {w.shape[-1]} of the prompt's {self.seq_len} keys (chunked"
+                    " prefill?): attention rows need the whole prompt in one pass; drop prefill_chunk_size"
+                )
+            w = w[..., : self.seq_len]  # a static cache's buffer runs past the prompt (weights there are 0)
             for kind in point.kinds:
                 if kind == "answer" and self.batch.answers is None:
                     continue  # generation: answer rows come from the decode steps
@@ -272,7 +294,9 @@ class Recorder:
                     packed.permute(0, 2, 1, 3) if isinstance(packed, torch.Tensor) else packed
                 )
         elif "answer" in point.kinds:
-            self.steps[CaptureKey(spec.tap, spec.layer, spec.site, "answer")].append(w[:, :, -1, :])
+            # step k's query sits at position seq_len + k - 1 and sees keys 0..seq_len + k - 1
+            row = key_aligned(w[:, :, -1, :], self.seq_len + self.step)
+            self.steps[CaptureKey(spec.tap, spec.layer, spec.site, "answer")].append(row)
 
     # -- hooks --
     def _store_sequence(self, point: Point, x: torch.Tensor) -> None:
@@ -361,7 +385,7 @@ class Recorder:
         out = dict(self.prefill)
         for key, steps in self.steps.items():
             if key.tap == "attn":
-                width = steps[-1].shape[-1]  # keys grow by one per step: pad earlier rows with zeros
+                width = steps[-1].shape[-1]  # step k has seq_len + k keys: pad earlier rows on the right
                 steps = [torch.nn.functional.pad(s, (0, width - s.shape[-1])) for s in steps]
                 out[key] = torch.stack(steps, dim=2)  # [B, H, steps, K]
             else:

@@ -45,3 +45,31 @@ def tiny_lm(tiny_dir):
         return loaded[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def spatial_run(tiny_dir, tmp_path_factory):
+    """(manifest, workspace folder) of a finished tiny Gemma3 run over 4 spatial scenes at 112 px: prompts
+    of several lengths, all longer than the model's 16-token sliding window; attention of every layer."""
+    from devices import model_config
+    from tiny_cases import SPATIAL_BATCH, SPATIAL_STEPS
+
+    from extract.manifest import parse_manifest
+    from extract.run import run_extraction
+    from extract.stimuli import get_family
+    from extract.stimuli.io import write_set
+
+    family = get_family("spatial")
+    stimuli = write_set(family, family.config(image_size=112), n=4, seed=0, split="test",
+                        out=tmp_path_factory.mktemp("stimuli") / "spatial")
+    manifest = parse_manifest({
+        "run": "w", "model": {"path": str(tiny_dir("gemma3")), **model_config()},
+        "stimuli": [{"set": str(stimuli)}],
+        "taps": [{"tap": "vision", "layers": [-1]},
+                 {"tap": "llm", "layers": [0], "tokens": ["image", "last", "answer"]}],
+        "attention": {"layers": "all", "queries": ["last", "answer"]},
+        "generation": {"max_new_tokens": SPATIAL_STEPS}, "batch_size": SPATIAL_BATCH, "chunk_samples": 2,
+    })
+    data = tmp_path_factory.mktemp("ws") / "data"
+    run_extraction(manifest, workspace=data, progress=False)
+    return manifest, data

@@ -23,8 +23,11 @@ def test_generate_capture_equals_teacher_forcing(arch, tiny_lm):
     prompts = ["Count.", "How many stones are on the board?"]  # different lengths: left padding matters
     batch = prepare_batch(lm, images, prompts, padding_side="left")
     taps = ["llm.0", "llm.-1", "attn.-1", "logits"]
-    # min_new_tokens keeps EOS away so every row generates STEPS real tokens
-    gen = capture_generate(lm, batch, taps, tokens=("last", "answer"), max_new_tokens=STEPS, min_new_tokens=STEPS)
+    # min_new_tokens keeps EOS away so every row generates STEPS real tokens; a random model may pick an
+    # image token, which the teacher-forced batch refuses (more image tokens than its image has)
+    suppressed = sorted(lm.tokenizer.added_tokens_decoder)
+    gen = capture_generate(lm, batch, taps, tokens=("last", "answer"), max_new_tokens=STEPS, min_new_tokens=STEPS,
+                           suppress_tokens=suppressed)
     assert gen.generated.shape == (2, STEPS) and len(gen.texts) == 2
     assert gen[("llm", 0, "resid_post", "answer")].shape == (2, STEPS - 1, 64)
 
@@ -42,8 +45,10 @@ def test_generate_capture_equals_teacher_forcing(arch, tiny_lm):
         close(mine, want, **TOL, msg=key.name)
     for b in range(2):
         assert gen.layouts[b].answer_positions.tolist() == forced.layouts[b].answer_positions.tolist()
-    # greedy: the logits at the last prompt token pick the first generated token
-    assert gen[("logits", 0, "out", "last")][:, 0].argmax(-1).tolist() == gen.generated[:, 0].tolist()
+    # greedy: the logits at the last prompt token pick the first generated token (among those allowed)
+    logits = gen[("logits", 0, "out", "last")][:, 0].clone()
+    logits[:, suppressed] = -torch.inf
+    assert logits.argmax(-1).tolist() == gen.generated[:, 0].tolist()
 
 
 def test_generate_needs_left_padding(tiny_lm):

@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tiny_cases import IMAGE_ALL, noise_image
 
@@ -127,16 +128,22 @@ def test_qwen_7b_plan_equals_a_hand_computation(g2m_512):
     assert plan.lens_bytes == 2 * (vocab * hidden + hidden)
 
 
-def test_answers_and_attention_rows_count_each_budget(g2m_512):
+@pytest.mark.parametrize(("batch_size", "answers"), [(1, [145] * 3 + [313] * 3), (4, [313] * 6)])
+def test_answers_and_attention_rows_count_each_bound(g2m_512, batch_size, answers):
+    """Budgets 146 (N=3) and 314 (N=6): a sample keeps at most its batch's largest budget - 1 answer
+    tokens (generate runs the batch to its largest budget; the last token is never fed back)."""
     taps = [{"tap": "llm", "layers": [0], "tokens": ["answer"]}]
-    plan = plan_manifest(manifest(QWEN7, g2m_512, taps=taps, attention={"layers": [0], "queries": ["last", "answer"]}))
+    plan = plan_manifest(manifest(QWEN7, g2m_512, taps=taps, attention={"layers": [0], "queries": ["last", "answer"]},
+                                  batch_size=batch_size))
     arrays = {(a.name, a.kind): a for a in plan.arrays}
-    budgets = [146] * 3 + [314] * 3
-    assert arrays[("llm.0.resid_post", "answer")].values == sum(budgets) * 3584
-    assert arrays[("llm.0.resid_post", "answer")].ragged
+    answer = arrays[("llm.0.resid_post", "answer")]
+    assert answer.values == sum(answers) * 3584 and answer.ragged and answer.basis == "upper bound"
     seqs = [324 + math.ceil(len(g2m.prompt(g, g, 3)) / CHARS_PER_TOKEN) + TEMPLATE_TOKENS for g in (3, 3, 3, 6, 6, 6)]
     assert arrays[("attn.0.probs", "last")].values == 28 * sum(seqs)
-    assert arrays[("attn.0.probs", "answer")].values == 28 * sum(b * (s + b) for b, s in zip(budgets, seqs))
+    assert arrays[("attn.0.probs", "answer")].values == 28 * sum(a * (s + a) for a, s in zip(answers, seqs))
+    # no tokenizer: prompt lengths are estimates, and the plan says so
+    assert arrays[("attn.0.probs", "last")].basis == arrays[("attn.0.probs", "answer")].basis == "estimate"
+    assert not plan.exact_tokens and "prompt lengths estimated" in plan.render()
 
 
 def test_the_sweep_planner_sees_what_the_generator_writes(g2m_512):
@@ -197,3 +204,38 @@ def test_text_only_samples_plan_no_image_tokens(g2m_512):
     plan = plan_run(m, meta_model(m), samples)
     image = next(a for a in plan.arrays if a.kind == "image")
     assert image.ragged and image.values == 324 * 3584  # the text-only row holds no image tokens
+
+
+def test_dry_run_figures_equal_what_the_run_stores(spatial_run):
+    """Spatial prompts differ in length: the processor runs on every one, so prompt-sized figures are
+    exact, and answer figures are the bound the run reaches when every answer runs to its cap."""
+    from tiny_cases import SPATIAL_STEPS
+
+    from store import Workspace
+
+    manifest, data = spatial_run
+    plan = plan_manifest(manifest)
+    assert plan.exact_tokens and "every distinct prompt (4)" in plan.token_source
+    ws = Workspace.open(data, readonly=True)
+    spans = ws.rows("SELECT last_prompt + 1, answer_count FROM v_samples WHERE run = 'w' ORDER BY array_row")
+    prompts, answers = np.array(spans).T
+    assert len(set(prompts)) > 1  # prompts of several lengths: one processed prompt would not do
+    cap = SPATIAL_STEPS - 1
+    stored = {(f"{a.tap}.{a.layer}.{a.site}", a.tokens): a for a in ws.arrays("w")}
+    assert {(a.name, a.kind) for a in plan.arrays} == set(stored)
+    for a in plan.arrays:
+        info = stored[(a.name, a.kind)]
+        got = ws.read("w", info.tap, info.layer, site=info.site, tokens=info.tokens)
+        values = got.values.size if info.layout == "ragged" else got.size
+        assert a.ragged == (info.layout == "ragged"), a.name
+        if a.basis == "exact":
+            assert a.values == values, (a.name, a.kind)
+        else:  # what the run stores when every answer runs to its cap, from the run's own prompt lengths
+            assert a.basis == "upper bound" and a.kind == "answer"
+            width = got.values.shape[-1]  # heads (attention) or hidden size
+            rows = sum(cap * (p + cap) for p in prompts) if a.name.startswith("attn") else cap * len(prompts)
+            assert a.values == width * rows and values <= a.values, (a.name, a.kind)
+            if (answers == cap).all():
+                assert a.values == values
+    assert {a.basis for a in plan.arrays} == {"exact", "upper bound"}
+    assert "answer arrays an upper bound" in plan.render()

@@ -24,6 +24,9 @@ ARCHS = sorted(IMAGE)
 # The project's own toy model (lab/): one 8-px patch per intersection of an 11x11 board.
 TOY_IMAGE = (88, 88, 8)
 IMAGE_ALL = {**IMAGE, "toy_counter": TOY_IMAGE}
+# the spatial run (conftest.spatial_run): max_new_tokens (so at most 3 answer tokens are fed back), batch size
+SPATIAL_STEPS = 4
+SPATIAL_BATCH = 2
 
 
 def noise_image(width: int, height: int, seed: int) -> Image.Image:
