@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from faultlib import REPO, TOY_MODEL, Zygote, env, go_set, write_manifest
+from faultlib import REPO, TOY_MODEL, Zygote, env, go_set, python, write_manifest
 from PIL import Image
 
 from store import Workspace
@@ -380,3 +380,17 @@ def test_an_unreachable_or_foreign_scheduler_is_one_line_within_the_timeout(serv
     if listener is not None:
         assert listener.accepted >= 1
     assert _files(data) == before
+
+
+def test_queries_out_into_a_missing_folder_is_one_line(finished, tmp_path):
+    """Injects: `python -m queries --sql … --format csv --out <missing folder>/x.csv`. Asserts:
+    exit 2, one line naming the missing folder (it was a FileNotFoundError traceback after the
+    query ran), nothing created, the workspace byte-identical."""
+    before = _files(finished)
+    out = tmp_path / "missing" / "x.csv"
+    got = python("-m", "queries", "--data", str(finished), "--sql", "SELECT run, status FROM runs", "--format", "csv",
+                 "--out", str(out))
+    assert got.returncode == 2, got.stdout + got.stderr
+    assert f"the folder {out.parent} does not exist" in _error_line(got.stderr)
+    assert not out.parent.exists()
+    assert _files(finished) == before
