@@ -140,9 +140,14 @@ def image_sizes(samples: list[Sample]) -> dict[tuple[int, int], Sample]:
     return sizes
 
 
+# Processors that refuse a size are fixed-size ones; sets with many sizes are for processors that
+# resize, and checking each would cost a processor call per image. Past this, a batch names the image.
+MAX_SIZES_CHECKED = 32
+
+
 def check_image_sizes(lm: LoadedModel, sizes: dict[tuple[int, int], Sample]) -> None:
     """One processor call per image size: a size the model's processor refuses fails before any batch."""
-    for (width, height), s in sizes.items():
+    for (width, height), s in list(sizes.items())[:MAX_SIZES_CHECKED]:
         try:
             prepare_batch(lm, [s.image], [s.prompt], strings=[s.strings])
         except InputError as err:
