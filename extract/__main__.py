@@ -3,9 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
+from pathlib import Path
 
 from extract.manifest import ManifestError, load_manifest
+
+# What a write into a workspace the process may not change raises (read-only mount, permissions).
+_NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def check_workspace_target(path: Path) -> None:
+    """Refuse, before the model loads, a workspace that is a file or that cannot be written."""
+    from store import WorkspaceError
+
+    if path.exists() and not path.is_dir():
+        raise WorkspaceError(f"workspace {str(path)!r} is a file, not a folder: pass --data a folder (new or existing)")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise WorkspaceError(f"workspace {str(path)!r} cannot be created: {str(existing)!r} is a file")
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise WorkspaceError(f"workspace {str(path)!r} is on a read-only file system ({str(existing)!r}):"
+                             " pass --data a writable folder, or remount it read-write")
+    writable = [existing] + ([path / "manifest.duckdb"] if (path / "manifest.duckdb").exists() else [])
+    for p in writable:
+        if not os.access(p, os.W_OK):
+            raise WorkspaceError(f"workspace {str(path)!r}: {str(p)!r} is not writable by this user: fix its"
+                                 " permissions or pass --data a folder you can write")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,11 +79,27 @@ def main(argv: list[str] | None = None) -> int:
             print(dry_run(manifest, codec=args.codec, hardware=hardware))
             return 0
         from extract.run import run_extraction
+        from store.workspace import resolve_path
 
+        check_workspace_target(resolve_path(args.data or manifest.workspace))
         print(run_extraction(manifest, workspace=args.data, progress=not args.no_progress, codec=args.codec))
     except (ManifestError, ModelError, StimulusError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        if err.errno not in _NOT_WRITABLE:
+            raise
+        print(f"error: cannot write {err.filename or 'the workspace'}: {err.strerror}. Pass --data a folder this"
+              " user can write; chunks committed so far are kept, so re-running the same command resumes",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        # the writer has committed every chunk that was whole (its context exits before this)
+        again = ["python -m extract", args.manifest] + (["--data", args.data] if args.data else [])
+        again += ["--shard", args.shard] if args.shard else []
+        again += ["--codec", args.codec] if args.codec != "none" else []
+        print(f"interrupted: the chunks committed so far are kept; run `{' '.join(again)}` to resume", file=sys.stderr)
+        return 130
     return 0
 
 

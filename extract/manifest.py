@@ -112,6 +112,14 @@ class GenerationSpec(_Strict):
     max_new_tokens: int | Literal["from_stimulus"] = 16
     do_sample: Literal[False] = False
 
+    @field_validator("max_new_tokens", mode="before")
+    @classmethod
+    def _at_least_one(cls, v: Any) -> Any:
+        # before the union: one message, not one per member of int | 'from_stimulus'
+        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            raise ValueError("must be at least 1: the most tokens to generate per answer, or 'from_stimulus'")
+        return v
+
 
 class RopeScalingSpec(_Strict):
     """images-as-text's vision RoPE scaling: frequency i of d/2 multiplied by g(x_i), x_i = 2i/d.

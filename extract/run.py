@@ -123,25 +123,37 @@ def collect_samples(manifest: Manifest) -> tuple[list[tuple[Path, str]], list[Sa
     return sets, samples
 
 
-def uniform_image_size(samples: list[Sample]) -> bool:
-    """Whether every sample has an image and all have one size (PNG headers only), so image
-    tokens can be dense."""
-    sizes = set()
+def image_sizes(samples: list[Sample]) -> dict[tuple[int, int], Sample]:
+    """The first sample of each image size. Reads every image's header (not its pixels), so a
+    missing, broken or oversized image fails here, before the workspace is touched."""
+    sizes: dict[tuple[int, int], Sample] = {}
     for s in samples:
         if s.image is None:
-            return False
+            continue
         try:
             with Image.open(s.image) as im:
-                sizes.add(im.size)
-        except (OSError, SyntaxError, ValueError) as err:  # a missing file, or a header PIL cannot parse
+                sizes.setdefault(im.size, s)
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:  # missing, unparsable, a bomb
             raise InputError(
                 f"image {str(s.image)!r} of stimulus {s.key} cannot be read ({type(err).__name__}: {err}):"
                 " regenerate the set (`python -m extract.stimuli ... --overwrite`) or replace the file, then"
                 " re-run the same command"
             ) from err
-        if len(sizes) > 1:
-            return False
-    return True
+    return sizes
+
+
+# Processors that refuse a size are fixed-size ones; sets with many sizes are for processors that
+# resize, and checking each would cost a processor call per image. Past this, a batch names the image.
+MAX_SIZES_CHECKED = 32
+
+
+def check_image_sizes(lm: LoadedModel, sizes: dict[tuple[int, int], Sample]) -> None:
+    """One processor call per image size: a size the model's processor refuses fails before any batch."""
+    for (width, height), s in list(sizes.items())[:MAX_SIZES_CHECKED]:
+        try:
+            prepare_batch(lm, [s.image], [s.prompt], strings=[s.strings])
+        except InputError as err:
+            raise InputError(f"image {str(s.image)!r} of stimulus {s.key} ({width}x{height} px): {err}") from err
 
 
 # ------------------------------------------------------------------------------------------ taps
@@ -323,7 +335,9 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
     """The activation run proper: (workspace, samples computed now, their accuracy, arrays)."""
     with_images = [s for s in samples if s.image is not None]
     request = tap_request(lm, manifest, with_images=bool(with_images))
-    dense_images = uniform_image_size(samples)
+    sizes = image_sizes(samples)
+    dense_images = len(sizes) == 1 and len(with_images) == len(samples)
+    check_image_sizes(lm, sizes)
     lens = readout(lm) if manifest.logit_lens else None
     info = run_info(lm, manifest, lens)
     dtype = str(lm.dtype).removeprefix("torch.")

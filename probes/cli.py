@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="workspace folder (default: $AGNOSIA_DATA, else ./data)")
     p.add_argument("--scheduler", default=os.environ.get("DASK_SCHEDULER_ADDRESS"), metavar="ADDRESS",
                    help="Dask scheduler address (default: $DASK_SCHEDULER_ADDRESS; unset: start a LocalCluster)")
+    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds to reach the --scheduler before giving up (default 10)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="LocalCluster worker processes, one thread each (default: CPU count)")
     p.add_argument("--in-process", action="store_true", help="no Dask: run the groups here, one by one (debugging)")
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             for (kind, target), n in sorted(per.items()):
                 print(f"  to train: {n:6d}  {kind} -> {target}")
             return 0
+        if args.scheduler and not args.in_process:
+            check_scheduler(args.scheduler, args.connect_timeout)
         report = run_plan(plan, args.data, scheduler=args.scheduler, workers=args.workers, in_process=args.in_process,
                           force=args.force, progress=not args.no_progress)
         keys = {t.key for t in plan_tasks(plan, open_workspace(args.data))}
@@ -80,6 +84,70 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     _summary(report, args.data, keys)
     return 1 if report.failed else 0
+
+
+async def _identity(address: str, timeout: float) -> object:
+    import socket
+
+    from distributed.comm import connect
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    scheme, loc = parse_address(address)
+    if scheme in ("tcp", "tls"):  # a plain connect first: a closed port is refused at once, Dask would retry
+        socket.create_connection(parse_host_port(loc), timeout=timeout).close()
+    comm = await connect(address, timeout=0.8 * timeout)  # its own error (refused) beats the outer timeout
+    try:
+        await comm.write({"op": "identity", "reply": True})
+        return await comm.read()
+    finally:
+        await comm.close()
+
+
+def check_scheduler(address: str, timeout: float) -> None:
+    """Refuse, within ``timeout`` seconds and in one line, an address where no Dask scheduler answers.
+
+    Dask's client retries for 30 s, then prints a long traceback; a service of another kind on
+    the port can make it read a length of exabytes from the reply and fail to allocate it.
+    """
+    import asyncio
+    import logging
+
+    import distributed.comm  # noqa: F401 - imported before the clock starts: it takes seconds
+
+    from probes.errors import ProbeError
+
+    quiet = logging.getLogger("distributed")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # its comm warnings would repeat the one line below
+    try:
+        info = asyncio.run(asyncio.wait_for(_identity(address, timeout), timeout))
+    except Exception as err:  # noqa: BLE001 - refused, timed out, or not speaking Dask: all the same to the user
+        raise ProbeError(
+            f"cannot reach the Dask scheduler at {address} ({_why(err, timeout)}): check the address and"
+            " port (`dask scheduler` prints it), that the scheduler runs and the port is not another service;"
+            " raise --connect-timeout for a slow network, or drop --scheduler to start a local cluster"
+        ) from None
+    finally:
+        quiet.setLevel(level)
+    kind = info.get("type") if isinstance(info, dict) else type(info).__name__
+    if kind != "Scheduler":
+        raise ProbeError(f"{address} speaks Dask but is a {kind}, not a scheduler: pass the scheduler's address")
+
+
+def _why(err: BaseException, timeout: float) -> str:
+    import asyncio
+    import socket
+
+    if isinstance(err, (asyncio.TimeoutError, TimeoutError)) or "Timed out" in str(err):
+        return f"no Dask answer within {timeout:g} s"
+    cause = err.__cause__ if isinstance(err, OSError) and err.__cause__ is not None else err
+    if isinstance(cause, ConnectionRefusedError):
+        return "connection refused: nothing listens on that port"
+    if isinstance(cause, socket.gaierror):
+        return f"unknown host: {cause.strerror}"
+    if isinstance(err, (MemoryError, OverflowError, ValueError, TypeError)) and "scheme" not in str(err):
+        return "the service on that port does not speak Dask's protocol"  # it read garbage as a message length
+    return f"{type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''}".rstrip(": ")
 
 
 def _summary(report, data, keys) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from queries.named import QueryError, available, run
 from queries.render import emit, render_schema
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schema", action="store_true", help="print the manifest's tables and views with their columns")
     parser.add_argument("--sql", help="run this ad-hoc SQL instead of a named query (read-only)")
     args = parser.parse_args(argv)
+    if args.out and not Path(args.out).absolute().parent.is_dir():  # checked before the query runs
+        print(f"error: --out {args.out}: the folder {Path(args.out).absolute().parent} does not exist;"
+              " create it first or choose another path", file=sys.stderr)
+        return 2
     try:
         if args.list:
             for q in available().values():

@@ -37,3 +37,11 @@ class PlanningError(ModelError, NotImplementedError):
 
 class UntrustedCodeError(ModelError, ValueError):
     """The model ships its own Python code and the manifest did not set ``trust_remote_code``."""
+
+
+class WeightsError(ModelError, ValueError):
+    """The model's weight files are damaged, or hold a pickle that the safe loader refuses."""
+
+
+class DeviceError(ModelError, ValueError):
+    """The requested device does not exist on this machine (e.g. ``cuda`` without a GPU)."""

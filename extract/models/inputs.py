@@ -70,7 +70,7 @@ def open_image(image: ImageLike) -> Image.Image:
                 return im.convert("RGB")
         except FileNotFoundError:
             raise InputError(f"image {str(path)!r} does not exist: pass an existing image file or a PIL image") from None
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
             raise InputError(
                 f"image {str(path)!r} cannot be read ({type(err).__name__}: {err}): expected a PNG/JPEG/... file"
                 " that PIL can open; regenerate or replace it"
@@ -147,6 +147,8 @@ def prepare_batch(
             # the chat template wrote BOS already (transformers' own apply_chat_template rule)
             kwargs["add_special_tokens"] = False
         processed = dict(lm.processor(**kwargs, **(processor_kwargs or {})))
+    except ValueError as err:  # e.g. an image size a fixed-size processor cannot read
+        raise InputError(f"the processor refused this batch: {err}") from err
     finally:
         tok.padding_side = old_side
     inputs = lm.adapter.clean_inputs(processed)

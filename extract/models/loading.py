@@ -8,16 +8,21 @@ fails in a second, not after a multi-gigabyte download.
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
+import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from .adapters import Adapter, adapter_class, registry
 from .compat import patch_processors_without_torchvision, register_capture_attention
-from .errors import ModelNotFoundError, UntrustedCodeError
+from .errors import DeviceError, ModelNotFoundError, UnknownArchitectureError, UntrustedCodeError, WeightsError
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -98,10 +103,10 @@ def load_config(source: str, *, revision: str | None = None, trust_remote_code: 
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     except ValueError as err:
         if "trust_remote_code" not in str(err):
-            raise
+            raise _unreadable_config(source, err) from err
         raise UntrustedCodeError(
             f"{source!r} ships its own Python code (config.json auto_map), which agnosia never runs unless asked:"
             " read that code, then set `model: {trust_remote_code: true}` in the manifest to allow it"
@@ -113,6 +118,40 @@ def load_config(source: str, *, revision: str | None = None, trust_remote_code: 
             f"cannot read the config of {source!r}: {str(err).rstrip('.')}."
             + (" HF_HUB_OFFLINE=1 is set, so only locally cached hub models load; pass a local folder." if offline else "")
         ) from err
+    if not trust_remote_code:
+        _warn_ignored_code(source, config)
+    return config
+
+
+def _unreadable_config(source: str, err: ValueError) -> UnknownArchitectureError:
+    """transformers' ValueError for a config without a ``model_type`` or with one it does not know."""
+    text = str(err).split("\n", 1)[0]
+    if "model_type" in text:  # transformers: "Unrecognized model in X. Should have a `model_type` key ..."
+        return UnknownArchitectureError(
+            f"the config.json of {source!r} names no model_type: expected the config of a saved"
+            " transformers vision-language model, e.g. {\"model_type\": \"qwen2_vl\", ...}; save the model again"
+        )
+    text = text.split(". ", 1)[0].rstrip(".")  # the first sentence; the rest is advice to upgrade
+    return UnknownArchitectureError(
+        f"cannot read the config.json of {source!r}: {text}. agnosia reads the model types"
+        f" {', '.join(sorted(registry()))}: fix its model_type, or upgrade transformers if the architecture is newer"
+    )
+
+
+def _warn_ignored_code(source: str, config: Any) -> None:
+    # A known model_type wins over the folder's own code: transformers loads its own classes and the
+    # auto_map is silently ignored. Say so, since the folder's author may have changed the model.
+    auto_map = getattr(config, "auto_map", None)
+    local = Path(source) / "config.json"
+    if auto_map is None and local.is_file():
+        try:
+            auto_map = json.loads(local.read_text()).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            auto_map = None
+    if auto_map:
+        print(f"warning: {source!r} names its own code in config.json (auto_map: {', '.join(sorted(auto_map))});"
+              f" it is not run: transformers' own {config.model_type!r} classes are loaded instead (set"
+              " `model: {trust_remote_code: true}` to run that code)", file=sys.stderr)
 
 
 def load_processor(source: str, adapter: type[Adapter], *, revision: str | None = None,
@@ -153,12 +192,25 @@ def load_model(
     )
     if device_map is not None:
         kwargs["device_map"] = device_map
+    target = check_device(device) if device_map is None else None  # before the weights: fail in a second
     try:
-        model = AutoModelForImageTextToText.from_pretrained(src, **kwargs)
+        with warnings.catch_warnings():  # torch's note on odd pickle protocols: the refusal below says it all
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            model = AutoModelForImageTextToText.from_pretrained(src, **kwargs)
     except OSError as err:
         raise ModelNotFoundError(f"cannot load the weights of {src!r}: {err}") from err
-    if device_map is None:
-        model.to(torch.device(device) if device is not None else _default_device())
+    except SafetensorError as err:
+        raise WeightsError(
+            f"the weights of {src!r} cannot be read ({err}): a model.safetensors file is truncated or damaged;"
+            " download or save the model again"
+        ) from err
+    except pickle.UnpicklingError as err:
+        raise WeightsError(
+            f"the weights of {src!r} are a pickle (.bin) that torch's safe loader (weights_only=True) refuses:"
+            " loading it could run code, so agnosia does not. Use a safetensors copy of the model (model.safetensors)"
+        ) from err
+    if target is not None:
+        model.to(target)
     model.eval()
     processor = load_processor(src, adapter_cls, revision=revision, trust_remote_code=trust_remote_code)
     first = next(model.parameters())
@@ -177,3 +229,27 @@ def load_model(
 
 def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_device(device: str | torch.device | None) -> torch.device:
+    """The torch device to load onto (default: cuda if available, else cpu), if this machine has it."""
+    if device is None:
+        return _default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise DeviceError(
+            f"device {str(device)!r} is not a torch device ({err}): use cpu, cuda, cuda:N or mps"
+        ) from err
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if dev.index is None and count == 0 or dev.index is not None and dev.index >= count:
+            built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA"
+            raise DeviceError(
+                f"device {str(device)!r} is not available: this machine has {count} CUDA device(s) (torch"
+                f" {torch.__version__}, built {built}). Set `model: {{device: cpu}}` in the manifest, or run"
+                " where a GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+            )
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"device {str(device)!r} is not available on this machine: set `model: {{device: cpu}}`")
+    return dev

@@ -170,7 +170,7 @@ class StimulusSet:
             with Image.open(path) as img:
                 img.load()
                 return img.copy()
-        except (OSError, SyntaxError) as err:
+        except (OSError, SyntaxError, Image.DecompressionBombError) as err:
             raise StimulusError(
                 f"cannot read {column} of stimulus {row['id']} at {path}: {err}."
                 " Regenerate the set with `python -m extract.stimuli`."
@@ -186,8 +186,8 @@ def read_set(path: str | os.PathLike[str]) -> StimulusSet:
             f"{path} is not a stimulus set (expected {SET_FILE} and {TRUTH_FILE}):"
             " write one with `python -m extract.stimuli FAMILY --out PATH`"
         )
-    meta = json.loads(meta_file.read_text())
-    table = pq.read_table(truth_file)
+    meta = _read_meta(meta_file)
+    table = _read_truth(truth_file)
     for column in (c for c in table.column_names if c in PATH_COLUMNS):
         for i, rel in enumerate(table.column(column).to_pylist()):
             if rel is not None:
@@ -198,3 +198,36 @@ def read_set(path: str | os.PathLike[str]) -> StimulusSet:
             f" this one reads {SET_FORMAT_VERSION}): upgrade agnosia"
         )
     return StimulusSet(path=path, meta=meta, table=table)
+
+
+# Columns every reader of a set relies on (extraction builds its samples from them).
+REQUIRED_COLUMNS = ("id", "family", "image", "prompts", "answers", "params", "truth")
+_REGENERATE = "regenerate the set with `python -m extract.stimuli FAMILY --out PATH --overwrite`"
+
+
+def _read_meta(meta_file: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise StimulusError(f"{meta_file} is not readable JSON ({err}): {_REGENERATE}") from err
+    if not isinstance(meta, dict):
+        raise StimulusError(f"{meta_file} holds a JSON {type(meta).__name__}, expected an object: {_REGENERATE}")
+    return meta
+
+
+def _read_truth(truth_file: Path) -> pa.Table:
+    try:
+        table = pq.read_table(truth_file)
+    except (OSError, pa.ArrowException) as err:
+        raise StimulusError(
+            f"{truth_file} cannot be read ({err}): the file is truncated or damaged; {_REGENERATE}"
+        ) from err
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise StimulusError(
+            f"{truth_file} has no column {', '.join(map(repr, missing))} (it has {', '.join(table.column_names)}):"
+            f" it was edited or is not from `python -m extract.stimuli`; {_REGENERATE}"
+        )
+    if table.num_rows == 0:
+        raise StimulusError(f"{truth_file} holds no stimuli (0 rows): {_REGENERATE} with --n of at least 1")
+    return table

@@ -9,8 +9,10 @@ file-size limit; each still loads the model, opens the workspace and runs
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -220,6 +222,34 @@ def test_kill_9_of_one_shard_resumed_while_its_peer_writes(zygote, manifest, ref
     ws = Workspace.open(data, readonly=True)
     rep = ws.verify()
     assert rep.ok and not rep.warnings, (rep.problems, rep.warnings)
+    assert_same_store(snapshot(data), reference[1])
+
+
+def test_ctrl_c_keeps_what_is_committed_says_how_to_resume_and_exits_130(zygote, manifest, reference, tmp_path):
+    """Injects: SIGINT (Ctrl-C) into a running extraction after 5 batches (chunk 1 or 2 being
+    filled). Asserts: exit code 130 and one line, `interrupted: the chunks committed so far are
+    kept; run `python -m extract MANIFEST --data WS` to resume`, no traceback (it was a
+    KeyboardInterrupt traceback, exit 1); the chunks committed before the signal are still
+    committed with their checksums and `verify` finds no problem; the named command resumes,
+    computes only the uncommitted rows, and the store equals the uninterrupted run."""
+    data = tmp_path / "ws"
+    child = zygote.start(manifest, data, batch_sleep=0.15)
+    wait_for(lambda: child.batches() >= 5 or not child.alive(), timeout=120, step=0.01)
+    before = committed(data)
+    os.kill(child.pid, signal.SIGINT)
+    assert child.wait() == 130, child.log
+    assert "Traceback" not in child.log
+    lines = [line for line in child.log.splitlines() if line.strip()]
+    assert lines == [f"interrupted: the chunks committed so far are kept; run `python -m extract {manifest}"
+                     f" --data {data}` to resume"], child.log
+    after = committed(data)
+    assert before <= after and len({c for _, c, _ in after}) < N // CHUNK
+    rep = Workspace.open(data, readonly=True).verify()
+    assert rep.ok, rep.problems
+    done = _chunks_done(data) * CHUNK
+    again = zygote.run(manifest, data)
+    assert again.rc == 0, again.log
+    assert f"{N} samples ({N - done} computed now" in again.log, (again.log, done)
     assert_same_store(snapshot(data), reference[1])
 
 
