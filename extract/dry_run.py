@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from extract.manifest import Manifest, expand_layers
+from extract.manifest import HeadAblationSpec, Manifest, ManifestError, TokenCompressionSpec, expand_layers
 from extract.models import TapSpec, adapter_class, prepare_batch
 from extract.models.capture import hook_module
 from extract.models.layout import ImageGeometry, SampleLayout, extent
@@ -393,7 +393,7 @@ def sample_layouts(lm: LoadedModel, samples: Sequence[PlanSample], images: Seque
                   f" + {TEMPLATE_TOKENS} template tokens")
         return [planned[s] for s in samples], False, source
     keys = [(s.width, s.height, s.prompt, s.strings) for s in samples]
-    first = {}
+    first: dict[tuple, int] = {}
     for i, key in enumerate(keys):
         first.setdefault(key, i)
     # the first prompt of every image size is always processed: each estimated prompt leans on one
@@ -422,8 +422,8 @@ def _processed_layouts(lm: LoadedModel, samples: Sequence[PlanSample], images: S
     from PIL import Image
 
     pictures: dict[tuple[int, int], Any] = {}
-    for s, path in zip(samples, images):
-        if s.has_image and (s.width, s.height) not in pictures:
+    for s, path in zip(samples, images, strict=True):
+        if path is not None and s.has_image and (s.width, s.height) not in pictures:
             with Image.open(path) as im:
                 pictures[(s.width, s.height)] = im.convert("RGB")
     out: list[SampleLayout] = []
@@ -465,7 +465,7 @@ def kv_cache_bytes(lm: LoadedModel, tokens: int, batch: int, dtype: str) -> int:
     return 2 * lm.adapter.n_layers("llm") * kv_heads * head_dim * PARAM_BYTES.get(dtype, 2) * tokens * batch
 
 
-def plan_samples(manifest: Manifest) -> tuple[int, list[PlanSample], list[Path]]:
+def plan_samples(manifest: Manifest) -> tuple[int, list[PlanSample], list[Path | None]]:
     """(number of sets, one PlanSample per stimulus, their image paths) from the manifest's sets."""
     from PIL import Image
 
@@ -518,7 +518,7 @@ def estimate_time(lm: LoadedModel, params: Params, layouts: Sequence[SampleLayou
             "compute": 2.0 * decoder * min(batch_size, len(samples)) / flops_s}
     return TimeEstimate(prefill_flops=prefill, decode_steps=steps, decode_seconds=decode_s,
                         prefill_seconds=prefill / flops_s, write_seconds=stored_bytes / (hardware.disk_mbps * 1e6),
-                        decode_bound=max(full, key=full.get))
+                        decode_bound=max(full, key=lambda name: full[name]))
 
 
 def plan_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[PlanSample], *, n_sets: int = 1,
@@ -545,14 +545,14 @@ def plan_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[PlanSample],
     for name, kinds in request.items():
         spec = TapSpec.parse(name)
         spec = TapSpec(spec.tap, spec.layer % lm.adapter.n_layers(spec.tap), spec.site)
-        dim = None if spec.tap == "attn" else hidden_size(lm, spec)
+        dim = 0 if spec.tap == "attn" else hidden_size(lm, spec)  # attention rows have no hidden width
         for kind in kinds:
             if spec.tap == "attn":  # one [heads] row per key of the prompt (last) or per answer query x key
                 ragged = True
                 per = heads * (seqs if kind == "last" else answers * (seqs + answers))
                 basis = prompt_basis if kind == "last" else (BOUND if exact else ESTIMATE)
             elif kind == "image":  # its size decides an image's tokens: the processor's or plan_geometry's
-                per = np.array([(extent(g) if (g := lay.grid(spec.tap, spec.site)) else len(lay.image_positions))
+                per = np.array([(extent(g) if (g := lay.grid(spec.tap, spec.site_name)) else len(lay.image_positions))
                                 for lay in layouts], dtype=np.int64) * dim
                 ragged, basis = not uniform, EXACT
             elif kind == "last":
@@ -599,7 +599,7 @@ def variant_plan(manifest: Manifest) -> str:
     spec = manifest.intervention
     n = len(samples)
     head = f"run {manifest.run}: model {lm.source} ({lm.model_type}), {n} samples from {n_sets} set(s)"
-    if spec.kind == "head_ablation":
+    if isinstance(spec, HeadAblationSpec):
         from extract.interventions.heads import head_site
 
         layers = expand_layers(spec.layers, lm.adapter.n_layers(spec.tap))
@@ -613,6 +613,8 @@ def variant_plan(manifest: Manifest) -> str:
             f"{batches} batches x ({per_batch} teacher-forced forwards + 1 greedy generate) = {batches * per_batch:,}"
             f" forwards; {n * len(layers) * heads:,} head_ablations rows, {n} generations; no activations",
         ])
+    if not isinstance(spec, TokenCompressionSpec):
+        raise ManifestError(f"run {manifest.run}: no head_ablation or token_compression block to describe")
     return "\n".join([
         head,
         f"intervention token_compression: keep {spec.keep}, drop punctuation {spec.drop_punctuation}, decoder"

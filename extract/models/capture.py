@@ -290,13 +290,13 @@ class Recorder:
                 g = self.gathers[kind]
                 # [B, H, Tq, K] -> [N, H, K] -> [B, n, H, K] -> [B, H, n, K]
                 packed = _pack(w[g.rows, :, g.cols, :], g)
-                self.prefill[CaptureKey(spec.tap, spec.layer, spec.site, kind)] = (
+                self.prefill[spec.key(kind)] = (
                     packed.permute(0, 2, 1, 3) if isinstance(packed, torch.Tensor) else packed
                 )
         elif "answer" in point.kinds:
             # step k's query sits at position seq_len + k - 1 and sees keys 0..seq_len + k - 1
             row = key_aligned(w[:, :, -1, :], self.seq_len + self.step)
-            self.steps[CaptureKey(spec.tap, spec.layer, spec.site, "answer")].append(row)
+            self.steps[spec.key("answer")].append(row)
 
     # -- hooks --
     def _store_sequence(self, point: Point, x: torch.Tensor) -> None:
@@ -314,13 +314,13 @@ class Recorder:
                         f"{spec.name}: the model computed this tap only for the last {x.shape[1]} positions;"
                         f" token kind {kind!r} needs earlier ones (during generate, logits exist for 'last' and 'answer')"
                     )
-                self.prefill[CaptureKey(spec.tap, spec.layer, spec.site, kind)] = _pack(x[g.rows, cols].detach(), g)
+                self.prefill[spec.key(kind)] = _pack(x[g.rows, cols].detach(), g)
         elif "answer" in point.kinds:
-            self.steps[CaptureKey(spec.tap, spec.layer, spec.site, "answer")].append(x[:, -1].detach())
+            self.steps[spec.key("answer")].append(x[:, -1].detach())
 
     def _store_image(self, point: Point, x: torch.Tensor) -> None:
         spec = point.spec
-        key = CaptureKey(spec.tap, spec.layer, spec.site, "image")
+        key = spec.key("image")
         # The vision tower runs once per generate, and some families (Qwen2-VL) run it while
         # preparing inputs, before the first model forward (step -1): keep its first call.
         if self.step > 0 or key in self.prefill:
@@ -524,5 +524,4 @@ def capture_generate(
 
 
 def _key(point: Point, kind: str) -> CaptureKey:
-    s = point.spec
-    return CaptureKey(s.tap, s.layer, s.site, kind)
+    return point.spec.key(kind)

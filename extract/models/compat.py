@@ -48,12 +48,12 @@ def patch_processors_without_torchvision() -> None:
         return
     from transformers import ProcessorMixin
 
-    original = ProcessorMixin.get_attributes.__func__
+    original = ProcessorMixin.__dict__["get_attributes"].__func__  # the function behind the classmethod
 
     def get_attributes(cls: type) -> list[str]:
         return [a for a in original(cls) if a != "video_processor"]
 
-    ProcessorMixin.get_attributes = classmethod(get_attributes)
+    setattr(ProcessorMixin, "get_attributes", classmethod(get_attributes))  # noqa: B010 (mypy: no method-assign)
     _patched["processors"] = True
 
 
@@ -115,7 +115,7 @@ def register_capture_attention() -> None:
     _patched["attention"] = True
 
 
-def set_attention(model: nn.Module, implementation: str) -> None:
+def set_attention(model: Any, implementation: str) -> None:
     """Select an attention implementation on the model and every sub-config."""
     register_capture_attention()
     model.set_attn_implementation(implementation)

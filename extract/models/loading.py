@@ -196,7 +196,7 @@ def load_model(
     try:
         with warnings.catch_warnings():  # torch's note on odd pickle protocols: the refusal below says it all
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            model = AutoModelForImageTextToText.from_pretrained(src, **kwargs)
+            model: Any = AutoModelForImageTextToText.from_pretrained(src, **kwargs)
     except OSError as err:
         raise ModelNotFoundError(f"cannot load the weights of {src!r}: {err}") from err
     except SafetensorError as err:

@@ -70,6 +70,17 @@ class TapSpec:
     def name(self) -> str:
         return f"{self.tap}.{self.layer}.{self.site}"
 
+    @property
+    def site_name(self) -> str:
+        """The site, resolved by ``__post_init__`` (``None`` became the tap's default)."""
+        if self.site is None:
+            raise TapError(f"tap {self.tap}.{self.layer} has no resolved site")
+        return self.site
+
+    def key(self, kind: str) -> CaptureKey:
+        """The address of this tap's ``kind`` tokens."""
+        return CaptureKey(self.tap, self.layer, self.site_name, kind)
+
     def __str__(self) -> str:
         return self.name
 

@@ -139,7 +139,7 @@ def check_member(rel: object, folder: Path, what: str) -> str:
             f"{what} is {rel!r}: image paths in a stimulus set are relative to its folder {folder} and stay inside"
             " it (e.g. 'images/<id>.png'); the set was edited or is not from `python -m extract.stimuli`. Regenerate it"
         )
-    return rel
+    return str(rel)  # a str: anything else has no parts and was refused above
 
 
 @dataclass(frozen=True)
