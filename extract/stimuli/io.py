@@ -133,13 +133,14 @@ PATH_COLUMNS = ("image", "mask")
 
 def check_member(rel: object, folder: Path, what: str) -> str:
     """``rel`` if it is a relative path inside the set ``folder`` (no absolute path, no ``..``)."""
-    parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
-    if not parts or rel.startswith(("/", "~")) or "\\" in rel or ".." in parts or ":" in parts[0]:
+    text = rel if isinstance(rel, str) else ""
+    parts = PurePosixPath(text).parts if text else ()
+    if not parts or text.startswith(("/", "~")) or "\\" in text or ".." in parts or ":" in parts[0]:
         raise StimulusError(
             f"{what} is {rel!r}: image paths in a stimulus set are relative to its folder {folder} and stay inside"
             " it (e.g. 'images/<id>.png'); the set was edited or is not from `python -m extract.stimuli`. Regenerate it"
         )
-    return str(rel)  # a str: anything else has no parts and was refused above
+    return text
 
 
 @dataclass(frozen=True)
