@@ -220,3 +220,20 @@ def test_reading_and_scoring_a_set_imports_only_its_family(tmp_path):
                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.strip() == "['spatial']"
+
+
+def test_an_extraction_refuses_a_set_with_a_renamed_truth_key_before_loading_a_model(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from extract.run import collect_samples
+
+    family = get_family("counting")
+    out = write_set(family, family.config(cases=("1A",)), n=2, seed=0, split="test", out=tmp_path / "c")
+    rows = pq.read_table(out / "truth.parquet").to_pylist()
+    for row in rows:
+        row["truth"]["n_objects"] = row["truth"].pop("count")  # a generator edit, the set not regenerated
+    pq.write_table(pa.Table.from_pylist(rows), out / "truth.parquet")
+    manifest = parse_manifest({"run": "r", "model": {"path": "m"}, "stimuli": [{"set": str(out)}]})
+    with pytest.raises(TruthError, match=r"counting stimulus counting-1A-00000 has no key 'count'"):
+        collect_samples(manifest)
