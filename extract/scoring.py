@@ -2,15 +2,10 @@
 
 One entry point, :func:`score_answer`: it looks the family up in the registry
 (:mod:`extract.stimuli`), reads the truth through the family's :class:`~extract.stimuli.Truth`
-schema and calls the family's ``score``. The parsers live with their families:
-
-| family   | task               | parser                           | correct when                      |
-|----------|--------------------|----------------------------------|-----------------------------------|
-| g2m      | transcribe         | ``g2m.parse_grid`` cascade       | the whole grid matches (EM); cells |
-| go       | *_num              | ``parse_digit_string``           | the joined digits equal the count |
-| go       | *_tf               | first True/False (yes/no) word   | it equals the reference           |
-| counting | standard, conflict | ``parse_number`` (first)         | it equals the drawn count         |
-| spatial  | choice             | ``parse_choice_letter`` (strict) | the letter is the shuffled answer |
+schema and calls the family's ``score``. The parsers live with their families: each family
+module's ``score_answer`` says which parser it uses and when an answer is right (e.g. g2m: the
+``parse_grid`` cascade, right when the whole grid matches; go ``*_num``: the joined digits equal
+the count); the shared parsers are in :mod:`extract.stimuli.answers`.
 
 A family without a ``score`` of its own is scored by exact match of the stripped text, which
 its ``Family`` declares (``exact_match``, the default); an unregistered family fails loudly.

@@ -1,12 +1,6 @@
 """Procedurally generated stimuli with exact ground truth: the inputs of every later stage.
 
-Families (``python -m extract.stimuli --help``):
-
-- ``g2m``      Grid2Matrix colour grids (study g2m)
-- ``go``       Go boards for the counting lab, with text twins and contrastive pairs (study counting-bottleneck)
-- ``counting`` CountingTricks: 32 cases of objects vs the patch grid (study counting-tricks)
-- ``spatial``  two-object spatial relations, 4-way multiple choice (study images-as-text)
-
+The families and what each draws: ``python -m extract.stimuli --help``, and docs/stimuli/.
 Each family is one module exposing ``FAMILY`` (a :class:`~extract.stimuli.base.Family`: its
 generator, truth schema, answer scorer and small-set size), listed once in ``FAMILIES`` below.
 Nothing else names a family: the CLI, the scorer and the probe targets look it up here.
