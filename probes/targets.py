@@ -101,11 +101,22 @@ class TargetSpec:
             raise ProbeError(f"target {self.name} returned shape {out.shape!r} for {len(out)} rows; expected {self.shape!r} for {len(rows)}")
         if not out.labelled().any():
             fams = sorted({str(r.family) for r in rows})
+            hint = _key_hint(self.name, rows)
             raise ProbeError(
-                f"target {self.name}: none of the {len(rows)} selected rows has it (families {fams}):"
+                f"target {self.name}: none of the {len(rows)} selected rows has it (families {fams}){hint}:"
                 " narrow the rows with where: (e.g. family = 'go') or pick another target"
             )
         return out
+
+
+def _key_hint(name: str, rows: Sequence[SampleInfo]) -> str:
+    """For ``truth:<path>`` / ``params:<path>`` naming no key of the rows: the closest key they have."""
+    prefix, _, path = name.partition(":")
+    if prefix not in ("truth", "params") or not path:
+        return ""
+    keys = {k for r in rows for k in getattr(r, prefix)}
+    first = path.split(".")[0]
+    return "" if first in keys else did_you_mean(first, keys)
 
 
 TARGETS: dict[str, TargetSpec] = {}

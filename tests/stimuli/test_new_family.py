@@ -237,3 +237,15 @@ def test_an_extraction_refuses_a_set_with_a_renamed_truth_key_before_loading_a_m
     manifest = parse_manifest({"run": "r", "model": {"path": "m"}, "stimuli": [{"set": str(out)}]})
     with pytest.raises(TruthError, match=r"counting stimulus counting-1A-00000 has no key 'count'"):
         collect_samples(manifest)
+
+
+def test_a_misspelt_truth_target_names_the_key_the_rows_have(add_family, tmp_path):
+    add_family(DOTS)
+    family = get_family("dots")
+    infos = _rows_as_samples(read_set(write_set(family, family.config(), n=3, seed=0, split="test",
+                                                out=tmp_path / "s")).rows())
+    with pytest.raises(ProbeError, match=r"target truth:dot: none of the 3 selected rows has it \(families \['dots'\]\)"
+                                         r" — did you mean 'dots'\?"):
+        get_target("truth:dot")(infos)
+    with pytest.raises(ProbeError, match=r"params:colour: .*; known: size:"):
+        get_target("params:colour")(infos)
