@@ -114,7 +114,9 @@ def collect_samples(manifest: Manifest) -> tuple[list[tuple[Path, str]], list[Sa
             raise ManifestError(f"stimuli.{i}.task: {task!r} is not a task of {spec.set}; its tasks are {tasks}")
         sets.append((stim_set.path, dataset))
         for row in rows:
-            shown = get_family(row["family"]).task_inputs(row["truth"], task)
+            family = get_family(row["family"])
+            family.read_truth(row["truth"], row["id"])  # a renamed truth key stops here, before the model loads
+            shown = family.task_inputs(row["truth"], task)
             samples.append(Sample(
                 key=f"{dataset}/{row['id']}", family=row["family"], task=task, prompt=row["prompts"][task],
                 answer=row["answers"][task], truth=row["truth"], params=row["params"],

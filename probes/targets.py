@@ -15,6 +15,13 @@ shape       values                            used by
 
 Register a new one with :func:`register_target`; ``truth:<path>`` and ``params:<path>`` read
 any scalar from the JSON (dotted path, list indices allowed: ``truth:subject.colour``).
+
+The built-in targets read a row's truth through its family's truth schema (the stimulus
+family's ``Truth`` dataclass, see docs/stimuli/new-family.md), never with ``.get``: a row of that
+family whose truth lacks a declared key (renamed, say) stops the target with a message naming
+the key, rather than reading as "no label". Rows of other families get no label. The schema is
+imported on first use, from the one module of that family, so importing ``probes`` loads no
+extraction code, and computing a target never loads model code.
 """
 
 from __future__ import annotations
@@ -94,11 +101,22 @@ class TargetSpec:
             raise ProbeError(f"target {self.name} returned shape {out.shape!r} for {len(out)} rows; expected {self.shape!r} for {len(rows)}")
         if not out.labelled().any():
             fams = sorted({str(r.family) for r in rows})
+            hint = _key_hint(self.name, rows)
             raise ProbeError(
-                f"target {self.name}: none of the {len(rows)} selected rows has it (families {fams}):"
+                f"target {self.name}: none of the {len(rows)} selected rows has it (families {fams}){hint}:"
                 " narrow the rows with where: (e.g. family = 'go') or pick another target"
             )
         return out
+
+
+def _key_hint(name: str, rows: Sequence[SampleInfo]) -> str:
+    """For ``truth:<path>`` / ``params:<path>`` naming no key of the rows: the closest key they have."""
+    prefix, _, path = name.partition(":")
+    if prefix not in ("truth", "params") or not path:
+        return ""
+    keys = {k for r in rows for k in getattr(r, prefix)}
+    first = path.split(".")[0]
+    return "" if first in keys else did_you_mean(first, keys)
 
 
 TARGETS: dict[str, TargetSpec] = {}
@@ -240,10 +258,24 @@ def _uniform_grid(name: str, rows: Sequence[SampleInfo], grid_of: Callable[[Samp
 GO_CLASSES = ("black", "white", "empty")  # extract/stimuli/goboard.py: BLACK, WHITE, EMPTY = 0, 1, 2
 
 
-def _go_board(row: SampleInfo) -> np.ndarray | None:
-    labels = row.truth.get("labels")
-    if not isinstance(labels, list) or not labels:
+def typed_truth(row: SampleInfo, family: str) -> Any | None:
+    """``row.truth`` through ``family``'s truth schema, or None for a row of another family."""
+    if row.family != family:
         return None
+    # Imported here, not at the top: importing probes must not load the extraction package.
+    from extract.stimuli import StimulusError, get_family
+
+    try:
+        return get_family(family).read_truth(row.truth, row.stimulus)
+    except StimulusError as err:
+        raise ProbeError(f"{err}. The built-in {family}.* targets read these keys") from None
+
+
+def _go_board(row: SampleInfo) -> np.ndarray | None:
+    truth = typed_truth(row, "go")
+    if truth is None or not truth.labels:
+        return None
+    labels = truth.labels
     b = int(row.params.get("board_size") or math.isqrt(len(labels)))
     if b * b != len(labels):
         raise ProbeError(f"{row.stimulus}: truth.labels has {len(labels)} entries, not board_size^2 = {b * b}")
@@ -251,16 +283,18 @@ def _go_board(row: SampleInfo) -> np.ndarray | None:
 
 
 def _g2m_matrix(row: SampleInfo) -> np.ndarray | None:
-    m = row.truth.get("matrix")
-    if not isinstance(m, list) or not m:
-        return None
-    return np.asarray(m, dtype=np.int64)
+    truth = typed_truth(row, "g2m")
+    return None if truth is None else np.asarray(truth.matrix, dtype=np.int64)
 
 
 def _g2m_classes(rows: Sequence[SampleInfo]) -> tuple[int, ...]:
     c = max((int(r.params.get("num_colors") or 0) for r in rows), default=0)
     seen = max((int(g.max()) + 1 for g in map(_g2m_matrix, rows) if g is not None), default=0)
     return tuple(range(max(c, seen)))
+
+
+def _field(rows: Sequence[SampleInfo], family: str, name: str) -> list[Any]:
+    return [None if t is None else getattr(t, name) for t in (typed_truth(r, family) for r in rows)]
 
 
 @register_target("go.intersection", "token")
@@ -278,7 +312,7 @@ def go_board(rows: Sequence[SampleInfo], n_tokens: int | None) -> TargetValues:
 @register_target("go.count", "sample")
 def go_count(rows: Sequence[SampleInfo], n_tokens: int | None) -> TargetValues:
     """Number of black stones (truth.count)."""
-    return encode("go.count", [r.truth.get("count") if r.truth.get("labels") is not None else None for r in rows])
+    return encode("go.count", _field(rows, "go", "count"))
 
 
 @register_target("g2m.cell_color", "token")
@@ -296,7 +330,7 @@ def g2m_matrix(rows: Sequence[SampleInfo], n_tokens: int | None) -> TargetValues
 @register_target("counting.count", "sample")
 def counting_count(rows: Sequence[SampleInfo], n_tokens: int | None) -> TargetValues:
     """Number of objects drawn (CountingTricks truth.count)."""
-    return encode("counting.count", [r.truth.get("count") if "objects" in r.truth else None for r in rows])
+    return encode("counting.count", _field(rows, "counting", "count"))
 
 
 @register_target("counting.boxes", "boxes")
@@ -304,12 +338,11 @@ def counting_boxes(rows: Sequence[SampleInfo], n_tokens: int | None) -> TargetVa
     """Object boxes (truth.objects[*].bbox) as image-normalised x1, y1, x2, y2."""
     out = np.empty(len(rows), dtype=object)
     for i, r in enumerate(rows):
-        objs = r.truth.get("objects")
-        size = r.truth.get("image_size") or r.params.get("image_size")
-        if not isinstance(objs, list) or not size:
+        truth = typed_truth(r, "counting")
+        if truth is None:
             out[i] = None
             continue
-        boxes = np.array([o["bbox"] for o in objs], dtype=np.float32).reshape(-1, 4) / float(size)
+        boxes = np.array([o["bbox"] for o in truth.objects], dtype=np.float32).reshape(-1, 4) / float(truth.image_size)
         out[i] = np.clip(boxes, 0.0, 1.0)
     return TargetValues("counting.boxes", "boxes", out, ("object",))
 
@@ -317,4 +350,4 @@ def counting_boxes(rows: Sequence[SampleInfo], n_tokens: int | None) -> TargetVa
 @register_target("spatial.relation", "sample")
 def spatial_relation(rows: Sequence[SampleInfo], n_tokens: int | None) -> TargetValues:
     """The spatial relation of subject to reference (truth.relation: left, right, above, ...)."""
-    return encode("spatial.relation", [r.truth.get("relation") for r in rows])
+    return encode("spatial.relation", _field(rows, "spatial", "relation"))

@@ -1,4 +1,4 @@
-"""Answer parsers shared by families: numbers, digit strings, multiple-choice letters.
+"""Answer parsers shared by families: numbers, digit strings, multiple-choice letters, true/false.
 
 Each parser returns ``None`` when the text holds no answer of its kind; callers count that as
 wrong (never as a silent default), matching the studies' denominators.
@@ -117,3 +117,14 @@ def parse_choice_letter(text: str | None, letters: str = "ABCD") -> str | None:
         return None
     letter = m.group(1).upper()
     return letter if letter in letters else None
+
+
+_BOOL = re.compile(r"\b(true|false|yes|no)\b", re.IGNORECASE)
+
+
+def parse_bool(text: str | None) -> str | None:
+    """``"True"``/``"False"`` from the first true/false/yes/no word, else None."""
+    m = _BOOL.search(text or "")
+    if not m:
+        return None
+    return "True" if m.group(1).lower() in ("true", "yes") else "False"

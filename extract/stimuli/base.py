@@ -1,18 +1,21 @@
 """What every stimulus family produces, and the validation helpers they share.
 
-A family is a module with a ``Config`` dataclass and a ``generate(config, n, seed, split)``
-iterator of :class:`Stimulus`. ``Config`` fields become command-line options automatically
-(see :mod:`extract.stimuli.cli`): each field's ``metadata["help"]`` is its help text, so a
-family never writes argparse code of its own.
+A family is one module exposing ``FAMILY`` (a :class:`Family`): a ``Config`` dataclass, a
+``generate(config, n, seed, split)`` iterator of :class:`Stimulus`, the :class:`Truth` schema
+its truth follows, its ``score(task, text, answer, truth)`` and the size of its small set.
+``Config`` fields become command-line options automatically (see :mod:`extract.stimuli.cli`):
+each field's ``metadata["help"]`` is its help text, so a family never writes argparse code of
+its own. docs/stimuli/new-family.md walks through adding one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 from PIL import Image
@@ -20,6 +23,103 @@ from PIL import Image
 
 class StimulusError(ValueError):
     """A stimulus parameter is invalid. The message names the parameter, the value and the fix."""
+
+
+class TruthError(StimulusError, KeyError):
+    """A stimulus' truth lacks a key its family's :class:`Truth` schema declares, or holds a value
+    of the wrong type. A ``KeyError`` too, since a missing key is what it reports."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+T = TypeVar("T", bound="Truth")
+
+
+@dataclass(frozen=True)
+class Truth:
+    """A family's truth schema: the keys of ``Stimulus.truth`` that other stages read (scoring,
+    probe targets), with their types. Subclass it as a frozen dataclass, one field per key.
+
+    The generator may write more keys (descriptive ones, read by ``truth:<path>`` probe targets);
+    a declared key that is missing or renamed fails loudly in :meth:`from_truth`, never reads as
+    None.
+    """
+
+    @classmethod
+    def from_truth(cls: type[T], truth: Mapping[str, Any], *, family: str = "", stimulus: str = "") -> T:
+        """The typed truth of one stimulus; :class:`TruthError` naming the key and the fix otherwise."""
+        where = f"the truth of {family + ' ' if family else ''}stimulus {stimulus or '?'}"
+        if not isinstance(truth, Mapping):
+            raise TruthError(f"{where} is a {type(truth).__name__}, not a mapping of keys to values")
+        values = {}
+        for name, kinds in _schema(cls):
+            if name not in truth:
+                raise TruthError(
+                    f"{where} has no key {name!r} (it has {sorted(truth)[:12]}), which {cls.__name__} declares:"
+                    f" regenerate the set with `python -m extract.stimuli`, or rename the key back"
+                )
+            value = truth[name]
+            if not _is_instance(value, kinds):
+                raise TruthError(
+                    f"{where}: key {name!r} holds {type(value).__name__} {str(value)[:40]}, not"
+                    f" {' or '.join(k.__name__ for k in kinds)} as {cls.__name__} declares"
+                )
+            values[name] = value
+        return cls(**values)
+
+
+_SCHEMAS: dict[type, tuple[tuple[str, tuple[type, ...]], ...]] = {}
+
+
+def _schema(cls: type) -> tuple[tuple[str, tuple[type, ...]], ...]:
+    """(field, accepted runtime types) per field of a Truth dataclass, resolved once per class."""
+    if cls not in _SCHEMAS:
+        _SCHEMAS[cls] = _resolve(cls)
+    return _SCHEMAS[cls]
+
+
+def _resolve(cls: type) -> tuple[tuple[str, tuple[type, ...]], ...]:
+    hints = get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        parts = get_args(kind) if get_origin(kind) in (Union, types.UnionType) else (kind,)
+        accepted = tuple(type(None) if p is None else get_origin(p) or p for p in parts)
+        out.append((f.name, (object,) if Any in accepted else accepted))
+    return tuple(out)
+
+
+def _is_instance(value: Any, kinds: tuple[type, ...]) -> bool:
+    if isinstance(value, bool) and bool not in kinds:
+        return False  # True is an int to Python, never a count to a schema
+    if float in kinds and isinstance(value, int):
+        return True
+    return isinstance(value, kinds)
+
+
+@dataclass(frozen=True)
+class Score:
+    """One answer parsed and scored: what the model answered (None: nothing parsable), whether
+    that parse worked, whether it is right, a score in [0, 1] and extra numbers as JSON."""
+
+    prediction: Any
+    parse_ok: bool
+    correct: bool
+    score: float
+    metrics: dict[str, Any] | None = None
+
+
+def compare(parsed: Any, expected: Any) -> Score:
+    """Right when the parse worked and equals ``expected``; a failed parse is wrong."""
+    ok = parsed is not None
+    correct = ok and parsed == expected
+    return Score(prediction=parsed, parse_ok=ok, correct=correct, score=float(correct))
+
+
+def exact_match(task: str, text: str, answer: str, truth: Truth) -> Score:
+    """The default scorer: the stripped text equals the stripped reference answer."""
+    return compare(text.strip() or None, answer.strip())
 
 
 @dataclass(frozen=True)
@@ -73,22 +173,40 @@ class TaskInputs:
     strings: tuple[str, ...] = ()
 
 
+def _image_only(truth: Mapping[str, Any], task: str) -> TaskInputs:
+    return TaskInputs()
+
+
 @dataclass(frozen=True)
 class Family:
-    """A registered stimulus family: its name, its config class and its generator.
+    """A registered stimulus family: everything the other stages need to know about it.
 
-    ``task_inputs(truth, task)`` says what a task shows besides its question (default: the
-    image, no strings); families with text-only tasks or strings to read override it.
+    - ``config``, ``generate``: the parameters and the generator.
+    - ``truth``: the :class:`Truth` schema scoring and probe targets read the truth through.
+    - ``score(task, text, answer, truth)``: parse and score one answer (``truth`` typed); it must
+      return on any text (the caller records a raising scorer as unparsable, and warns). Default:
+      :func:`exact_match`.
+    - ``small_set_n``: the ``--n`` of its small set (``python -m extract.stimuli all``); ``n``
+      counts per sweep cell where the family sweeps, so each family picks its own.
+    - ``task_inputs(truth, task)``: what a task shows besides its question (default: the image,
+      no strings); families with text-only tasks or strings to read override it.
     """
 
     name: str
     description: str
     config: type
     generate: Callable[..., Iterator[Stimulus]]
-    task_inputs: Callable[[Mapping[str, Any], str], TaskInputs] = lambda truth, task: TaskInputs()
+    truth: type[Truth] = Truth
+    score: Callable[[str, str, str, Any], Score] = exact_match
+    small_set_n: int = 16
+    task_inputs: Callable[[Mapping[str, Any], str], TaskInputs] = _image_only
 
     def make_config(self, **overrides: Any) -> Any:
         return self.config(**overrides)
+
+    def read_truth(self, truth: Mapping[str, Any], stimulus: str = "") -> Truth:
+        """``truth`` through this family's schema: a typed object, or a :class:`TruthError`."""
+        return self.truth.from_truth(truth, family=self.name, stimulus=stimulus)
 
 
 def option(default: Any, help: str, **metadata: Any) -> Any:

@@ -18,10 +18,6 @@ from extract.stimuli import family_names, get_family
 from extract.stimuli.base import Family, StimulusError
 from extract.stimuli.io import write_set
 
-# `all` writes a small set of each family; `n` means different things per family (per grid
-# size, per count, per case, in all), so each gets its own size: ~100-250 samples, seconds each.
-SMALL_SET_N = {"g2m": 8, "go": 2, "counting": 4, "spatial": 64}
-
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -60,7 +56,8 @@ def _add_run_options(parser: argparse.ArgumentParser, *, out_help: str, default_
     parser.add_argument("--n", type=int, default=default_n,
                         help="samples to write (per sweep cell where the family sweeps, e.g. per grid size)"
                         + (f" (default: {default_n})" if default_n is not None
-                           else f" (default per family: {SMALL_SET_N})"))
+                           else " (default: each family's small_set_n: "
+                           + ", ".join(f"{n} {get_family(n).small_set_n}" for n in family_names()) + ")"))
     parser.add_argument("--seed", type=int, default=0, help="base seed; sample i uses a seed derived from it (default: 0)")
     parser.add_argument("--split", default="test", help="split name recorded with every sample (default: test)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing set at --out")
@@ -75,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in family_names():
         family = get_family(name)
         p = sub.add_parser(name, help=family.description, description=family.description)
-        _add_run_options(p, out_help="the set folder to create", default_n=SMALL_SET_N.get(name, 16))
+        _add_run_options(p, out_help="the set folder to create", default_n=family.small_set_n)
         add_config_options(p, family.config)
     p_all = sub.add_parser("all", help="a small set of every family with default parameters, in OUT/<family>"
                            " (replaces sets already there)")
@@ -92,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             family = get_family(args.family)
             jobs = [(family, config_from_args(family, args), args.out)]
         for family, config, out in jobs:
-            n = args.n if args.n is not None else SMALL_SET_N.get(family.name, 16)
+            n = args.n if args.n is not None else family.small_set_n
             if n < 1:
                 raise StimulusError(f"--n={n}: ask for at least one sample")
             path = write_set(family, config, n=n, seed=args.seed, split=args.split, out=out,

@@ -44,12 +44,16 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageColor
 
+from extract.stimuli.answers import parse_number
 from extract.stimuli.base import (
     Family,
+    Score,
     Stimulus,
     StimulusError,
+    Truth,
     check_choice,
     check_int_range,
+    compare,
     option,
 )
 
@@ -764,9 +768,28 @@ def _samples(config: Config, n: int, seed: int, split: str) -> Iterator[Stimulus
             yield make_stimulus(CASES[case_id], config, seed, index, split)
 
 
+@dataclass(frozen=True)
+class CountingTruth(Truth):
+    """``count``: objects drawn; ``objects``: one dict per object, ``bbox`` in pixels (x1, y1, x2,
+    y2); ``image_size``: the image side in pixels; ``patch_size``: the patch side it is drawn against."""
+
+    count: int
+    objects: list[dict[str, Any]]
+    image_size: int
+    patch_size: int
+
+
+def score_answer(task: str, text: str, answer: str, truth: CountingTruth) -> Score:
+    """The first number in the answer (digits or words) equals the drawn count, for both tasks."""
+    return compare(parse_number(text), truth.count)
+
+
 FAMILY = Family(
     name="counting",
     description="CountingTricks: count shapes placed against the patch grid (32 cases, counting-tricks)",
     config=Config,
     generate=generate,
+    truth=CountingTruth,
+    score=score_answer,
+    small_set_n=4,  # per case: 4 x 32 cases
 )

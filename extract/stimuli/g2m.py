@@ -26,8 +26,11 @@ from PIL import Image, ImageDraw
 
 from extract.stimuli.base import (
     Family,
+    Score,
     Stimulus,
     StimulusError,
+    Truth,
+    TruthError,
     check_choice,
     check_int_range,
     option,
@@ -359,9 +362,38 @@ def metrics(scores: Sequence[GridScore]) -> GridMetrics:
     )
 
 
+@dataclass(frozen=True)
+class G2MTruth(Truth):
+    """``matrix``: the N x N colour indices, row by row (what a transcription must equal)."""
+
+    matrix: list[list[int]]
+
+    def __post_init__(self) -> None:
+        widths = {len(row) if isinstance(row, list) else -1 for row in self.matrix}
+        if not self.matrix or len(widths) != 1 or -1 in widths:
+            raise TruthError(
+                f"g2m truth 'matrix' must be a non-empty list of equal-length rows, got {str(self.matrix)[:60]}"
+            )
+
+
+def score_answer(task: str, text: str, answer: str, truth: G2MTruth) -> Score:
+    """The study's parse cascade; right when the whole grid matches (EM), scored by cells right."""
+    s = score(text, truth.matrix)
+    return Score(
+        prediction=None if s.parsed is None else s.parsed.tolist(),
+        parse_ok=s.parse_ok,
+        correct=s.exact,
+        score=s.cells_correct / s.cells_total,
+        metrics={"cells_correct": s.cells_correct, "cells_total": s.cells_total},
+    )
+
+
 FAMILY = Family(
     name="g2m",
     description="Grid2Matrix colour grids: N×N cells of C palette colours to transcribe (study g2m)",
     config=Config,
     generate=generate,
+    truth=G2MTruth,
+    score=score_answer,
+    small_set_n=8,  # per (grid size, colour count) cell
 )

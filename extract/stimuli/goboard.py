@@ -37,14 +37,19 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from extract.stimuli.answers import parse_bool, parse_digit_string
 from extract.stimuli.base import (
     Family,
+    Score,
     Stimulus,
     StimulusError,
     TaskInputs,
+    Truth,
     check_choice,
     check_int_range,
+    compare,
     derive_seed,
+    exact_match,
     option,
     parse_int_ranges,
 )
@@ -523,10 +528,33 @@ def task_inputs(truth: Mapping[str, Any], task: str) -> TaskInputs:
     raise StimulusError(f"unknown Go task {task!r}: choose one of {', '.join(QUESTIONS)}")
 
 
+@dataclass(frozen=True)
+class GoTruth(Truth):
+    """``count``: black stones; ``labels``: BLACK / WHITE / EMPTY per intersection, row by row;
+    ``regime``: ID / VE / FE by count. The text twins and stone geometry are descriptive keys."""
+
+    count: int
+    labels: list[int]
+    regime: str
+
+
+def score_answer(task: str, text: str, answer: str, truth: GoTruth) -> Score:
+    """``*_num``: the joined digits equal the count; ``*_tf``: the first true/false (yes/no) word
+    equals the reference."""
+    if task.endswith("_num"):
+        return compare(parse_digit_string(text), truth.count)
+    if task.endswith("_tf"):
+        return compare(parse_bool(text), answer)
+    return exact_match(task, text, answer, truth)
+
+
 FAMILY = Family(
     name=NAME,
     description="Go boards with exact black-stone counts, text twins and contrastive pairs (counting-bottleneck)",
     config=Config,
     generate=generate,
+    truth=GoTruth,
+    score=score_answer,
+    small_set_n=2,  # per count: 2 x 121 counts of the default sweep
     task_inputs=task_inputs,
 )

@@ -73,7 +73,7 @@ def write_set(
     tmp.mkdir(parents=True)
     try:
         started = time.perf_counter()
-        count = _write_samples(family.generate(config, n=n, seed=seed, split=split), tmp)
+        count = _write_samples(family, family.generate(config, n=n, seed=seed, split=split), tmp)
         meta = {
             "format_version": SET_FORMAT_VERSION,
             "family": family.name,
@@ -94,10 +94,13 @@ def write_set(
     return out
 
 
-def _write_samples(stimuli: Iterable[Stimulus], folder: Path) -> int:
+def _write_samples(family: Family, stimuli: Iterable[Stimulus], folder: Path) -> int:
     rows = []
     made_dirs: set[str] = set()
     for stim in stimuli:
+        # A generator that drifts from its own truth schema fails here, before any set is written,
+        # not later in scoring or in a probe target.
+        family.read_truth(stim.truth, stim.id)
         image_path = None
         if stim.image is not None:
             image_path = _save_png(stim.image, folder, "images", stim.id, made_dirs)

@@ -25,12 +25,16 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
+from extract.stimuli.answers import parse_choice_letter
 from extract.stimuli.base import (
     Family,
+    Score,
     Stimulus,
     StimulusError,
+    Truth,
     check_choice,
     check_int_range,
+    compare,
     derive_seed,
     option,
 )
@@ -340,9 +344,25 @@ def _object_truth(obj: Obj, roles: dict[str, Obj], order: list[str], role: str,
     }
 
 
+@dataclass(frozen=True)
+class SpatialTruth(Truth):
+    """``relation``: where the subject is relative to the reference (left, right, above, ...).
+    The caption, options, correct index and per-object geometry are descriptive keys."""
+
+    relation: str
+
+
+def score_answer(task: str, text: str, answer: str, truth: SpatialTruth) -> Score:
+    """The strictly parsed option letter equals the shuffled answer's letter."""
+    return compare(parse_choice_letter(text), answer)
+
+
 FAMILY = Family(
     name=NAME,
     description="two objects left/right/above/below or front/behind, 4-way multiple choice (images-as-text)",
     config=Config,
     generate=generate,
+    truth=SpatialTruth,
+    score=score_answer,
+    small_set_n=64,  # in all: 16 of each relation
 )

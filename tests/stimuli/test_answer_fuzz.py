@@ -14,12 +14,15 @@ import warnings
 
 import pytest
 
-from extract.scoring import parse_bool, score_answer
+from extract.scoring import score_answer
+from extract.stimuli import StimulusError
 from extract.stimuli.answers import (
+    parse_bool,
     parse_choice_letter,
     parse_digit_string,
     parse_number,
 )
+from extract.stimuli.base import exact_match
 from extract.stimuli.g2m import parse_grid
 
 HUGE = "1" * 20  # >= 2**63
@@ -42,16 +45,17 @@ ADVERSARIAL = [
     "\ud800", "\udfff lone surrogates \ud800",
 ]
 ALPHABET = "0123456789[](),.-+ \n\t=ROWabcTrueFalse٣５²eE'\"`\\\x00|<>_*:"
+GO = {"labels": [0, 2, 2, 1], "regime": "ID"}
 CASES = [
     ("g2m", "transcribe", "", {"matrix": [[0, 1], [1, 0]]}),
     ("g2m", "transcribe", "", {"matrix": [[0, 1, 2], [2, 1, 0], [1, 1, 1]]}),
-    ("go", "multimodal_num", "47", {"count": 47}),
-    ("go", "text_only_tf", "True", {"count": 3}),
-    ("counting", "standard", "5", {"count": 5}),
-    ("spatial", "choice", "B", {}),
-    ("unknown", "free", "cat", {}),
+    ("go", "multimodal_num", "47", {"count": 47, **GO}),
+    ("go", "text_only_tf", "True", {"count": 3, **GO}),
+    ("counting", "standard", "5", {"count": 5, "objects": [], "image_size": 448, "patch_size": 14}),
+    ("spatial", "choice", "B", {"relation": "left"}),
 ]
 PARSERS = [parse_digit_string, parse_number, parse_choice_letter, parse_bool,
+           lambda t: exact_match("free", t, "cat", None),  # type: ignore[arg-type]
            lambda t: parse_grid(t, 2, 2), lambda t: parse_grid(t, 3, 3), lambda t: parse_grid(t, 1, 2)]
 
 
@@ -119,13 +123,19 @@ def test_a_number_too_long_to_read_is_no_answer():
 def test_a_raising_parser_is_recorded_as_unparsable_not_raised():
     # A text that is not a str makes the real digit parser raise: the guard's job, loudly.
     with pytest.warns(RuntimeWarning, match="go/multimodal_num: the answer parser raised TypeError"):
-        g = score_answer("go", "multimodal_num", 12345, "12", {"count": 12})  # type: ignore[arg-type]
+        g = score_answer("go", "multimodal_num", 12345, "12", {"count": 12, **GO})  # type: ignore[arg-type]
     assert (g.parse_ok, g.correct, g.score, g.prediction) == (False, False, 0.0, None)
     assert g.metrics["parse_error"].startswith("TypeError")
 
 
 def test_a_missing_truth_is_not_hidden_by_the_guard():
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="no key 'matrix'"):
         score_answer("g2m", "transcribe", "[[0]]", "", {})
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="no key 'count'"):
         score_answer("counting", "standard", "3", "3", {})
+
+
+def test_an_unregistered_family_is_not_scored_by_a_silent_fallback():
+    # The scorer used to fall back to exact match for any family it did not know.
+    with pytest.raises(StimulusError, match="unknown stimulus family 'unknown'"):
+        score_answer("unknown", "free", "cat", "cat", {})
