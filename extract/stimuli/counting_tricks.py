@@ -453,7 +453,7 @@ def _ring(sizes: list[float], gap: float, fn: GapFn, phase: float) -> Local:
             # A small object between big ones lets the next big one reach the one before; then
             # step on until every earlier object (but the first, settled by closing) is clear.
             if i > 2 and clear(radius, thetas, range(1, i - 1), t0 + d, sizes[i]) < 0:
-                def f(x: float, i: int = i) -> float:
+                def f(x: float, i: int = i, t0: float = t0) -> float:
                     return clear(radius, thetas, range(1, i), t0 + x, sizes[i])
                 if f(math.pi) < 0:
                     return None

@@ -68,7 +68,9 @@ def test_batch_tokens_match_processor():
                 i += 1
             ans = tok.decode(lab[lab != -100])
             ans_ids = lab[lab != -100].tolist()
-            expect_ids = lambda a: tok(answer_suffix(a), add_special_tokens=False).input_ids  # noqa: E731
+            def expect_ids(a: str, tok=tok) -> list[int]:
+                return tok(answer_suffix(a), add_special_tokens=False).input_ids
+
             expected = proc.expand(prompt(G.QUESTIONS[task], strings, image=task.startswith("multimodal")))
             assert text == expected + " " + ans
             if task == "text_only_num":

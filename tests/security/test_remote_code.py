@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
 
 import extract.__main__ as extract_cli  # noqa: E402
 from extract.manifest import parse_manifest  # noqa: E402
-from extract.models import UntrustedCodeError, load_model  # noqa: E402
+from extract.models import ModelError, UntrustedCodeError, load_model  # noqa: E402
 
 
 def code_shipping_model(folder, marker):
@@ -88,11 +88,11 @@ def test_every_loader_passes_the_manifests_choice(monkeypatch, tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     for flag in (False, True):
-        with pytest.raises(Exception):
+        with pytest.raises(ModelError):
             load_model(folder, trust_remote_code=flag)
         m = parse_manifest({"run": "r", "model": {"path": str(folder), "trust_remote_code": flag},
                             "stimuli": [{"set": "s"}]})
-        with pytest.raises(Exception):
+        with pytest.raises(ModelError):
             dry.meta_model(m)
     assert seen == [("config", False), ("config", False), ("config", True), ("config", True)]
     # and the weights / processor loads take it from load_model's argument, never a constant
