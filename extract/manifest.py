@@ -252,9 +252,45 @@ def parse_manifest(data: Any, source: str = "manifest") -> Manifest:
     if not isinstance(data, dict):
         raise ManifestError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
     try:
-        return Manifest.model_validate(data)
+        manifest = Manifest.model_validate(data)
     except ValidationError as err:
         raise _friendly(err, source) from None
+    check_sets(manifest, source)
+    return manifest
+
+
+def check_sets(manifest: Manifest, source: str = "manifest") -> None:
+    """Each stimulus once per run: the same set listed twice, or two sets whose folders share a
+    name, would give two rows one key ('<set folder name>/<id>'). Checked here, so the refusal
+    comes before a model loads or the workspace is touched."""
+    seen: dict[str, tuple[int, Path]] = {}
+    for i, spec in enumerate(manifest.stimuli):
+        folder = Path(spec.set).expanduser().resolve()
+        if folder.name not in seen:
+            seen[folder.name] = (i, folder)
+            continue
+        j, other = seen[folder.name]
+        if other == folder:
+            raise ManifestError(
+                f"{source}: stimuli.{i}: set {spec.set} is already listed as stimuli.{j}; a run holds each stimulus"
+                " once, so list the set once (to ask another of its tasks, extract it as a second run)"
+            )
+        raise ManifestError(
+            f"{source}: stimuli.{i}: sets {other} and {folder} are both named {folder.name!r}; stimulus keys are"
+            " '<set folder name>/<id>', so rename one folder"
+        )
+
+
+def check_codec(codec: str) -> None:
+    """Refuse an unknown ``--codec`` before anything loads or is written (extraction stores
+    float16, whose mantissa bounds bitround<k>)."""
+    from store.arrays import parse_codec  # here: validating a manifest alone needs no Zarr import
+    from store.errors import StoreError
+
+    try:
+        parse_codec(codec, "float16")
+    except StoreError as err:
+        raise ManifestError(f"--codec {codec}: {err}") from None
 
 
 def load_manifest(path: str | Path) -> Manifest:

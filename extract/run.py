@@ -38,7 +38,7 @@ from PIL import Image
 from extract.interventions import INTERVENTION_FILE
 from extract.interventions import describe as describe_intervention
 from extract.interventions.rope import scaled_vision_rope
-from extract.manifest import Manifest, ManifestError, expand_layers
+from extract.manifest import Manifest, ManifestError, check_codec, check_sets, expand_layers
 from extract.models import (
     CaptureKey,
     LoadedModel,
@@ -290,6 +290,8 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
                    on_batch: Callable[[int], None] | None = None) -> RunSummary:
     """Run (or resume) a manifest. ``on_batch(rows_done)`` is called after each batch is queued."""
     started = time.perf_counter()
+    check_codec(codec)
+    check_sets(manifest)
     sets, samples = collect_samples(manifest)
     if not samples:
         raise ManifestError("the stimulus sets hold no samples (check limit)")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from queries.named import QueryError, available, run
+from queries.named import QueryError, available, check_out, run
 from queries.render import emit, render_schema
 from store import StoreError, Workspace
 
@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
                 params = ", ".join(f"{p.name}={p.default}" if p.default is not None else p.name for p in q.params)
                 print(f"{q.name:<20} {q.description}" + (f"\n{'':<20} params: {params}" if params else ""))
             return 0
+        if args.out:
+            check_out(args.out)
         ws = Workspace.open(args.data, readonly=True)
         if args.schema:
             table = ws.query("SELECT table_name AS \"table\", column_name AS \"column\", data_type AS type"

@@ -15,8 +15,12 @@ from typing import Any
 import pyarrow as pa
 
 from store import StoreError, Workspace
+from store.arrays import ZARR_DIR
+from store.workspace import MANIFEST
 
 SQL_DIR = Path(__file__).with_name("sql")
+# What a workspace folder holds besides its manifest files (store/workspace.py): never an output.
+_WORKSPACE_FOLDERS = (ZARR_DIR, "locks", ".trash")
 _PARAM = re.compile(r"^--\s*param:\s*(\w+)\s+(.*?)(?:\(default\s+(.*)\))?\s*$")
 
 
@@ -91,6 +95,28 @@ def get(name: str) -> NamedQuery:
     if name not in queries:
         raise QueryError(f"no named query {name!r}: choose one of {', '.join(queries)} (python -m queries --list)")
     return queries[name]
+
+
+def check_out(out: str | Path) -> Path:
+    """Refuse an ``--out`` file that would overwrite a workspace's own files (its manifest, the
+    writer lock, anything under arrays/) or whose folder does not exist; returns the path."""
+    path = Path(out)
+    folder = path.parent
+    if not folder.is_dir():
+        raise QueryError(f"--out {out}: folder {folder} does not exist; create it first (mkdir -p {folder})")
+    if path.is_dir():
+        raise QueryError(f"--out {out} is a folder; name a file in it, e.g. {path / 'result.csv'}")
+    real = path.resolve()  # through symlinks: a link to the manifest is the manifest
+    for ws in real.parents:
+        if not (ws / MANIFEST).is_file():
+            continue
+        top = real.relative_to(ws).parts[0]
+        if top.startswith((MANIFEST, f".{MANIFEST}", "writer.lock")) or top in _WORKSPACE_FOLDERS:
+            raise QueryError(
+                f"--out {out} would overwrite {real}, a file of the workspace {ws} (its manifest, locks or arrays):"
+                " write the result outside those files"
+            )
+    return path
 
 
 def run(ws: Workspace, name: str, params: dict[str, str] | None = None) -> pa.Table:

@@ -267,6 +267,12 @@ GROUP BY ALL;
 """
 
 
+# Bit rot in a ragged block's offsets shifts every later sample's rows, so verify checksums them
+# too. NULL: a dense chunk (no offsets), or a ragged chunk committed before v3 (unknown; verify
+# says how many it could check only for shape).
+_V3_OFFSETS_CRC = "ALTER TABLE chunks ADD COLUMN offsets_crc32c BIGINT;  -- CRC-32C of a ragged block's int64 offsets"
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: ``apply`` runs inside the migration's transaction."""
@@ -285,10 +291,15 @@ def _v2(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(_V2)
 
 
+def _v3_offsets_crc(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(_V3_OFFSETS_CRC)
+
+
 MIGRATIONS: list[Migration] = [
     Migration(1, "initial manifest: runs, stimuli, samples, activations, chunks, tensors, generations, probes", _v1),
     Migration(2, "interventions (runs.intervention, head_ablations) and the vocabulary for the logit lens",
               _v2),
+    Migration(3, "chunks.offsets_crc32c: a checksum of each ragged block's offsets", _v3_offsets_crc),
 ]
 
 

@@ -57,8 +57,8 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
                 [run] if run else [],
             ).fetchall()
             chunk_rows = con.execute(
-                "SELECT run, zarr_path, chunk, row_start, row_stop, n_rows, crc32c, n_nonfinite, n_clipped FROM chunks"
-                " ORDER BY run, zarr_path, chunk"
+                "SELECT run, zarr_path, chunk, row_start, row_stop, n_rows, crc32c, n_nonfinite, n_clipped,"
+                " offsets_crc32c FROM chunks ORDER BY run, zarr_path, chunk"
             ).fetchall()
             sample_stats = dict(
                 (r[0], r[1:])
@@ -178,7 +178,8 @@ def _check_array(ws: Workspace, info: ArrayInfo, status: str, chunks: list[tuple
         rep.warnings.append(f"{where}: {nonfinite} NaN/inf value(s) stored as the model produced them (chunks {worst}...)")
     if clipped:
         rep.warnings.append(f"{where}: {clipped} value(s) clipped to the float16 range (overflow='clip')")
-    for chunk, row_start, row_stop, n_rows, crc, _, _ in chunks:
+    unknown = 0
+    for chunk, row_start, row_stop, n_rows, crc, _, _, offsets_crc in chunks:
         rep.chunks += 1
         committed.add(chunk)
         expect = info.chunk_rows(chunk) if 0 <= chunk < info.n_chunks else None
@@ -186,7 +187,7 @@ def _check_array(ws: Workspace, info: ArrayInfo, status: str, chunks: list[tuple
             rep.problems.append(f"{where}: chunk {chunk} rows [{row_start}, {row_stop}) do not match the chunk grid")
             continue
         try:
-            values = _read_chunk(ws, info, node, chunk, row_start, row_stop, n_rows)
+            values, offsets = _read_chunk(ws, info, node, chunk, row_start, row_stop, n_rows)
         except Exception as err:  # noqa: BLE001
             rep.problems.append(f"{where}: chunk {chunk} unreadable: {type(err).__name__}: {err}")
             continue
@@ -196,6 +197,20 @@ def _check_array(ws: Workspace, info: ArrayInfo, status: str, chunks: list[tuple
                 f"{where}: chunk {chunk} (rows {row_start}-{row_stop - 1}) checksum mismatch: its bytes changed after"
                 f" commit ({_chunk_location(ws, info, chunk)})"
             )
+        if offsets is None or not checksums:
+            continue
+        if offsets_crc is None:
+            unknown += 1
+        elif crc32c(offsets.astype(np.int64)) != offsets_crc:
+            rep.problems.append(
+                f"{where}: chunk {chunk} (rows {row_start}-{row_stop - 1}) offsets checksum mismatch: the per-sample"
+                f" splits changed after commit ({ws.root.where(info.zarr_path, layout.block_name(chunk))}/offsets)"
+            )
+    if unknown:
+        rep.warnings.append(
+            f"{where}: {unknown} ragged chunk(s) were committed before offsets were checksummed (manifest schema < 3):"
+            " their offsets are checked for shape only; re-extract the run to checksum them"
+        )
     rep.bytes_checked += total_bytes
     if status == "finished" and len(committed) != info.n_chunks:
         missing = sorted(set(range(info.n_chunks)) - committed)
@@ -208,7 +223,9 @@ def _chunk_location(ws: Workspace, info: ArrayInfo, chunk: int) -> str:
     return ws.root.where(info.zarr_path, layout.block_name(chunk))
 
 
-def _read_chunk(ws: Workspace, info: ArrayInfo, node: object, chunk: int, start: int, stop: int, n_rows: int) -> np.ndarray:
+def _read_chunk(ws: Workspace, info: ArrayInfo, node: object, chunk: int, start: int, stop: int,
+                n_rows: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The chunk's stored values, and its offsets when ragged."""
     if info.layout == "dense":
         name = layout.chunk_file_key(len(info.shape), chunk)
         if ws.root.size(info.zarr_path, name) is None:
@@ -218,7 +235,7 @@ def _read_chunk(ws: Workspace, info: ArrayInfo, node: object, chunk: int, start:
         values = node[start:stop]
         if values.shape[0] != n_rows:
             raise StoreError(f"{values.shape[0]} rows read, manifest says {n_rows}")
-        return values
+        return values, None
     assert isinstance(node, zarr.Group)
     block = node[layout.block_name(chunk)]
     offsets = block["offsets"][...]
@@ -229,4 +246,4 @@ def _read_chunk(ws: Workspace, info: ArrayInfo, node: object, chunk: int, start:
         raise StoreError(f"block holds {rows.shape[0]} rows, offsets end at {offsets[-1]}, manifest says {n_rows}")
     if n_rows and not ws.root.has(f"{info.zarr_path}/{layout.block_name(chunk)}/rows", layout.chunk_file_key(rows.ndim, 0)):
         raise StoreError("rows chunk file is missing")
-    return rows[...]
+    return rows[...], offsets

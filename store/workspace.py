@@ -16,7 +16,6 @@ Everything that only reads opens the manifest read-only, for the length of one c
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import threading
 import time
@@ -209,7 +208,12 @@ class Workspace:
         """Run SQL on a read-only connection; a write through it is refused by DuckDB."""
         with self.connect() as con:
             try:
-                return con.sql(sql, params=params).to_arrow_table() if _returns_rows(sql) else _exec(con, sql, params)
+                statements = con.extract_statements(sql)
+                if len(statements) != 1:
+                    raise StoreError(f"query failed: give exactly one SQL statement, got {len(statements)}")
+                if _returns_rows(statements[0]):
+                    return con.sql(sql, params=params).to_arrow_table()
+                return _exec(con, sql, params)
             except duckdb.Error as err:
                 hint = ""
                 if isinstance(err, (duckdb.PermissionException, duckdb.InvalidInputException)) and (
@@ -217,7 +221,7 @@ class Workspace:
                 ):
                     hint = (" (queries run on a read-only connection without file access: they cannot change the"
                             " store or read and write other files)")
-                raise StoreError(f"query failed: {type(err).__name__}: {err}{hint}") from err
+                raise StoreError(f"query failed: {type(err).__name__}: {_one_line(str(err))}{hint}") from err
 
     def rows(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
         with self.connect() as con:
@@ -511,12 +515,12 @@ class Workspace:
     def drop_run(self, run: str, *, timeout: float = 0.0) -> dict[str, int]:
         """Remove a run, its arrays and every manifest row of it, atomically for readers.
 
-        Takes the writer lock. The run's Zarr folder is first renamed into ``.trash`` (one atomic
-        rename: readers see all arrays or none), then one transaction deletes its rows; if that
-        fails the folder is renamed back. The trash is emptied last (and at every writer start).
+        Takes the writer lock. One transaction deletes the run's rows first (readers then see no
+        run); only after that commit is its Zarr folder renamed into ``.trash`` and deleted. A kill
+        between the two leaves an orphan folder that no row points at (verify warns; the next
+        writer of that run id, or drop-run again, removes it), never rows pointing at deleted arrays.
         """
         check_name("run", run)  # the run id names a folder under arrays/: "../x" must not reach outside
-        counts: dict[str, int] = {}
         lock = WriterLock(self.path / "writer.lock", run=f"drop-run {run}")
         deadline = time.monotonic() + timeout
         while True:
@@ -529,43 +533,54 @@ class Workspace:
                 time.sleep(0.1)
         try:
             known = self.rows("SELECT count(*) FROM runs WHERE run = ?", [run])[0][0]
-            folder = self.zarr_path / run
-            if not known and not folder.exists() and not (self.root.remote and run in self.root.children()):
+            remote = self.root.remote and run in self.root.children()
+            if not known and not (self.zarr_path / run).exists() and not remote:
                 raise StoreError(f"no run {run!r} in {self.path}; `python -m store info` lists the runs")
+            counts = self._delete_run_rows(run)
+            self.remove_run_folder(run)
+        finally:
+            lock.release()
+        return counts
+
+    def _delete_run_rows(self, run: str) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
+            con.execute("BEGIN TRANSACTION")
+            try:
+                for table in ("chunks", "activations", "samples", "generations", "probes", "tensors",
+                              "head_ablations", "vocab", "runs"):
+                    n = con.execute(f"SELECT count(*) FROM {table} WHERE run = ?", [run]).fetchone()
+                    counts[table] = int(n[0]) if n else 0
+                    con.execute(f"DELETE FROM {table} WHERE run = ?", [run])
+                con.execute("COMMIT")
+            except BaseException:
+                db.rollback(con)
+                raise
+        return counts
+
+    def remove_run_folder(self, run: str, *, remote: bool = True) -> None:
+        """Delete the arrays of a run that no manifest row points at any more (the caller holds
+        the writer lock): renamed into ``.trash`` first, so a kill mid-delete leaves no half-removed
+        folder under ``arrays/``, and the trash is emptied at the next writer start."""
+        folder = self.zarr_path / run
+        if folder.exists():
             trash = self.path / ".trash"
             parked = trash / f"{run}.{os.getpid()}.{int(time.time() * 1000)}"
-            if folder.exists():
-                trash.mkdir(exist_ok=True)
-                os.replace(folder, parked)
-                layout.fsync_path(self.zarr_path)
-            try:
-                with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
-                    con.execute("BEGIN TRANSACTION")
-                    for table in ("chunks", "activations", "samples", "generations", "probes", "tensors",
-                                  "head_ablations", "vocab", "runs"):
-                        n = con.execute(f"SELECT count(*) FROM {table} WHERE run = ?", [run]).fetchone()
-                        counts[table] = int(n[0]) if n else 0
-                        con.execute(f"DELETE FROM {table} WHERE run = ?", [run])
-                    con.execute("COMMIT")
-            except BaseException:
-                if parked.exists():
-                    os.replace(parked, folder)
-                raise
+            trash.mkdir(exist_ok=True)
+            os.replace(folder, parked)
+            layout.fsync_path(self.zarr_path)
             shutil.rmtree(parked, ignore_errors=True)
             try:
                 trash.rmdir()
             except OSError:
-                pass  # not empty (another drop's leftovers) or never made
-            if self.root.remote:
-                # Not atomic there, but nothing points at these objects any more; a drop cut short
-                # leaves orphans that verify lists and a second drop-run removes.
-                try:
-                    self.root.remove(run)
-                except OSError as err:
-                    raise location.describe_remote_error(str(self.root.url), err) from err
-        finally:
-            lock.release()
-        return counts
+                pass  # not empty (another drop's leftovers)
+        if remote and self.root.remote:
+            # Not atomic there, but nothing points at these objects any more; a drop cut short
+            # leaves orphans that verify lists and a second drop-run removes.
+            try:
+                self.root.remove(run)
+            except OSError as err:
+                raise location.describe_remote_error(str(self.root.url), err) from err
 
     def purge_trash(self) -> None:
         trash = self.path / ".trash"
@@ -607,13 +622,18 @@ def _create_manifest(path: Path, migrations: list[schema_mod.Migration], timeout
             leftover.unlink(missing_ok=True)
 
 
-_LEADING_COMMENTS = re.compile(r"\A(?:\s+|--[^\n]*(?:\n|\Z)|/\*.*?\*/)*", re.DOTALL)
+def _returns_rows(statement: Any) -> bool:
+    """Whether DuckDB expects the statement to answer with rows and nothing else (SELECT, a
+    parenthesised or set-operation query, SHOW, DESCRIBE, PRAGMA, EXPLAIN ...). Asked of DuckDB's
+    own parse rather than of the first word, which a '(' or a comment would hide. Anything else
+    (INSERT ... RETURNING included) is executed without fetching, and refused by the read-only
+    connection if it writes."""
+    return list(statement.expected_result_type) == [duckdb.ExpectedResultType.QUERY_RESULT]
 
 
-def _returns_rows(sql: str) -> bool:
-    body = _LEADING_COMMENTS.sub("", sql, count=1)  # documented query files start with -- comments
-    head = body.split(None, 1)[0].upper() if body.strip() else ""
-    return head in ("SELECT", "WITH", "FROM", "SHOW", "DESCRIBE", "SUMMARIZE", "PRAGMA", "EXPLAIN", "VALUES", "TABLE")
+def _one_line(message: str) -> str:
+    """DuckDB's message on one line: its caret line under the SQL only points into the line above."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip() and set(line.strip()) != {"^"})
 
 
 def _exec(con: duckdb.DuckDBPyConnection, sql: str, params: Any) -> pa.Table:

@@ -145,9 +145,9 @@ class _ChunkRecord:
     row_stop: int
     n_rows: int
     nbytes: int
-    # Resolves to (crc32c, n_nonfinite, n_clipped) once the files are in place, computed off the
-    # writer thread.
-    written: Future[tuple[int, int, int]]
+    # Resolves to (crc32c, n_nonfinite, n_clipped, offsets crc32c or None) once the files are in
+    # place, computed off the writer thread.
+    written: Future[tuple[int, int, int, int | None]]
     # fsynced at commit time, all at once: an fsync per chunk while other chunks are being
     # written stalls those writes several-fold on ext4, a batch of fsyncs does not.
     files: list[Path]
@@ -375,6 +375,10 @@ class Writer:
                 [info.run],
             ).fetchone()
             if row is None:
+                if (self.ws.zarr_path / info.run).exists():
+                    # Left by a drop-run killed after its commit: no row points at it, and a new
+                    # run of that id must not find the old run's chunk files in its arrays.
+                    self.ws.remove_run_folder(info.run, remote=False)
                 con.execute(
                     "INSERT INTO runs (run, model, revision, adapter, dtype, attn_implementation, versions, config,"
                     " chunk_samples, bf16_policy, overflow_policy, intervention, status, host, pid, created_at,"
@@ -386,6 +390,7 @@ class Writer:
                         socket.gethostname(), os.getpid(), now, now,
                     ],
                 )
+                self._marked = True
                 return
             stored = {
                 "model": row[0], "revision": row[1], "adapter": row[2], "dtype": row[3],
@@ -395,17 +400,31 @@ class Writer:
             }
             wanted = info.identity()
             # A key a newer agnosia added with no value (e.g. model.device_map: null) is no difference.
-            diff = [k for k in wanted if _without_nulls(wanted[k]) != _without_nulls(stored[k])]
+            diff = [d for k in wanted for d in _differences(k, _without_nulls(stored[k]), _without_nulls(wanted[k]))]
             if diff:
-                detail = "; ".join(f"{k}: stored {stored[k]!r}, this writer {wanted[k]!r}" for k in diff)
+                detail = "; ".join(f"{k}: stored {a!r}, this writer {b!r}" + _resume_note(k) for k, a, b in diff)
                 raise SpecMismatchError(
                     f"run {info.run} already exists with different settings ({detail}). Resume it with the same"
-                    f" RunInfo, choose a new run id, or remove it with `python -m store drop-run {info.run}`"
+                    f" settings, choose a new run id, or remove it with `python -m store drop-run {info.run}`"
                 )
-            con.execute(
-                "UPDATE runs SET status = 'running', host = ?, pid = ?, updated_at = ?, finished_at = NULL WHERE run = ?",
-                [socket.gethostname(), os.getpid(), now, info.run],
-            )
+        # An existing run is marked running only when this writer first changes it: a resume
+        # refused by the checks that follow (other stimuli, another codec) leaves its row as it was.
+        self._marked = False
+
+    def _mark_running(self, con: Any = None) -> None:
+        """Mark an existing run ``running`` (this writer's host and pid) before its first change,
+        through ``con`` when the caller holds the write connection already."""
+        if self._marked:
+            return
+        if con is None:
+            with db.connect(self.ws.manifest_path, read_only=False, timeout=self._manifest_timeout) as own:
+                self._mark_running(own)
+            return
+        con.execute(
+            "UPDATE runs SET status = 'running', host = ?, pid = ?, updated_at = ?, finished_at = NULL WHERE run = ?",
+            [socket.gethostname(), os.getpid(), _now(), self.run],
+        )
+        self._marked = True
 
     def _load_samples(self) -> list[str] | None:
         rows = self.ws.rows(
@@ -465,8 +484,9 @@ class Writer:
             ).fetchall()
             if changed:
                 raise SpecMismatchError(
-                    f"stimuli {[c[0] for c in changed]} are already registered with different content. A regenerated"
-                    " set needs a new dataset name (dataset=...), or drop the runs that use the old one"
+                    f"stimuli {[c[0] for c in changed]} are already registered with different content (a set"
+                    " regenerated in place?). A regenerated set needs a new dataset name (its folder name, or"
+                    " dataset=...), or drop the runs that use the old one (python -m store drop-run RUN)"
                 )
             con.execute(
                 "INSERT INTO stimuli SELECT stimulus, dataset, id, family, split, seed, prompt, answer,"
@@ -516,6 +536,7 @@ class Writer:
                     f"stimuli {[m[0] for m in missing]} are not registered: call register_stimulus_set(...) or"
                     " register_stimuli(...) first (keys are '<dataset>/<id>')"
                 )
+            self._mark_running(con)
             con.execute("BEGIN TRANSACTION")
             con.execute("INSERT INTO samples (run, array_row, stimulus) SELECT ?, array_row, stimulus FROM new_rows", [self.run])
             con.execute("UPDATE runs SET n_samples = ? WHERE run = ?", [len(keys), self.run])
@@ -572,6 +593,7 @@ class Writer:
                         f" the workspace lost data; run `python -m store verify --data {self.ws.path}` and"
                         f" re-extract (drop-run {self.run})"
                     ) from None
+                self._mark_running()
                 node = self._create_node(info, codec)
             handle = ArrayHandle(known, codec, node, committed, id(self))
         else:
@@ -583,6 +605,7 @@ class Writer:
                 ).fetchone()
                 raced = bool(row and row[0])
                 if not raced:
+                    self._mark_running(con)
                     node = self._create_node(info, codec)
                     con.execute(
                         "INSERT INTO activations (run, tap, layer, site, tokens, module, zarr_path, layout, shape, dims,"
@@ -666,6 +689,8 @@ class Writer:
             if (list(shape) == list(vals.shape) and stored == stored_dtype and known_crc == crc
                     and self.ws.root.has(path)):
                 return  # a resume: the committed copy is this tensor; rewriting it could leave a half-written one
+        self._mark_running()
+        if known:
             # Forget the old copy before its files change: a kill mid-write leaves no row, not a broken one.
             with db.connect(self.ws.manifest_path, read_only=False, timeout=self._manifest_timeout) as con:
                 con.execute("DELETE FROM tensors WHERE run = ? AND name = ?", [self.run, name])
@@ -877,7 +902,8 @@ class Writer:
         """Drain the queue, commit what is durable, stop the threads and release the lock.
 
         A run closed without :meth:`finish` is left ``stopped`` (``failed`` after an error); a
-        later writer with the same RunInfo resumes it.
+        later writer with the same RunInfo resumes it. A writer that changed nothing of an
+        existing run (a resume refused by its checks) leaves the run's row as it found it.
         """
         self._shutdown(producer_failed=False)
         self._raise_if_failed()
@@ -893,6 +919,8 @@ class Writer:
                 lane.shutdown(wait=True)
             self._syncers.shutdown(wait=True)
             status = "failed" if (producer_failed or self._error is not None) else None
+            if not self._marked:
+                return  # this writer changed nothing of the run (e.g. a refused resume): leave its row as it was
             if status is None and self._finished:
                 return  # finish() already recorded the status in the last commit
             if status is None and self.shard is not None and self._peer_shards():
@@ -953,6 +981,7 @@ class Writer:
                 )
 
     def _put(self, item: tuple[Any, ...], nbytes: int) -> None:
+        self._mark_running()
         self.stats.producer_wait_s += self._budget.take(nbytes, self._abort)
         self._raise_if_failed()
         self._queue.put((*item, nbytes))
@@ -1189,7 +1218,8 @@ class Writer:
             new_dirs = [self.ws.zarr_path / info.zarr_path]
             n_rows = int(offsets[-1])
             nbytes = sum(f.stat().st_size for f in files if f.name != "zarr.json")
-        written = self._lane(k).submit(_crc, vals, c.n_nonfinite, c.n_clipped)
+        ragged_offsets = None if info.layout == "dense" else offsets
+        written = self._lane(k).submit(_crc, vals, c.n_nonfinite, c.n_clipped, ragged_offsets)
         self._item_jobs.append(written)
         self._pending_chunks.append(
             _ChunkRecord(
@@ -1250,10 +1280,13 @@ class Writer:
                         "crc32c": pa.array([x[0] for x in stats], pa.int64()),
                         "n_nonfinite": pa.array([x[1] for x in stats], pa.int64()),
                         "n_clipped": pa.array([x[2] for x in stats], pa.int64()),
+                        "offsets_crc32c": pa.array([x[3] for x in stats], pa.int64()),
                     }))
                     con.execute(
-                        "INSERT INTO chunks SELECT ?, zarr_path, chunk, row_start, row_stop, n_rows, nbytes, crc32c,"
-                        " n_nonfinite, n_clipped, ? FROM new_chunks ON CONFLICT DO NOTHING",
+                        "INSERT INTO chunks (run, zarr_path, chunk, row_start, row_stop, n_rows, nbytes, crc32c,"
+                        " n_nonfinite, n_clipped, committed_at, offsets_crc32c) SELECT ?, zarr_path, chunk, row_start,"
+                        " row_stop, n_rows, nbytes, crc32c, n_nonfinite, n_clipped, ?, offsets_crc32c FROM new_chunks"
+                        " ON CONFLICT DO NOTHING",
                         [self.run, now],
                     )
                     con.execute(
@@ -1350,6 +1383,26 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
+# Why a setting that looks harmless still blocks a resume (config holds the extraction manifest).
+_RESUME_NOTES = {
+    "config.batch_size": "a sample's answer-token values depend on the batch it shares (its padding),"
+                         " so a resume must keep the original batch_size",
+}
+
+
+def _resume_note(key: str) -> str:
+    return f" — {_RESUME_NOTES[key]}" if key in _RESUME_NOTES else ""
+
+
+def _differences(key: str, stored: Any, wanted: Any) -> list[tuple[str, Any, Any]]:
+    """(dotted key, stored, wanted) of every leaf where two settings differ: the one key that
+    changed, not two whole configs."""
+    if isinstance(stored, dict) and isinstance(wanted, dict):
+        return [d for k in sorted(set(stored) | set(wanted), key=str)
+                for d in _differences(f"{key}.{k}", stored.get(k), wanted.get(k))]
+    return [] if stored == wanted else [(key, stored, wanted)]
+
+
 def _check_same_array(known: ArrayInfo, wanted: ArrayInfo) -> None:
     fields = ("layout", "shape", "chunk_samples", "dtype", "stored_dtype", "codec")
     diff = [f for f in fields if getattr(known, f) != getattr(wanted, f)]
@@ -1397,7 +1450,7 @@ def _stream_stats(st: _Stream, values: np.ndarray | None, stored: np.ndarray | N
         st.crc = crc32c(stored, st.crc)
 
 
-def _seal(st: _Stream, nbytes: int) -> tuple[int, int, int]:
+def _seal(st: _Stream, nbytes: int) -> tuple[int, int, int, None]:
     """Close the finished temporary file and rename it into place; returns its CRC-32C.
 
     Renaming before fsync is safe here: a chunk counts only once the commit has fsynced it, and
@@ -1414,11 +1467,12 @@ def _seal(st: _Stream, nbytes: int) -> tuple[int, int, int]:
     finally:
         os.close(st.fd)
     os.replace(st.tmp, st.final)
-    return st.crc, st.n_nonfinite, st.n_clipped
+    return st.crc, st.n_nonfinite, st.n_clipped, None
 
 
-def _crc(values: np.ndarray, n_nonfinite: int, n_clipped: int) -> tuple[int, int, int]:
-    return crc32c(values), n_nonfinite, n_clipped
+def _crc(values: np.ndarray, n_nonfinite: int, n_clipped: int,
+         offsets: np.ndarray | None) -> tuple[int, int, int, int | None]:
+    return crc32c(values), n_nonfinite, n_clipped, None if offsets is None else crc32c(offsets.astype(np.int64))
 
 
 def _bytes_view(values: np.ndarray) -> memoryview:

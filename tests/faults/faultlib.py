@@ -3,6 +3,7 @@
 * :class:`Zygote` forks real extraction processes from one interpreter that has already imported
   torch and transformers (``fault_zygote.py``): a kill -9 and a resume cost the model load and
   the run, not 5-10 s of imports each time.
+* :func:`kill_at_rename` kills a ``python -m store`` command at an exact point (``fault_pause.py``).
 * :func:`snapshot` is everything a run leaves in a workspace, comparable value for value.
 """
 
@@ -40,6 +41,23 @@ def python(*args: str, timeout: float = 120, **kw: Any) -> subprocess.CompletedP
     """A real ``python ...`` process in the repository root."""
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env(), capture_output=True, text=True,
                           timeout=timeout, **kw)
+
+
+def kill_at_rename(folder: Path, when: str, *store_args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m store STORE_ARGS`` killed with SIGKILL just ``before`` or ``after`` it renames
+    ``folder`` (``fault_pause.py``): a kill at an exact point of a store command, not at a
+    random delay. Returns the dead process's exit code (-9) and output."""
+    proc = subprocess.Popen([sys.executable, str(HERE / "fault_pause.py"), str(folder), when, *store_args], cwd=REPO,
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        if line == "paused":
+            os.kill(proc.pid, 9)
+    finally:
+        out, err = proc.communicate(timeout=60)
+    assert line == "paused", f"the command never reached the rename of {folder}: rc={proc.returncode}\n{err}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def wait_for(predicate: Any, timeout: float = 60, step: float = 0.02) -> Any:

@@ -1,15 +1,19 @@
 """Malformed extraction manifests: a friendly error that names the key, exit code 2, and nothing
-written (no workspace folder appears)."""
+written (no workspace folder appears). And resumes the store must refuse (another codec, another
+batch size, a stimulus set regenerated in place): one line, exit 2, and the finished run exactly
+as it was."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from faultlib import TOY_MODEL, python
+from faultlib import TOY_MODEL, go_set, python, write_manifest
 
 from extract.__main__ import main
+from store import Workspace
 
 GOOD = {
     "run": "toy",
@@ -32,6 +36,10 @@ CASES = {
     "not a mapping": ("- run: toy\n", ["expected a YAML mapping at the top level, got list"]),
     "truncated file": (GOOD_TEXT[: GOOD_TEXT.index("stimuli:")], ["stimuli: required key is missing"]),
     "empty file": ("", ["expected a YAML mapping at the top level, got NoneType"]),
+    "set listed twice": (GOOD_TEXT.replace("stimuli:\n", "stimuli:\n- set: stimuli/go-toy\n"),
+                         ["stimuli.1: set stimuli/go-toy is already listed as stimuli.0", "list the set once"]),
+    "two sets of one name": (GOOD_TEXT.replace("stimuli:\n", "stimuli:\n- set: elsewhere/go-toy\n"),
+                             ["are both named 'go-toy'", "rename one folder"]),
 }
 
 
@@ -39,7 +47,9 @@ CASES = {
 def test_malformed_manifest_gives_the_friendly_error_and_writes_nothing(case, tmp_path, capsys):
     """Injects: an extraction manifest with the fault named by ``case`` (YAML syntax error, wrong
     type, typo key, typo in a nested key, an invalid value, a list instead of a mapping, a file
-    cut before its required keys, an empty file). Asserts: `python -m extract` (its main) exits 2
+    cut before its required keys, an empty file, one stimulus set listed twice, two sets whose
+    folders share a name (before the fix these two were caught only by the writer, after it had
+    created the workspace and a run row, then left `failed`). Asserts: `python -m extract` (its main) exits 2
     with `error: ...` naming the key and what was expected, no traceback, and no workspace
     folder was created."""
     text, needles = CASES[case]
@@ -90,3 +100,115 @@ def test_the_good_manifest_is_valid(tmp_path):
     path = Path(tmp_path / "good.yaml")
     path.write_text(GOOD_TEXT)
     assert load_manifest(path).run == "toy"
+
+
+def _manifest_rows(data: Path) -> dict[str, list[tuple]]:
+    """Every row of every table of a workspace's manifest, in a fixed order."""
+    ws = Workspace.open(data, readonly=True)
+    tables = [t for (t,) in ws.rows("SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE'")]
+    return {t: ws.rows(f"SELECT * FROM {t} ORDER BY ALL") for t in sorted(tables)}
+
+
+def _arrays(data: Path) -> dict[str, bytes]:
+    return {p.relative_to(data).as_posix(): p.read_bytes() for p in sorted((data / "arrays").rglob("*")) if p.is_file()}
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str], *needles: str) -> str:
+    assert main([*argv, "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err, captured.err
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quiet_weight_loading() -> None:
+    """transformers' own "Loading weights" bar (not the extraction's, which --no-progress stops)
+    would share stderr with the one error line these tests read."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """A finished run of the toy VLM over 4 Go boards (codec none, batches of 2): the set, the
+    manifest and the workspace."""
+    root = tmp_path_factory.mktemp("finished")
+    stimuli = go_set(root / "go-four", counts="0-3")
+    manifest = write_manifest(root / "m.yaml", stimuli)
+    data = root / "ws"
+    assert main([str(manifest), "--data", str(data), "--no-progress"]) == 0
+    return stimuli, manifest, data
+
+
+def _copy(finished: tuple[Path, Path, Path], tmp_path: Path) -> Path:
+    data = tmp_path / "ws"
+    shutil.copytree(finished[2], data)
+    return data
+
+
+def test_a_resume_with_another_codec_leaves_the_finished_run_as_it_was(finished, tmp_path, capsys):
+    """Injects (issue 16, item 3): a resume of a finished run with `--codec zstd` (it was written
+    with none). Asserts: exit 2, one line naming the array and both codecs; every manifest row
+    and every array file byte-identical (before the fix the writer had set the run `running`
+    before the check, and its failure path left it `failed`)."""
+    data = _copy(finished, tmp_path)
+    rows, arrays = _manifest_rows(data), _arrays(data)
+    _refused([str(finished[1]), "--data", str(data), "--codec", "zstd"], capsys,
+             "already exists with a different layout", "codec: stored 'none', now 'zstd'")
+    assert _manifest_rows(data) == rows and _arrays(data) == arrays
+    assert rows["runs"][0][12] == "finished"
+
+
+def test_a_resume_with_another_batch_size_is_refused_naming_the_original(finished, tmp_path, capsys):
+    """Injects (issue 16, done-when): a resume of a finished run with batch_size 4 (it ran with 2).
+    Padding makes a sample's answer-token values depend on its batch-mates, so the store cannot
+    promise equal values: it refuses. Asserts: exit 2, one line naming `config.batch_size`, the
+    original 2, the new 4 and why (before the fix: refused, but the line dumped both whole
+    configs); every manifest row and array file byte-identical."""
+    data = _copy(finished, tmp_path)
+    rows, arrays = _manifest_rows(data), _arrays(data)
+    manifest = tmp_path / "m4.yaml"
+    manifest.write_text(finished[1].read_text().replace("batch_size: 2", "batch_size: 4"))
+    line = _refused([str(manifest), "--data", str(data)], capsys,
+                    "config.batch_size: stored 2, this writer 4 — ", "(its padding)", "keep the original batch_size")
+    assert "stimuli" not in line  # the one key that changed, not two whole configs
+    assert _manifest_rows(data) == rows and _arrays(data) == arrays
+
+
+def test_a_stimulus_set_regenerated_in_place_is_refused_and_the_run_stays_finished(tmp_path, capsys):
+    """Injects (issue 16, item 3): a finished run whose stimulus set is then regenerated in place
+    with another seed (same folder, same ids, other boards), and the manifest re-run. Asserts:
+    exit 2, one line saying the stimuli are registered with different content; every manifest
+    row and array file byte-identical (before the fix: the run `failed`)."""
+    stimuli = go_set(tmp_path / "go-regen", counts="0-3", seed=1)
+    manifest = write_manifest(tmp_path / "m.yaml", stimuli)
+    data = tmp_path / "ws"
+    assert main([str(manifest), "--data", str(data), "--no-progress"]) == 0
+    capsys.readouterr()
+    rows, arrays = _manifest_rows(data), _arrays(data)
+    shutil.rmtree(stimuli)
+    go_set(stimuli, counts="0-3", seed=2)
+    _refused([str(manifest), "--data", str(data)], capsys, "are already registered with different content")
+    assert _manifest_rows(data) == rows and _arrays(data) == arrays
+    assert rows["runs"][0][12] == "finished"
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_an_unknown_codec_is_refused_before_the_workspace_is_touched(finished, tmp_path, capsys, existing):
+    """Injects (issue 16, item 4): `--codec bogus`, for a new workspace and for a resume of a
+    finished run. Asserts: exit 2, one line naming the codec and the valid ones; no workspace
+    folder appears (before the fix: a workspace with a `failed` run row), and an existing one is
+    byte-identical."""
+    data = _copy(finished, tmp_path) if existing else tmp_path / "new"
+    before = (_manifest_rows(data), _arrays(data)) if existing else None
+    _refused([str(finished[1]), "--data", str(data), "--codec", "bogus"], capsys,
+             "--codec bogus: codec must be 'none', 'zstd' or 'bitround<k>'")
+    if existing:
+        assert (_manifest_rows(data), _arrays(data)) == before
+    else:
+        assert not data.exists()

@@ -14,10 +14,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
-from faultlib import REPO, env, wait_for
+from faultlib import REPO, env, kill_at_rename, python, wait_for
 
 sys.path.insert(0, str(REPO / "tests" / "store"))
 from storetest_lib import dense_values, write_run  # noqa: E402
@@ -173,14 +174,15 @@ def test_manifest_held_open_by_another_process_fails_late_and_clearly_then_resum
 
     def writer() -> None:
         try:
-            write_run(ws, n=48, chunk=8, batch=4, sleep=0.1, manifest_timeout=2.0)
+            write_run(ws, n=48, chunk=8, batch=4, sleep=0.25, manifest_timeout=2.0)
         except BaseException as err:  # noqa: BLE001 - asserted below
             outcome["error"] = err
 
-    thread = threading.Thread(target=writer, daemon=True)
-    thread.start()
-    wait_for(lambda: _committed(ws) >= 2, timeout=60)
+    # The holder is started (and has imported duckdb) before the writer: on a busy machine a
+    # process started only once 2 chunks are committed came after the writer had finished.
     code = ("import duckdb, sys, time\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
             "while True:\n"
             "    try:\n"
             f"        con = duckdb.connect({str(ws.manifest_path)!r})\n"
@@ -189,9 +191,17 @@ def test_manifest_held_open_by_another_process_fails_late_and_clearly_then_resum
             "        time.sleep(0.01)  # the writer is committing: try again, as a person would\n"
             "print('holding', flush=True)\n"
             "time.sleep(120)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code], env=env(), stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", code], env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        assert holder.stdin is not None and holder.stdout is not None
+        assert holder.stdout.readline().strip() == "ready"
+        thread = threading.Thread(target=writer, daemon=True)
+        thread.start()
+        wait_for(lambda: _committed(ws) >= 2, timeout=60)
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "holding"
         thread.join(60)
         assert not thread.is_alive()
     finally:
@@ -223,6 +233,184 @@ def test_manifest_held_open_by_another_process_fails_late_and_clearly_then_resum
     np.testing.assert_array_equal(a.offsets, b.offsets)
     gens = "SELECT stimulus, array_row, text, correct FROM generations ORDER BY array_row"
     assert ws.rows(gens) == ref.rows(gens)
+
+
+def _manifest_rows(ws: Workspace) -> dict[str, list[tuple]]:
+    """Every row of every table of the manifest, in a fixed order."""
+    tables = [t for (t,) in ws.rows("SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE'")]
+    return {t: ws.rows(f"SELECT * FROM {t} ORDER BY ALL") for t in sorted(tables)}
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_error_line(stderr: str, needle: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], stderr
+    return lines[0]
+
+
+def _flip_an_offset(block: Path) -> None:
+    """Add 1 to one inner offset of a ragged block (one flipped bit in its low byte), choosing one
+    where the offsets still rise and still end at the row count: only a checksum can tell."""
+    f = block / "offsets" / "c.0"
+    offsets = np.frombuffer(f.read_bytes(), dtype="<i8").copy()
+    j = next(j for j in range(1, len(offsets) - 1) if offsets[j] % 2 == 0 and offsets[j] + 1 <= offsets[j + 1])
+    offsets[j] += 1
+    f.write_bytes(offsets.astype("<i8").tobytes())
+
+
+def test_a_flipped_byte_in_ragged_offsets_is_found_by_verify(tmp_path):
+    """Injects (issue 16, item 1): one flipped bit in the offsets chunk of a ragged block, so the
+    offsets still rise and end at the row count, and reads would return shifted per-sample
+    splits. Asserts: `python -m store verify` exits 1 naming the block's offsets checksum
+    mismatch (before the fix: "ok", exit 0), no traceback; the committed values are unchanged."""
+    ws = Workspace.open(tmp_path / "ws")
+    write_run(ws, n=16, chunk=8)
+    assert ws.verify().ok
+    _flip_an_offset(ws.zarr_path / "r1/llm/3/resid_post/answer/b1")
+    got = python("-m", "store", "verify", "--data", str(ws.path))
+    assert got.returncode == 1, got.stdout
+    assert "Traceback" not in got.stderr, got.stderr
+    problems = [line for line in got.stdout.splitlines() if line.startswith("PROBLEM: ")]
+    assert len(problems) == 1, got.stdout
+    want = "PROBLEM: r1:llm/3/resid_post/answer: chunk 1 (rows 8-15) offsets checksum mismatch"
+    assert problems[0].startswith(want), problems
+    assert "answer/b1/offsets" in problems[0], problems
+    assert got.stdout.strip().endswith("1 problem(s)"), got.stdout
+
+
+def test_a_manifest_from_before_offsets_checksums_migrates_and_verify_says_what_it_cannot_check(tmp_path):
+    """Injects: a workspace written by schema v2 (no offsets checksums: the column dropped and the
+    version step removed from a real run's manifest). Asserts: a read-only open asks for the
+    migration (as for any older schema); a writable open migrates it; verify then passes with one
+    warning per ragged array that its offsets are checked for shape only, and reads are
+    unchanged; a resume of the finished run keeps it finished."""
+    ws = Workspace.open(tmp_path / "ws")
+    write_run(ws, n=16, chunk=8)
+    want = ws.read("r1", "llm", 3, tokens="answer")
+    import duckdb
+
+    con = duckdb.connect(str(ws.manifest_path))
+    con.execute("ALTER TABLE chunks DROP COLUMN offsets_crc32c")
+    con.execute("DELETE FROM schema_version WHERE version = 3")
+    con.close()
+    from store.errors import SchemaVersionError
+
+    with pytest.raises(SchemaVersionError, match="schema version 2"):
+        Workspace.open(ws.path, readonly=True)
+    ws = Workspace.open(ws.path)
+    assert ws.rows("SELECT count(*), count(offsets_crc32c) FROM chunks") == [(4, 0)]
+    rep = ws.verify()
+    assert rep.ok, rep.problems
+    assert rep.warnings == [("r1:llm/3/resid_post/answer: 2 ragged chunk(s) were committed before offsets were"
+                             " checksummed (manifest schema < 3): their offsets are checked for shape only; re-extract"
+                             " the run to checksum them")]
+    got = ws.read("r1", "llm", 3, tokens="answer")
+    np.testing.assert_array_equal(got.values, want.values)
+    np.testing.assert_array_equal(got.offsets, want.offsets)
+    write_run(ws, n=16, chunk=8)
+    assert ws.rows("SELECT status FROM runs") == [("finished",)]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_drop_run_killed_at_the_rename_leaves_a_valid_workspace(tmp_path, when):
+    """Injects (issue 16, item 2): `python -m store drop-run r1 --yes` killed with SIGKILL just
+    before or just after it renames the run's arrays folder into `.trash`. Asserts: the run's
+    rows are gone (the commit came first) and verify passes with every other run still
+    finished (before the fix, the kill after the rename left 12 chunk rows pointing at arrays in
+    `.trash`, which the next writer emptied); a folder left under arrays/ is only an orphan
+    warning; the next writer of any run clears what is left, and a new run with the dropped id
+    equals one written in a fresh workspace."""
+    ws = Workspace.open(tmp_path / "ws")
+    write_run(ws, run="keep", n=16, chunk=8)
+    write_run(ws, run="r1", n=16, chunk=8)
+    got = kill_at_rename(ws.zarr_path / "r1", when, "drop-run", "r1", "--yes", "--data", str(ws.path))
+    assert got.returncode == -9, got
+    assert ws.rows("SELECT run, status FROM runs") == [("keep", "finished")]
+    assert ws.rows("SELECT count(*) FROM chunks WHERE run = 'r1'") == [(0,)]
+    rep = ws.verify()
+    assert rep.ok, rep.problems
+    assert (ws.zarr_path / "r1").exists() == (when == "before")
+    if when == "before":
+        assert any("arrays/r1 belongs to no run" in w for w in rep.warnings), rep.warnings
+    write_run(ws, run="r1", n=16, chunk=8)
+    assert not (ws.path / ".trash").exists()
+    rep = ws.verify()
+    assert rep.ok and not rep.warnings, (rep.problems, rep.warnings)
+    ref = Workspace.open(tmp_path / "ref")
+    write_run(ref, run="r1", n=16, chunk=8)
+    crc = "SELECT zarr_path, chunk, n_rows, crc32c, offsets_crc32c FROM chunks WHERE run = 'r1' ORDER BY ALL"
+    assert ws.rows(crc) == ref.rows(crc)
+    assert _files(ws.zarr_path / "r1") == _files(ref.zarr_path / "r1")
+
+
+def test_drop_run_runs_whole_and_says_what_went(tmp_path):
+    """Guard for the reordered drop-run: uninterrupted, it removes the run's rows and folder,
+    leaves no `.trash`, and a second drop names the missing run (exit 2, one line)."""
+    ws = Workspace.open(tmp_path / "ws")
+    write_run(ws, n=16, chunk=8)
+    got = python("-m", "store", "drop-run", "r1", "--yes", "--data", str(ws.path))
+    assert got.returncode == 0 and got.stdout.startswith("dropped run r1: 4 chunks, 2 activations"), got
+    assert not (ws.zarr_path / "r1").exists() and not (ws.path / ".trash").exists()
+    assert ws.rows("SELECT count(*) FROM runs") == [(0,)]
+    again = python("-m", "store", "drop-run", "r1", "--yes", "--data", str(ws.path))
+    assert again.returncode == 2
+    _one_error_line(again.stderr, "no run 'r1'")
+
+
+def test_a_parenthesised_query_returns_its_rows(tmp_path):
+    """Injects (issue 16, item 5): `python -m queries --sql "(SELECT count(*) FROM chunks)"`, a
+    set operation of parenthesised SELECTs, and a query behind a comment. Asserts: each prints
+    its rows, exit 0 (before the fix: blank lines, exit 0); two statements are refused in one
+    line (exit 2); writes stay refused; the workspace is byte-identical."""
+    ws = Workspace.open(tmp_path / "ws")
+    write_run(ws, n=16, chunk=8)
+    before = _files(ws.path)
+    got = python("-m", "queries", "--data", str(ws.path), "--sql", "(SELECT count(*) AS n FROM chunks)",
+                 "--format", "csv")
+    assert got.returncode == 0 and got.stdout.split() == ['"n"', "4"], got
+    got = python("-m", "queries", "--data", str(ws.path), "--format", "csv",
+                 "--sql", "/* two */ (SELECT 1 AS x) UNION ALL (SELECT 2) ORDER BY x")
+    assert got.returncode == 0 and got.stdout.split() == ['"x"', "1", "2"], got
+    for sql, needle in [("SELECT 1; SELECT 2", "give exactly one SQL statement, got 2"),
+                        ("(DELETE FROM runs)", "syntax error"),
+                        ("DELETE FROM runs", "read-only"),
+                        ("INSERT INTO runs (run) VALUES ('x') RETURNING run", "read-only"),
+                        ("SELEC 1", 'syntax error at or near "SELEC"')]:
+        got = python("-m", "queries", "--data", str(ws.path), "--sql", sql)
+        assert got.returncode == 2, (sql, got)
+        _one_error_line(got.stderr, needle)
+    assert _files(ws.path) == before
+
+
+def test_queries_out_never_overwrites_a_workspace_file(tmp_path):
+    """Injects (issue 16, item 6): `python -m queries --out` naming the workspace's manifest, its
+    writer lock, a file under arrays/, a symlink to the manifest, another workspace's manifest,
+    and a file in a missing folder. Asserts: each is refused with one line, exit 2 (before the
+    fix: the manifest was overwritten with the result, exit 0; a missing folder gave a
+    traceback); the workspaces are byte-identical; a result file beside the manifest is fine."""
+    ws = Workspace.open(tmp_path / "ws")
+    write_run(ws, n=16, chunk=8)
+    other = Workspace.open(tmp_path / "other")
+    (tmp_path / "link.csv").symlink_to(ws.manifest_path)
+    before = (_files(ws.path), _files(other.path))
+    refused = [ws.manifest_path, ws.path / "writer.lock", ws.zarr_path / "r1" / "zarr.json",
+               tmp_path / "link.csv", other.manifest_path]
+    for out in refused:
+        got = python("-m", "queries", "--data", str(ws.path), "--sql", "SELECT 1", "--format", "csv",
+                     "--out", str(out))
+        assert got.returncode == 2, (out, got)
+        _one_error_line(got.stderr, "a file of the workspace")
+    got = python("-m", "queries", "--data", str(ws.path), "storage", "--out", str(tmp_path / "missing" / "r.csv"))
+    assert got.returncode == 2
+    _one_error_line(got.stderr, f"folder {tmp_path / 'missing'} does not exist; create it first")
+    assert (_files(ws.path), _files(other.path)) == before
+    got = python("-m", "queries", "--data", str(ws.path), "--sql", "SELECT 1 AS x", "--format", "csv",
+                 "--out", str(ws.path / "result.csv"))
+    assert got.returncode == 0 and (ws.path / "result.csv").read_text().split() == ['"x"', "1"], got
 
 
 COVERED_ELSEWHERE = {
