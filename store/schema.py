@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import duckdb
 
 from store.db import rollback
+from store.records import answer_kind
 
 _TABLES_V1 = """
 CREATE TABLE schema_version (
@@ -267,6 +268,25 @@ GROUP BY ALL;
 """
 
 
+_V3 = """
+ALTER TABLE generations ADD COLUMN stop_reason VARCHAR;   -- eos | cap (ran into max_new_tokens); NULL: not recorded
+ALTER TABLE generations ADD COLUMN answer_kind VARCHAR;   -- empty | word | digits | runaway (store.records.answer_kind)
+"""
+
+
+def _v3(con: duckdb.DuckDBPyConnection) -> None:
+    """Rows written before v3 get their kind from the text alone: whether they ran into the cap
+    was not recorded, so none of them is called runaway (stop_reason stays NULL)."""
+    con.execute(_V3)
+    rows = con.execute("SELECT DISTINCT text FROM generations").fetchall()
+    if rows:
+        con.execute("CREATE TEMP TABLE _kinds (text VARCHAR, kind VARCHAR)")
+        con.executemany("INSERT INTO _kinds VALUES (?, ?)", [(t, answer_kind(t, None)) for (t,) in rows])
+        con.execute("UPDATE generations SET answer_kind = k.kind FROM _kinds k"
+                    " WHERE generations.text IS NOT DISTINCT FROM k.text")
+        con.execute("DROP TABLE _kinds")
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: ``apply`` runs inside the migration's transaction."""
@@ -285,6 +305,8 @@ MIGRATIONS: list[Migration] = [
     Migration(1, "initial manifest: runs, stimuli, samples, activations, chunks, tensors, generations, probes", _v1),
     Migration(2, "interventions (runs.intervention, head_ablations) and the vocabulary for the logit lens",
               lambda con: con.execute(_V2)),
+    Migration(3, "generations.stop_reason (eos | cap) and generations.answer_kind (empty | word | digits | runaway)",
+              _v3),
 ]
 
 
