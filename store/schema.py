@@ -271,6 +271,16 @@ GROUP BY ALL;
 _V3 = """
 ALTER TABLE generations ADD COLUMN stop_reason VARCHAR;   -- eos | cap (ran into max_new_tokens); NULL: not recorded
 ALTER TABLE generations ADD COLUMN answer_kind VARCHAR;   -- empty | word | digits | runaway (store.records.answer_kind)
+
+CREATE OR REPLACE VIEW v_samples AS
+SELECT s.run, s.array_row, s.stimulus, st.dataset, st.id, st.family, st.split, st.seed,
+       st.prompt, st.answer, st.params, st.truth, st.image, st.set_path,
+       s.seq_len, s.image_start, s.image_count, s.grid_h, s.grid_w, s.last_prompt,
+       s.answer_start, s.answer_count, s.spans,
+       g.text AS generated, g.prediction, g.parse_ok, g.correct, g.score, g.stop_reason, g.answer_kind
+FROM samples s
+JOIN stimuli st USING (stimulus)
+LEFT JOIN generations g ON g.run = s.run AND g.stimulus = s.stimulus;
 """
 
 

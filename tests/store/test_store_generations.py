@@ -37,6 +37,8 @@ def test_writer_stores_stop_reason_and_kind(tmp_path):
         w.finish(partial_ok=True)
     assert ws.rows("SELECT text, stop_reason, answer_kind FROM generations ORDER BY array_row") == [
         ("False", "eos", "word"), ("10101", "cap", "runaway"), ("", "eos", "empty"), ("7", None, "digits")]
+    assert ws.rows("SELECT generated, stop_reason, answer_kind FROM v_samples WHERE array_row = 1") == [
+        ("10101", "cap", "runaway")]
 
 
 def test_v2_workspace_gains_the_columns_and_kinds_from_the_text(tmp_path):
