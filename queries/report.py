@@ -337,7 +337,7 @@ def _lines(ax, table: pa.Table, x: str, y: str, xlabel: str, ylabel: str, spans=
     ax.legend(fontsize=7)
 
 
-ANSWER_CAP = 130  # answers above the largest count (e.g. format collapse to "910") share one bar
+ANSWER_CAP = 130  # answers above the largest count (e.g. "910") share one bar
 
 
 def _answer_histogram(ax, table: pa.Table) -> None:
