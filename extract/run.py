@@ -23,6 +23,7 @@ Stored layout per run (arrays addressed by ``(tap, layer, site, tokens)``):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -220,13 +221,15 @@ def array_specs(lm: LoadedModel, request: dict[str, list[str]], first: Sample, d
 
 # ------------------------------------------------------------------------------------------ per batch
 
+def eos_ids(model: Any) -> set[int]:
+    """The ids ``generate`` stops a row on: the generation config's EOS ids, nothing else. The pad
+    id is not one: a model may generate it mid-answer, and ``generate`` carries on past it."""
+    v = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return set(v if isinstance(v, (list, tuple)) else [v] if v is not None else [])
+
+
 def _stop_ids(lm: LoadedModel) -> set[int]:
-    ids = set()
-    for source in (lm.tokenizer, getattr(lm.model, "generation_config", None)):
-        for name in ("eos_token_id", "pad_token_id"):
-            v = getattr(source, name, None)
-            ids.update(v if isinstance(v, (list, tuple)) else [v] if v is not None else [])
-    return ids
+    return eos_ids(lm.model)
 
 
 def answer_length(generated: torch.Tensor, stop: set[int], n_fed: int) -> tuple[int, int]:
@@ -234,6 +237,12 @@ def answer_length(generated: torch.Tensor, stop: set[int], n_fed: int) -> tuple[
     ids = generated.tolist()
     end = next((i for i, t in enumerate(ids) if t in stop), len(ids))
     return min(end, n_fed), end
+
+
+def stop_reason(generated: torch.Tensor, n_text: int) -> str:
+    """'eos' when the row ended on a stop id at ``n_text`` (what :func:`answer_length` found),
+    'cap' when it ran to the last generated step without one."""
+    return "eos" if n_text < len(generated) else "cap"
 
 
 def _segments(grid: Grid | None) -> list[dict[str, Any]] | None:
@@ -418,7 +427,8 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, 
         n_keep, n_text = answer_length(res.generated[b], stop, n_fed)
         ids = res.generated[b][:n_text]
         text = lm.tokenizer.decode(ids, skip_special_tokens=True)
-        gens.append(score_answer(s.family, s.task, text, s.answer, s.truth, n_tokens=n_text))
+        g = score_answer(s.family, s.task, text, s.answer, s.truth, n_tokens=n_text)
+        gens.append(dataclasses.replace(g, stop_reason=stop_reason(res.generated[b], n_text)))
         lay = res.layouts[b]
         spans.append(token_spans(lay, pad_len, n_keep))
         for key, spec in specs.items():

@@ -18,7 +18,7 @@ from extract.interventions.compression import compress, greedy, load_decoder, pu
 from extract.interventions.heads import HeadSite, ablate, head_site
 from extract.manifest import HeadAblationSpec, Manifest, ManifestError, TokenCompressionSpec, expand_layers
 from extract.models import LoadedModel, prepare_batch
-from extract.run import Sample, _by_modality, _progress, _stop_ids, answer_length
+from extract.run import Sample, _by_modality, _progress, _stop_ids, answer_length, stop_reason
 from extract.scoring import score_answer
 from store import Generation, RunInfo, Workspace
 
@@ -115,7 +115,8 @@ def _greedy_answers(lm: LoadedModel, manifest: Manifest, group: list[Sample]) ->
     for b, s in enumerate(group):
         _, n_text = answer_length(new[b], stop, new.shape[1])
         text = lm.tokenizer.decode(new[b][:n_text], skip_special_tokens=True)
-        out.append(score_answer(s.family, s.task, text, s.answer, s.truth, n_tokens=n_text))
+        g = score_answer(s.family, s.task, text, s.answer, s.truth, n_tokens=n_text)
+        out.append(dataclasses.replace(g, stop_reason=stop_reason(new[b], n_text)))
     return out
 
 
@@ -132,9 +133,12 @@ def _compressed_answer(lm: LoadedModel, manifest: Manifest, s: Sample, spec: Any
                        dropped: set[int]) -> Generation:
     batch = prepare_batch(lm, [s.image], [s.prompt], strings=[s.strings])
     c = compress(lm, batch, decoder, dropped, spec.keep)
-    ids = greedy(lm, c.embeds, _max_new(manifest, [s]), _stop_ids(lm))
+    cap = _max_new(manifest, [s])
+    ids = greedy(lm, c.embeds, cap, _stop_ids(lm))
     text = lm.tokenizer.decode(ids, skip_special_tokens=True)
     g = score_answer(s.family, s.task, text, s.answer, s.truth, n_tokens=len(ids))
+    # greedy() breaks before appending a stop id, so a full-length answer never saw one
+    g = dataclasses.replace(g, stop_reason="eos" if len(ids) < cap else "cap")
     metrics = {**dict(g.metrics or {}), "retained_ratio": c.retained_ratio, "image_tokens": c.n_image,
                "kept_tokens": c.n_kept}
     return dataclasses.replace(g, metrics=metrics)

@@ -6,11 +6,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .evaluate import markdown
+from .evaluate import MAX_NEW_TOKENS, markdown
 
 
 def ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def cap_note(spec: dict[str, Any]) -> str:
+    """The generation cap the figures rest on, in words (evaluations before it was recorded used 6)."""
+    cap = spec.get("max_new_tokens", 6)
+    study = " (the counting-bottleneck study's cap)" if cap == MAX_NEW_TOKENS else ""
+    return f"max_new_tokens = {cap}{study}; an answer with no EOS within the cap is runaway"
 
 
 def render(checkpoint: Path, result: dict[str, Any], commands: list[str], notes: str = "") -> str:
@@ -62,7 +69,7 @@ def render(checkpoint: Path, result: dict[str, Any], commands: list[str], notes:
         f"`python -m lab.evaluate {checkpoint.name and 'lab/checkpoints/' + checkpoint.name}"
         f" --per-count {spec['per_count']} --variation {spec['variation']}`: fresh boards from"
         f" `extract.stimuli.goboard` (preset small, variation `{spec['variation']}`, seed {spec['seed']},"
-        f" {spec['per_count']} boards per count 0..120), greedy decoding through `generate`.",
+        f" {spec['per_count']} boards per count 0..120), greedy decoding through `generate`, {cap_note(spec)}.",
         "",
         markdown(result),
         "",

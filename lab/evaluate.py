@@ -4,13 +4,19 @@ On fresh Go boards from ``extract.stimuli.goboard`` (never the training renderer
 regime (ID 0-49, VE 50-99, FE 100-120):
 
 - greedy accuracy of the four tasks: visual count, text count, visual-vs-text "same number?"
-  (contrastive), text-vs-text "same number?";
+  (contrastive), text-vs-text "same number?", generating at most ``max_new_tokens`` tokens (10,
+  the counting-bottleneck study's cap; the study joins the digits of what came back);
+- what the visual answers are (``store.records.answer_kind``, the classification the queries
+  read): a number (digits), a word without a digit (``False``), empty, or runaway (no EOS within
+  the cap: cut, not ended);
 - the attractor table: the distribution of visual answers on VE and FE;
 - the hidden-number probe: a per-token 3-class logistic regression (black / white / empty) on the
   ViT output tokens (after ``vision.norm``), trained on ID boards only; N_H = tokens labelled black.
   Exact match 1[N_H = N_G] per regime, beside the same probe trained on shuffled labels (control);
-- Vision Gap = mean |N_H - N_G| and Language Gap = mean |N_H - N_P| per regime (N_G truth,
-  N_P the parsed visual answer; an empty answer counts as 0, as in the study's parser).
+- Vision Gap = mean |N_H - N_G| per regime (N_G truth), and Language Gap = mean |N_H - N_P| and
+  the visual mean absolute error over the visual answers that are numbers (N_P the parsed answer).
+  The study's parser reads an empty answer as 0 and joins the digits of a cut one; here those are
+  their own outcomes, because a cut string of digits measures the cap, not the model.
 """
 
 from __future__ import annotations
@@ -25,13 +31,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from extract.run import answer_length, eos_ids, stop_reason
 from extract.stimuli import goboard as G
 from extract.stimuli.answers import parse_digit_string
+from store.records import ANSWER_KINDS, answer_kind
 
 from .processor import prompt
 
 REGIMES = ("ID", "VE", "FE")
 TASKS = ("multimodal_num", "text_only_num", "multimodal_tf", "text_only_tf")
+# The counting-bottleneck study's generation cap (greedy, at most 10 new tokens, digits joined).
+MAX_NEW_TOKENS = 10
 TASK_LABEL = {"multimodal_num": "visual count", "text_only_num": "text count",
               "multimodal_tf": "contrastive (board vs string)", "text_only_tf": "text vs text"}
 
@@ -45,6 +55,7 @@ class EvalSpec:
     probe_boards: int = 20  # ID probe-training boards per count (1..49)
     probe_per_class: int = 4  # tokens per class per probe-training board
     batch_size: int = 128
+    max_new_tokens: int = MAX_NEW_TOKENS
 
 
 def load(checkpoint: str) -> tuple[Any, Any]:
@@ -68,18 +79,31 @@ def request(s: Any, task: str) -> tuple[str, bool]:
 
 
 @torch.inference_mode()
-def answer(model: Any, processor: Any, stimuli: Sequence, task: str, batch_size: int) -> list[str]:
-    """Greedy answers (special tokens stripped) through ``generate``."""
-    out: list[str] = []
+def generate_answers(model: Any, processor: Any, stimuli: Sequence, task: str, batch_size: int,
+                     max_new_tokens: int = MAX_NEW_TOKENS) -> list[tuple[str, str]]:
+    """(text, stop reason) per stimulus: greedy ``generate``, the text up to the first EOS id with
+    special tokens stripped, the reason 'eos' or 'cap' (ran out of tokens), as the extraction
+    stage records them."""
+    stop = eos_ids(model)
+    out: list[tuple[str, str]] = []
     for i in range(0, len(stimuli), batch_size):
         chunk = stimuli[i:i + batch_size]
         texts, images = zip(*[(request(s, task)[0], s.image) for s in chunk])
         with_image = request(chunk[0], task)[1]
         inputs = processor(images=list(images) if with_image else None, text=list(texts))
-        seq = model.generate(**inputs, max_new_tokens=6, do_sample=False,
+        seq = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=processor.tokenizer.pad_token_id)
-        out += processor.batch_decode(seq[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    return [t.strip() for t in out]
+        for row in seq[:, inputs["input_ids"].shape[1]:]:
+            _, end = answer_length(row, stop, len(row))
+            text = processor.tokenizer.decode(row[:end], skip_special_tokens=True).strip()
+            out.append((text, stop_reason(row, end)))
+    return out
+
+
+def answer(model: Any, processor: Any, stimuli: Sequence, task: str, batch_size: int,
+           max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
+    """Greedy answers (special tokens stripped) through ``generate``."""
+    return [t for t, _ in generate_answers(model, processor, stimuli, task, batch_size, max_new_tokens)]
 
 
 def correct(s: Any, task: str, text: str) -> bool:
@@ -134,10 +158,13 @@ def evaluate(model: Any, processor: Any, spec: EvalSpec = EvalSpec()) -> dict[st
     stimuli = boards(model, spec, spec.counts, spec.per_count, spec.seed, "test")
     regimes = np.array([s.truth["regime"] for s in stimuli])
     truth = np.array([s.truth["count"] for s in stimuli])
-    answers = {task: answer(model, processor, stimuli, task, spec.batch_size) for task in TASKS}
-    ok = {task: np.array([correct(s, task, a) for s, a in zip(stimuli, answers[task])]) for task in TASKS}
-    visual = [parse_digit_string(a) for a in answers["multimodal_num"]]
-    n_p = np.array([0 if v is None else v for v in visual])
+    generated = {task: generate_answers(model, processor, stimuli, task, spec.batch_size, spec.max_new_tokens)
+                 for task in TASKS}
+    ok = {task: np.array([correct(s, task, t) for s, (t, _) in zip(stimuli, generated[task])]) for task in TASKS}
+    kinds = np.array([answer_kind(t, why) for t, why in generated["multimodal_num"]])
+    visual = [parse_digit_string(t) if k == "digits" else None
+              for (t, _), k in zip(generated["multimodal_num"], kinds)]
+    n_p = np.array([-1 if v is None else v for v in visual])
 
     # Hidden-number probe: trained on separate ID boards, evaluated on every regime.
     train_set = boards(model, spec, "1-49", spec.probe_boards, spec.seed + 1, "probe")
@@ -165,24 +192,40 @@ def evaluate(model: Any, processor: Any, spec: EvalSpec = EvalSpec()) -> dict[st
         row: dict[str, Any] = {"boards": int(m.sum())}
         for task in TASKS:
             row[task] = float(ok[task][m].mean())
-        row["visual_mae"] = float(np.abs(n_p[m] - truth[m]).mean())
-        row["visual_empty"] = float(np.mean([visual[i] is None for i in np.flatnonzero(m)]))
+        num = m & (kinds == "digits")  # the answers that are numbers: the only ones an error is defined for
+        for kind in ANSWER_KINDS:
+            row[f"visual_{kind}"] = float((kinds[m] == kind).mean())
+        row["visual_mae"] = float(np.abs(n_p[num] - truth[num]).mean()) if num.any() else None
         row["probe_exact"] = float((n_h[m] == truth[m]).mean())
         row["probe_token_acc"] = float((pred[m] == token_truth[m]).mean())
         row["control_exact"] = float((n_hc[m] == truth[m]).mean())
         row["control_token_acc"] = float((pred_c[m] == token_truth[m]).mean())
         row["random_init_exact"] = float((n_hr[m] == truth[m]).mean())
         row["vision_gap"] = float(np.abs(n_h[m] - truth[m]).mean())
-        row["language_gap"] = float(np.abs(n_h[m] - n_p[m]).mean())
+        row["language_gap"] = float(np.abs(n_h[num] - n_p[num]).mean()) if num.any() else None
         table[r] = row
-    attractors = {}
+    texts = [t for t, _ in generated["multimodal_num"]]
+    return {"spec": vars(spec), "regimes": table, "attractors": attractors(regimes, kinds, texts, visual),
+            "probe_train_tokens": int(len(y))}
+
+
+def attractors(regimes: np.ndarray, kinds: np.ndarray, texts: list[str], visual: list[int | None]
+               ) -> dict[str, list[tuple[str, float]]]:
+    """Top 10 visual answers on VE and FE with their shares: the number, the word itself, 'empty',
+    or 'runaway: <the digits cut at the cap>'."""
+    def label(i: int) -> str:
+        kind = kinds[i]
+        if kind == "digits":
+            return str(visual[i])
+        return {"empty": "empty", "runaway": "runaway: " + texts[i].replace(" ", "")}.get(kind, texts[i])
+
+    out = {}
     for r in ("VE", "FE"):
         idx = np.flatnonzero(regimes == r)
         if idx.size:
-            c = Counter("empty" if visual[i] is None else str(visual[i]) for i in idx)
-            attractors[r] = [(k, v / idx.size) for k, v in c.most_common(10)]
-    return {"spec": vars(spec), "regimes": table, "attractors": attractors,
-            "probe_train_tokens": int(len(y))}
+            c = Counter(label(i) for i in idx)
+            out[r] = [(k, v / idx.size) for k, v in c.most_common(10)]
+    return out
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -193,16 +236,23 @@ def markdown(result: dict[str, Any]) -> str:
              "|---|" + "---|" * len(regs)]
     for task in TASKS:
         lines.append(f"| {TASK_LABEL[task]} accuracy | " + " | ".join(pct(t[r][task]) for r in regs) + " |")
-    rows = [("visual mean abs error", "visual_mae", "{:.2f}"), ("visual empty answers", "visual_empty", None),
+    cap = result["spec"].get("max_new_tokens", 6)
+    rows = [("visual answers: a number", "visual_digits", None),
+            (f"visual answers: runaway (no EOS within {cap} tokens)", "visual_runaway", None),
+            ("visual answers: a word without a digit (e.g. False)", "visual_word", None),
+            ("visual answers: empty", "visual_empty", None),
+            ("visual mean abs error (number answers)", "visual_mae", "{:.2f}"),
             ("probe N_H exact match", "probe_exact", None), ("probe token accuracy", "probe_token_acc", None),
             ("control N_H exact match (shuffled labels)", "control_exact", None),
             ("control token accuracy", "control_token_acc", None),
             ("random-init ViT probe N_H exact match", "random_init_exact", None),
             ("Vision Gap mean abs(N_H - N_G)", "vision_gap", "{:.2f}"),
-            ("Language Gap mean abs(N_H - N_P)", "language_gap", "{:.2f}")]
+            ("Language Gap mean abs(N_H - N_P) (number answers)", "language_gap", "{:.2f}")]
+    def cell(v: float | None, fmt: str | None) -> str:
+        return "n/a" if v is None else fmt.format(v) if fmt else pct(v)
+
     for name, key, fmt in rows:
-        lines.append(f"| {name} | " + " | ".join(fmt.format(t[r][key]) if fmt else pct(t[r][key])
-                                                 for r in regs) + " |")
+        lines.append(f"| {name} | " + " | ".join(cell(t[r].get(key), fmt) for r in regs) + " |")
     lines.append("")
     for r, dist in result["attractors"].items():
         lines.append(f"Visual answers on {r} (top 10): " + ", ".join(f"{k}: {pct(v)}" for k, v in dist))
@@ -219,11 +269,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=EvalSpec.seed)
     ap.add_argument("--variation", default=EvalSpec.variation, choices=("none", *G.VARIATIONS))
     ap.add_argument("--probe-boards", type=int, default=EvalSpec.probe_boards)
+    ap.add_argument("--max-new-tokens", type=int, default=EvalSpec.max_new_tokens,
+                    help="generation cap (default 10, the counting-bottleneck study's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    spec = EvalSpec(args.per_count, args.counts, args.seed, args.variation, args.probe_boards)
+    if args.max_new_tokens < 1:
+        ap.error(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
+    spec = EvalSpec(args.per_count, args.counts, args.seed, args.variation, args.probe_boards,
+                    max_new_tokens=args.max_new_tokens)
     model, processor = load(args.checkpoint)
     result = evaluate(model, processor, spec)
     print(markdown(result))

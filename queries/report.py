@@ -93,7 +93,9 @@ def build_sections(ws: Workspace, out: Path) -> list[Section]:
         sec.figures.append(_figure(out, "counting_accuracy", lambda ax: _lines(
             ax, per_count, "count", "accuracy", "black stones", "visual accuracy", spans=((49.5, "training edge"),))))
         answers = ws.query(
-            "SELECT g.run, st.truth->>'regime' AS regime, g.prediction::INTEGER AS prediction, count(*) AS n"
+            # a runaway answer's digits were cut at the cap, not answered: it goes to the no-number bar
+            "SELECT g.run, st.truth->>'regime' AS regime, CASE WHEN g.answer_kind = 'digits'"
+            " THEN TRY_CAST(g.prediction AS BIGINT) END AS prediction, count(*) AS n"
             " FROM generations g JOIN stimuli st USING (stimulus) WHERE st.family = 'go'"
             " AND st.truth->>'regime' IN ('VE', 'FE') GROUP BY ALL ORDER BY 1, 2, 3")
         sec.figures.append(_figure(out, "counting_answers", lambda ax: _answer_histogram(ax, answers)))
@@ -335,7 +337,7 @@ def _lines(ax, table: pa.Table, x: str, y: str, xlabel: str, ylabel: str, spans=
     ax.legend(fontsize=7)
 
 
-ANSWER_CAP = 130  # answers above the largest count (e.g. format collapse to "910") share one bar
+ANSWER_CAP = 130  # answers above the largest count (e.g. "910") share one bar
 
 
 def _answer_histogram(ax, table: pa.Table) -> None:
@@ -350,7 +352,7 @@ def _answer_histogram(ax, table: pa.Table) -> None:
             ax.bar(list(bins), list(bins.values()), width=1.0, color=colour, alpha=0.6, label=f"{regime} answers")
     ax.axvline(49.5, color="grey", ls="--", lw=1)
     ax.set_xlim(-3, ANSWER_CAP + 3)
-    ax.set_xlabel(f"answered count (-1: no number; {ANSWER_CAP}: anything larger)")
+    ax.set_xlabel(f"answered count (-1: no number: a word, empty or runaway; {ANSWER_CAP}: anything larger)")
     ax.set_ylabel("answers")
     ax.legend(fontsize=7)
 

@@ -287,11 +287,37 @@ class TokenSpans:
             raise StoreError(f"last_prompt {self.last_prompt} must lie inside the sequence [0, {self.seq_len})")
 
 
+#: Why a generation stopped: the model wrote an end-of-sequence id ("eos"), or it ran into the
+#: token cap without one ("cap"). NULL in the manifest for rows recorded before this was kept.
+STOP_REASONS = ("eos", "cap")
+#: What an answer is, whatever the task: see :func:`answer_kind`.
+ANSWER_KINDS = ("empty", "word", "digits", "runaway")
+_DIGIT = re.compile(r"[0-9]")
+
+
+def answer_kind(text: str | None, stop_reason: str | None) -> str:
+    """What an answer is before any task reads it, the one classification the store, the queries
+    and the lab share.
+
+    ``runaway``: no end-of-sequence id within the cap, so the text is a cut, not an answer (it
+    takes precedence: digits cut at the cap are not a number the model gave). Otherwise
+    ``empty`` (nothing but whitespace), ``digits`` (holds a digit 0-9: what the counting studies'
+    parsers read) or ``word`` (text without a digit, e.g. ``False``). ``stop_reason`` None (not
+    recorded) classifies by the text alone.
+    """
+    if stop_reason == "cap":
+        return "runaway"
+    if not text or not text.strip():
+        return "empty"
+    return "digits" if _DIGIT.search(text) else "word"
+
+
 @dataclass(frozen=True)
 class Generation:
     """What the model said about one stimulus, parsed and scored.
 
     ``metrics`` holds extra numbers (e.g. ``{"cells_correct": 7, "cells_total": 9}``) as JSON.
+    ``stop_reason`` is one of :data:`STOP_REASONS` (None: not known).
     """
 
     text: str
@@ -301,6 +327,16 @@ class Generation:
     score: float | None = None
     metrics: Mapping[str, Any] | None = None
     n_tokens: int | None = None
+    stop_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.stop_reason is not None and self.stop_reason not in STOP_REASONS:
+            raise StoreError(f"stop_reason must be one of {STOP_REASONS} or None, got {self.stop_reason!r}")
+
+    @property
+    def kind(self) -> str:
+        """:func:`answer_kind` of this generation."""
+        return answer_kind(self.text, self.stop_reason)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import duckdb
 
 from store.db import rollback
+from store.records import answer_kind
 
 _TABLES_V1 = """
 CREATE TABLE schema_version (
@@ -272,6 +273,34 @@ GROUP BY ALL;
 # says how many it could check only for shape).
 _V3_OFFSETS_CRC = "ALTER TABLE chunks ADD COLUMN offsets_crc32c BIGINT;  -- CRC-32C of a ragged block's int64 offsets"
 
+_V4_GENERATIONS = """
+ALTER TABLE generations ADD COLUMN stop_reason VARCHAR;   -- eos | cap (ran into max_new_tokens); NULL: not recorded
+ALTER TABLE generations ADD COLUMN answer_kind VARCHAR;   -- empty | word | digits | runaway (store.records.answer_kind)
+
+CREATE OR REPLACE VIEW v_samples AS
+SELECT s.run, s.array_row, s.stimulus, st.dataset, st.id, st.family, st.split, st.seed,
+       st.prompt, st.answer, st.params, st.truth, st.image, st.set_path,
+       s.seq_len, s.image_start, s.image_count, s.grid_h, s.grid_w, s.last_prompt,
+       s.answer_start, s.answer_count, s.spans,
+       g.text AS generated, g.prediction, g.parse_ok, g.correct, g.score, g.stop_reason, g.answer_kind
+FROM samples s
+JOIN stimuli st USING (stimulus)
+LEFT JOIN generations g ON g.run = s.run AND g.stimulus = s.stimulus;
+"""
+
+
+def _v4_generations(con: duckdb.DuckDBPyConnection) -> None:
+    """Rows written before v4 get their kind from the text alone: whether they ran into the cap
+    was not recorded, so none of them is called runaway (stop_reason stays NULL)."""
+    con.execute(_V4_GENERATIONS)
+    rows = con.execute("SELECT DISTINCT text FROM generations").fetchall()
+    if rows:
+        con.execute("CREATE TEMP TABLE _kinds (text VARCHAR, kind VARCHAR)")
+        con.executemany("INSERT INTO _kinds VALUES (?, ?)", [(t, answer_kind(t, None)) for (t,) in rows])
+        con.execute("UPDATE generations SET answer_kind = k.kind FROM _kinds k"
+                    " WHERE generations.text IS NOT DISTINCT FROM k.text")
+        con.execute("DROP TABLE _kinds")
+
 
 @dataclass(frozen=True)
 class Migration:
@@ -300,6 +329,8 @@ MIGRATIONS: list[Migration] = [
     Migration(2, "interventions (runs.intervention, head_ablations) and the vocabulary for the logit lens",
               _v2),
     Migration(3, "chunks.offsets_crc32c: a checksum of each ragged block's offsets", _v3_offsets_crc),
+    Migration(4, "generations.stop_reason (eos | cap) and generations.answer_kind (empty | word | digits | runaway)",
+              _v4_generations),
 ]
 
 

@@ -834,7 +834,7 @@ class Writer:
                 "run": self.run, "stimulus": stimuli[start + i], "array_row": start + i, "text": g.text,
                 "prediction": to_json(g.prediction), "parse_ok": g.parse_ok, "correct": g.correct,
                 "score": None if g.score is None else float(g.score), "metrics": to_json(g.metrics),
-                "n_tokens": g.n_tokens, "recorded_at": now,
+                "n_tokens": g.n_tokens, "recorded_at": now, "stop_reason": g.stop_reason, "answer_kind": g.kind,
             })
         self._put(("generations", rows), 0)
 
@@ -1313,8 +1313,10 @@ class Writer:
                     )
                     # Last one wins when a row was generated twice before one commit.
                     con.execute(
-                        "INSERT INTO generations SELECT run, stimulus, array_row, text, prediction::JSON, parse_ok, correct,"
-                        " score, metrics::JSON, n_tokens, recorded_at FROM new_gens"
+                        "INSERT INTO generations (run, stimulus, array_row, text, prediction, parse_ok, correct, score,"
+                        " metrics, n_tokens, recorded_at, stop_reason, answer_kind)"
+                        " SELECT run, stimulus, array_row, text, prediction::JSON, parse_ok, correct,"
+                        " score, metrics::JSON, n_tokens, recorded_at, stop_reason, answer_kind FROM new_gens"
                         " QUALIFY row_number() OVER (PARTITION BY stimulus ORDER BY recorded_at DESC) = 1"
                     )
                     con.unregister("new_gens")

@@ -1,17 +1,25 @@
 -- Attractors: the wrong answers that draw far more mass than chance, per run and regime.
--- share = the value's share of all wrong answers in the regime; lift = share x (distinct wrong
--- values), i.e. how many times more often than if wrong answers spread evenly over the values
--- seen. Kinds: 'boundary' = 49 (the vision training edge), 'text-edge' = 99, 'one-digit' = 0..9,
--- 'empty' = no number in the answer, else 'other'.
+-- Answers are grouped by what they are (generations.answer_kind): a number (prediction), a word
+-- without a digit (answer, e.g. False), empty, or runaway (no EOS within the run's cap
+-- max_new_tokens; all runaway answers are one outcome, since where they were cut is the cap's doing).
+-- share = the group's share of all wrong answers in the regime; lift = share x (distinct groups),
+-- i.e. how many times more often than if wrong answers spread evenly over the groups seen.
+-- Kinds: numbers are 'boundary' = 49 (the vision training edge), 'text-edge' = 99, 'one-digit' =
+-- 0..9, else 'other'; the rest are 'word', 'empty', 'runaway'.
 -- param: run        a run id, or '%' for every run (default '%')
 -- param: min_share  smallest share to list (default 0.05)
 WITH wrong AS (
-    SELECT g.run, coalesce(st.truth->>'regime', st.truth->>'case') AS regime, g.prediction::INTEGER AS prediction
-    FROM generations g JOIN stimuli st USING (stimulus)
+    SELECT g.run, coalesce(st.truth->>'regime', st.truth->>'case') AS regime, g.answer_kind,
+           CASE WHEN g.answer_kind = 'digits' THEN TRY_CAST(g.prediction AS BIGINT) END AS prediction,
+           CASE WHEN g.answer_kind = 'word' THEN trim(g.text) END AS answer,
+           r.config->'generation'->>'max_new_tokens' AS max_new_tokens
+    FROM generations g JOIN stimuli st USING (stimulus) LEFT JOIN runs r USING (run)
     WHERE st.family IN ('go', 'counting') AND g.run LIKE $run AND NOT coalesce(g.correct, FALSE)
 ),
 counted AS (
-    SELECT run, regime, prediction, count(*) AS n FROM wrong GROUP BY ALL
+    SELECT run, regime, answer_kind, prediction, answer, any_value(max_new_tokens) AS max_new_tokens,
+           count(*) AS n
+    FROM wrong GROUP BY run, regime, answer_kind, prediction, answer
 ),
 shared AS (
     SELECT *, n / sum(n) OVER (PARTITION BY run, regime) AS share,
@@ -19,9 +27,10 @@ shared AS (
     FROM counted
 )
 SELECT run, regime, prediction, n, round(share, 4) AS share, round(share * distinct_values, 2) AS lift,
-       CASE WHEN prediction IS NULL THEN 'empty' WHEN prediction = 49 THEN 'boundary'
-            WHEN prediction = 99 THEN 'text-edge' WHEN prediction BETWEEN 0 AND 9 THEN 'one-digit'
-            ELSE 'other' END AS kind
+       CASE WHEN answer_kind IS DISTINCT FROM 'digits' THEN coalesce(answer_kind, 'unknown')
+            WHEN prediction = 49 THEN 'boundary' WHEN prediction = 99 THEN 'text-edge'
+            WHEN prediction BETWEEN 0 AND 9 THEN 'one-digit' ELSE 'other' END AS kind,
+       answer, max_new_tokens
 FROM shared
 WHERE share >= $min_share
-ORDER BY run, regime, n DESC, prediction;
+ORDER BY run, regime, n DESC, prediction, answer;

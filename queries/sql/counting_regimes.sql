@@ -1,15 +1,25 @@
--- Counting lab (Go boards): accuracy and mean absolute error per regime
--- (ID 0-49 seen in vision training, VE 50-99 text-only, FE 100-120 never seen), how often the
--- answer held no number at all, and the mean number of digits answered (format collapse shows
--- as one digit where two or three are due).
+-- Counting lab (Go boards): accuracy per regime (ID 0-49 seen in vision training, VE 50-99 text-only,
+-- FE 100-120 never seen) and what the answers are (generations.answer_kind): a number, runaway (no
+-- EOS within the run's cap max_new_tokens: cut, not ended), a word without a digit (e.g. False), or
+-- empty. The mean absolute error and the mean digits are over the number answers only (NULL when
+-- there are none): the digits of a cut answer measure the cap, not the model. runaway_rate is 0 for
+-- rows recorded before stop reasons were kept (stop_reason NULL: stop_unknown counts them).
 -- param: run   a run id, or '%' for every run (default '%')
 SELECT g.run, st.truth->>'regime' AS regime, count(*) AS n,
+       any_value(r.config->'generation'->>'max_new_tokens') AS max_new_tokens,
        round(avg(g.correct::INTEGER), 4) AS accuracy,
-       round(avg(abs(g.prediction::INTEGER - (st.truth->>'count')::INTEGER)), 2) AS mean_abs_error,
-       round(avg((NOT g.parse_ok)::INTEGER), 4) AS empty_rate,
-       round(avg(length(regexp_replace(g.text, '[^0-9]', '', 'g'))), 2) AS mean_digits
+       round(avg(abs(g.prediction::DOUBLE - (st.truth->>'count')::DOUBLE))
+             FILTER (WHERE g.answer_kind = 'digits'), 2) AS mean_abs_error,
+       round(avg((g.answer_kind = 'digits')::INTEGER), 4) AS number_rate,
+       round(avg((g.answer_kind = 'runaway')::INTEGER), 4) AS runaway_rate,
+       round(avg((g.answer_kind = 'word')::INTEGER), 4) AS word_rate,
+       round(avg((g.answer_kind = 'empty')::INTEGER), 4) AS empty_rate,
+       round(avg(length(regexp_replace(g.text, '[^0-9]', '', 'g'))) FILTER (WHERE g.answer_kind = 'digits'), 2)
+           AS mean_digits,
+       count(*) FILTER (WHERE g.stop_reason IS NULL) AS stop_unknown
 FROM generations g
 JOIN stimuli st USING (stimulus)
+LEFT JOIN runs r USING (run)
 WHERE st.family = 'go' AND g.run LIKE $run
 GROUP BY 1, 2
 ORDER BY 1, CASE regime WHEN 'ID' THEN 0 WHEN 'VE' THEN 1 ELSE 2 END;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -15,14 +16,16 @@ from queries import QueryError, available, run
 from store import RunInfo, Workspace
 
 
-def build_run(data, set_path, run, answer_for):
-    """A run whose 'model' answers ``answer_for(row)`` for every stimulus of the set."""
+def build_run(data, set_path, run, answer_for, stop_for=lambda r: None, config=None):
+    """A run whose 'model' answers ``answer_for(row)`` for every stimulus of the set, stopping for
+    ``stop_for(row)`` ('eos', 'cap' or None)."""
     rows = read_set(set_path).rows()
     ws = Workspace.open(data)
-    with ws.writer(RunInfo(run=run, model="hand-built")) as w:
+    with ws.writer(RunInfo(run=run, model="hand-built", config=config or {})) as w:
         keys = w.register_stimulus_set(set_path)
         w.set_samples(keys)
-        gens = [score_answer(r["family"], next(iter(r["prompts"])), answer_for(r), r["answer"], r["truth"]) for r in rows]
+        gens = [dataclasses.replace(score_answer(r["family"], next(iter(r["prompts"])), answer_for(r), r["answer"],
+                                                 r["truth"]), stop_reason=stop_for(r)) for r in rows]
         w.record_generations(0, gens)
         w.finish()
     return Workspace.open(data, readonly=True)
@@ -47,9 +50,37 @@ def test_a_model_that_always_answers_49(go_ws):
     assert regimes["VE"]["accuracy"] == 0 and regimes["FE"]["accuracy"] == 0
     assert regimes["VE"]["mean_abs_error"] == pytest.approx(sum(abs(49 - c) for c in range(50, 55)) / 5)
     assert regimes["FE"]["mean_digits"] == 2 and regimes["FE"]["empty_rate"] == 0
+    assert regimes["FE"]["number_rate"] == 1 and regimes["FE"]["runaway_rate"] == 0
     attractors = [r for r in table(go_ws, "attractors") if r["regime"] == "VE"]
     assert attractors == [{"run": "always49", "regime": "VE", "prediction": 49, "n": 10, "share": 1.0,
-                           "lift": 1.0, "kind": "boundary"}]
+                           "lift": 1.0, "kind": "boundary", "answer": None, "max_new_tokens": None}]
+
+
+# VE boards 50..53 (two each): the model says False, nothing, a number, or runs into the cap.
+MIXED = {50: ("False", "eos"), 51: ("", "eos"), 52: ("4 9", "eos"), 53: ("1 1 0 1 0 0 0 1 1 0", "cap")}
+
+
+@pytest.fixture(scope="module")
+def mixed_ws(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed")
+    go = get_family("go")
+    set_path = write_set(go, go.config(preset="small", counts="50-53"), n=2, seed=0, split="test", out=root / "go")
+    return build_run(root / "data", set_path, "mixed", lambda r: MIXED[r["truth"]["count"]][0],
+                     lambda r: MIXED[r["truth"]["count"]][1], config={"generation": {"max_new_tokens": 10}})
+
+
+def test_word_empty_and_runaway_answers_are_their_own_outcomes(mixed_ws):
+    (ve,) = table(mixed_ws, "counting_regimes")
+    assert (ve["regime"], ve["n"], ve["max_new_tokens"], ve["accuracy"]) == ("VE", 8, "10", 0)
+    rates = {k: ve[f"{k}_rate"] for k in ("number", "runaway", "word", "empty")}
+    assert rates == {"number": 0.25, "runaway": 0.25, "word": 0.25, "empty": 0.25}
+    # the error is the number answers' (49 for 52 boards), never the cut runaway's digits joined
+    assert (ve["mean_abs_error"], ve["mean_digits"], ve["stop_unknown"]) == (3.0, 2.0, 0)
+    rows = {r["kind"]: r for r in table(mixed_ws, "attractors")}
+    assert set(rows) == {"word", "empty", "runaway", "boundary"}
+    assert (rows["word"]["answer"], rows["word"]["prediction"], rows["word"]["n"]) == ("False", None, 2)
+    assert rows["runaway"]["prediction"] is None and rows["runaway"]["max_new_tokens"] == "10"
+    assert all(r["share"] == 0.25 and r["lift"] == 1.0 for r in rows.values())
 
 
 def test_accuracy_counts_every_sample(go_ws):
