@@ -267,6 +267,25 @@ GROUP BY ALL;
 """
 
 
+# Seeds are averaged only over probes split alike: plans that hold out different test fractions
+# (params->'split'->>'test_fraction'; NULL for a split by column) score different things.
+_V3 = """
+CREATE OR REPLACE VIEW v_probe_layers AS
+SELECT run, tap, layer, site, tokens, target, kind, metric,
+       avg(score) AS score, avg(control_score) AS control_score,
+       avg(score) - avg(control_score) AS selectivity, count(*) AS n_seeds,
+       (params->'split'->>'test_fraction')::DOUBLE AS test_fraction
+FROM probes
+GROUP BY ALL;
+
+CREATE OR REPLACE VIEW v_best_probe AS
+SELECT *
+FROM v_probe_layers
+QUALIFY row_number() OVER (
+    PARTITION BY run, tap, site, tokens, target, kind, metric, test_fraction ORDER BY score DESC, layer) = 1;
+"""
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: ``apply`` runs inside the migration's transaction."""
@@ -285,6 +304,7 @@ MIGRATIONS: list[Migration] = [
     Migration(1, "initial manifest: runs, stimuli, samples, activations, chunks, tensors, generations, probes", _v1),
     Migration(2, "interventions (runs.intervention, head_ablations) and the vocabulary for the logit lens",
               lambda con: con.execute(_V2)),
+    Migration(3, "v_probe_layers and v_best_probe average seeds per test fraction", lambda con: con.execute(_V3)),
 ]
 
 
