@@ -103,7 +103,8 @@ def _summary(report, data, keys) -> None:
     if rows:
         print(f"best layer per probe (mean over seeds):")
         # Columns as wide as their longest value: a run id cut short names no run.
-        w = [max(len(h), *(len(str(r[i])) for r in rows)) for i, h in enumerate(("run", "tap/site", "tokens", "target"))]
+        heads = ("run", "tap/site", "tokens", "target")
+        w = [max(len(h), *(len(str(r[i])) for r in rows)) for i, h in enumerate(heads)]
         print(f"{'run':{w[0]}} {'tap/site':{w[1]}} {'tokens':{w[2]}} {'target':{w[3]}} {'kind':14} {'metric':13}"
               f" {'layer':>5} {'score':>6} {'ctrl':>6} {'sel':>6}")
         for r in rows:

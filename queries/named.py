@@ -130,5 +130,7 @@ def check_run_param(name: str, value: str, runs: list[str], ws: Workspace) -> No
     near = difflib.get_close_matches(value, runs, n=3, cutoff=0.5)
     near += [r for r in runs if parts and all(t in r.lower() for t in parts) and r not in near]
     hint = f"did you mean {' or '.join(near[:3])}?" if near else f"its runs: {', '.join(runs[:8])}"
-    more = f" (python -m queries --sql 'SELECT run FROM runs' lists all {len(runs)})" if len(runs) > 8 and not near else ""
+    more = ""
+    if len(runs) > 8 and not near:
+        more = f" (python -m queries --sql 'SELECT run FROM runs' lists all {len(runs)})"
     raise QueryError(f"--param {name}={value} names no run in {ws.path}: {hint}{more}")
