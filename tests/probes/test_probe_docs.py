@@ -27,4 +27,5 @@ def test_new_probe_example_runs_as_written(tmp_path):
     rows = open_workspace(tmp_path / "data").rows(
         "SELECT layer, score, control_score, artifact FROM probes WHERE kind = 'centroid' ORDER BY layer")
     assert [r[0] for r in rows] == [0, 1]
-    assert rows[1][1] > rows[1][2] + 0.2 and rows[1][1] > rows[0][1] and rows[1][3].endswith(".safetensors")
+    # the regime is in the pooled tokens at both layers, and not in shuffled labels
+    assert all(r[1] > r[2] + 0.2 and r[3].endswith(".safetensors") for r in rows), rows
