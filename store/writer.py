@@ -622,8 +622,9 @@ class Writer:
                 coord = layout.ensure_sample_coord(self._root, group, self._stimuli or [])
                 for f in coord:
                     layout.fsync_path(f)
-                if coord:
+                if coord and self.ws.root.remote:
                     self._upload(lambda: self.ws.root.upload(coord))
+                    coord[-1].unlink()  # staged like a chunk: once uploaded, only metadata stays local
             else:
                 attrs["row_shape"] = list(info.item_shape)
                 attrs["blocks"] = "b<k>/rows [n_rows, ...] and b<k>/offsets [n+1] per chunk of chunk_samples samples"
