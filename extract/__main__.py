@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fill only chunk I of every K (start K processes, I = 0..K-1, e.g. one per GPU with"
                         " CUDA_VISIBLE_DEVICES=I): together they write the run once, into one workspace")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--stimuli-root", default=None, metavar="DIR",
+                        help="read the manifest's stimuli/... sets from DIR instead (where `make stimuli STIMULI=DIR`"
+                        " wrote them); other set paths are kept")
     from extract.dry_run import Hardware
 
     hw = Hardware()
@@ -71,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             from extract.manifest import parse_manifest
 
             manifest = parse_manifest({**manifest.model_dump(exclude_unset=True), "shard": args.shard}, "--shard")
+        if args.stimuli_root is not None:
+            from extract.manifest import with_stimuli_root
+
+            manifest = with_stimuli_root(manifest, args.stimuli_root)
         if args.dry_run:
             from extract.dry_run import dry_run
 

@@ -303,3 +303,20 @@ def load_manifest(path: str | Path) -> Manifest:
     except yaml.YAMLError as err:
         raise ManifestError(f"{path} is not valid YAML: {err}") from None
     return parse_manifest(data, str(path))
+
+
+STIMULI_DIR = "stimuli"  # the folder `make stimuli` writes and the repository's manifests name
+
+
+def with_stimuli_root(manifest: Manifest, root: str | Path) -> Manifest:
+    """The manifest with each relative set path under ``stimuli/`` read from ``root`` instead
+    (``python -m extract M --stimuli-root DIR``, ``make demo STIMULI=DIR``); other paths unchanged.
+    Stimulus keys are ``<set folder name>/<id>``, so the run's rows keep their keys."""
+    moved = []
+    for spec in manifest.stimuli:
+        parts = Path(spec.set).parts
+        if not Path(spec.set).is_absolute() and len(parts) > 1 and parts[0] == STIMULI_DIR:
+            spec = spec.model_copy(update={"set": str(Path(root, *parts[1:]))})
+        moved.append(spec)
+    return manifest.model_copy(update={"stimuli": moved})
+

@@ -84,12 +84,17 @@ class RunSummary:
     samples: int
     computed: int
     seconds: float
-    accuracy: float | None
+    accuracy: float | None       # the run's: every scored row stored, resumed or not
     arrays: int
+    new_accuracy: float | None = None  # the rows computed by this call only
+    scored: int = 0
 
     def __str__(self) -> str:
         acc = "n/a" if self.accuracy is None else f"{self.accuracy:.1%}"
         rate = self.computed / self.seconds if self.seconds else 0.0
+        if self.computed < self.samples and self.scored:  # a resume: the new rows alone are not the run
+            new = "" if self.new_accuracy is None else f"; the {self.computed} computed now: {self.new_accuracy:.1%}"
+            acc = f"{acc} (of {self.scored} scored rows{new})"
         return (f"run {self.run}: {self.samples} samples ({self.computed} computed now, {rate:.1f}/s),"
                 f" {self.arrays} arrays, accuracy {acc} -> {self.workspace}")
 
@@ -319,8 +324,11 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
         scaled = scaled_vision_rope(lm, manifest.intervention) if kind == "rope_scaling" else nullcontext()
         with scaled:
             ws, computed, accuracy, arrays = _extract(lm, manifest, sets, samples, where, progress, codec, on_batch)
+    scored, correct = ws.rows("SELECT count(correct), count(*) FILTER (WHERE correct) FROM generations WHERE run = ?",
+                              [manifest.run])[0]
     return RunSummary(run=manifest.run, workspace=ws.path, samples=len(samples), computed=computed,
-                      seconds=time.perf_counter() - started, accuracy=accuracy, arrays=arrays)
+                      seconds=time.perf_counter() - started, accuracy=correct / scored if scored else None,
+                      arrays=arrays, new_accuracy=accuracy, scored=scored)
 
 
 def run_info(lm: LoadedModel, manifest: Manifest, lens: Any) -> RunInfo:

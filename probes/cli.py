@@ -170,9 +170,13 @@ def _summary(report, data, keys) -> None:
             "  ORDER BY score DESC, layer) = 1 ORDER BY run, tap, target, kind LIMIT 40").fetchall()
     if rows:
         print(f"best layer per probe (mean over seeds):")
-        print(f"{'run':20} {'tap/site':20} {'tokens':6} {'target':22} {'kind':14} {'metric':13} {'layer':>5} {'score':>6}"
-              f" {'ctrl':>6} {'sel':>6}")
+        # Columns as wide as their longest value: a run id cut short names no run.
+        heads = ("run", "tap/site", "tokens", "target")
+        w = [max(len(h), *(len(str(r[i])) for r in rows)) for i, h in enumerate(heads)]
+        print(f"{'run':{w[0]}} {'tap/site':{w[1]}} {'tokens':{w[2]}} {'target':{w[3]}} {'kind':14} {'metric':13}"
+              f" {'layer':>5} {'score':>6} {'ctrl':>6} {'sel':>6}")
         for r in rows:
             ctrl = "-" if r[8] is None else f"{r[8]:.3f}"
             sel = "-" if r[8] is None else f"{r[7] - r[8]:+.3f}"
-            print(f"{r[0][:20]:20} {r[1][:20]:20} {r[2]:6} {r[3][:22]:22} {r[4]:14} {r[5]:13} {r[6]:5d} {r[7]:6.3f} {ctrl:>6} {sel:>6}")
+            print(f"{r[0]:{w[0]}} {r[1]:{w[1]}} {r[2]:{w[2]}} {r[3]:{w[3]}} {r[4]:14} {r[5]:13} {r[6]:5d} {r[7]:6.3f}"
+                  f" {ctrl:>6} {sel:>6}")

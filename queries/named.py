@@ -3,10 +3,15 @@
 A file's leading ``--`` comment is its description; lines ``-- param: NAME  text (default X)``
 declare its parameters, which the SQL uses as DuckDB named parameters (``$NAME``). Every query
 runs on a read-only connection, so a query can never change the store.
+
+A parameter whose text names a run (``a run id``, ``the first run``) is checked against the
+``runs`` table when it is given: a run id (or LIKE pattern) that matches no run is an error with
+the nearest run ids, not an empty table that looks like an answer.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +27,7 @@ SQL_DIR = Path(__file__).with_name("sql")
 # What a workspace folder holds besides its manifest files (store/workspace.py): never an output.
 _WORKSPACE_FOLDERS = (ZARR_DIR, "locks", ".trash")
 _PARAM = re.compile(r"^--\s*param:\s*(\w+)\s+(.*?)(?:\(default\s+(.*)\))?\s*$")
+_NAMES_RUN = re.compile(r"\brun\b")
 
 
 class QueryError(ValueError):
@@ -33,6 +39,10 @@ class Param:
     name: str
     help: str
     default: str | None
+
+    @property
+    def names_run(self) -> bool:
+        return bool(_NAMES_RUN.search(self.help))
 
 
 @dataclass(frozen=True)
@@ -123,7 +133,30 @@ def run(ws: Workspace, name: str, params: dict[str, str] | None = None) -> pa.Ta
     """Run a named query on a read-only connection of ``ws``."""
     query = get(name)
     bound = query.bind(params or {})
+    given = [p for p in query.params if p.names_run and p.name in (params or {})]
+    if given:
+        runs = [r[0] for r in ws.rows("SELECT run FROM runs ORDER BY run")]
+        for p in given:
+            check_run_param(p.name, str(bound[p.name]), runs, ws)
     try:
         return ws.query(query.sql, bound)
     except StoreError as err:
         raise QueryError(f"query {name} failed on {ws.path}: {err}") from err
+
+
+def check_run_param(name: str, value: str, runs: list[str], ws: Workspace) -> None:
+    """Refuse a run parameter that matches no run (LIKE semantics, as the SQL uses it)."""
+    pattern = re.compile("^" + "".join(".*" if c == "%" else "." if c == "_" else re.escape(c) for c in value) + "$",
+                         re.DOTALL)
+    if any(pattern.match(r) for r in runs):
+        return
+    if not runs:
+        raise QueryError(f"--param {name}={value} names no run: the workspace {ws.path} holds no runs yet")
+    parts = [t for t in re.split(r"[-_.%]+", value.lower()) if t]
+    near = difflib.get_close_matches(value, runs, n=3, cutoff=0.5)
+    near += [r for r in runs if parts and all(t in r.lower() for t in parts) and r not in near]
+    hint = f"did you mean {' or '.join(near[:3])}?" if near else f"its runs: {', '.join(runs[:8])}"
+    more = ""
+    if len(runs) > 8 and not near:
+        more = f" (python -m queries --sql 'SELECT run FROM runs' lists all {len(runs)})"
+    raise QueryError(f"--param {name}={value} names no run in {ws.path}: {hint}{more}")

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 
 def render_table(table: pa.Table, max_rows: int = 200) -> str:
+    """Every cell in full (a column is as wide as its widest value: run ids are never cut)."""
     cols = table.column_names
     rows = [[format_cell(v) for v in r.values()] for r in table.slice(0, max_rows).to_pylist()]
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
@@ -40,11 +41,36 @@ def format_cell(v) -> str:
         return ""
     if isinstance(v, float):
         return f"{v:.4g}"
+    if isinstance(v, pa.MonthDayNano):
+        return format_interval(v)
     return str(v)
+
+
+def format_interval(v: pa.MonthDayNano) -> str:
+    """An INTERVAL as DuckDB prints it: ``2 months 3 days 00:01:18.5``."""
+    parts = [f"{n} {unit}{'s' if abs(n) != 1 else ''}" for n, unit in ((v.months, "month"), (v.days, "day")) if n]
+    if v.nanoseconds or not parts:
+        sign, ns = ("-" if v.nanoseconds < 0 else ""), abs(v.nanoseconds)
+        seconds, frac = divmod(ns, 1_000_000_000)
+        clock = f"{sign}{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+        parts.append(clock + (f".{frac:09d}".rstrip("0") if frac else ""))
+    return " ".join(parts)
+
+
+def readable(table: pa.Table) -> pa.Table:
+    """INTERVAL columns as text: Arrow's month_day_nano type has no CSV or Parquet form and
+    prints as ``MonthDayNano(...)`` in JSON."""
+    for i, field in enumerate(table.schema):
+        if pa.types.is_interval(field.type):
+            text = pa.array([None if v is None else format_interval(v) for v in table.column(i).to_pylist()],
+                            pa.string())
+            table = table.set_column(i, pa.field(field.name, pa.string()), text)
+    return table
 
 
 def emit(table: pa.Table, fmt: str, out: str | None) -> int:
     """Write ``table`` as a table, CSV, JSON or Parquet to ``out`` (stdout for text formats)."""
+    table = readable(table)
     if fmt == "parquet":
         if not out:
             print("error: --format parquet needs --out FILE", file=sys.stderr)

@@ -169,6 +169,33 @@ def create_dense(
     return arr
 
 
+# Per-sample dims whose length depends on the token kind: named per kind, so the arrays of one
+# site group (image, last, answer) open together in xarray without "conflicting sizes".
+_KIND_DIMS = ("token", "query", "key")
+COORD = "sample"  # the per-group coordinate array: row i's stimulus id
+
+
+def kind_dims(dims: tuple[str, ...], tokens: str) -> tuple[str, ...]:
+    """``("token", "dim")`` of the ``image`` array -> ``("image_token", "dim")``."""
+    return tuple(f"{tokens}_{d}" if d in _KIND_DIMS else d for d in dims)
+
+
+def ensure_sample_coord(root: zarr.Group, group_path: str, stimuli: list[str]) -> list[Path]:
+    """Write the stimulus ids of the run's rows as the ``sample`` coordinate of ``group_path`` (once;
+    xarray then indexes every array of the group by stimulus). Returns the files written, to fsync."""
+    group = root[group_path]
+    if COORD in group:
+        return []
+    coord = group.create_array(
+        COORD, shape=(len(stimuli),), chunks=(max(len(stimuli), 1),), dtype=str, compressors=None,
+        filters=None, chunk_key_encoding=_KEY_ENCODING, dimension_names=[COORD],
+        attributes={"long_name": "stimulus id (the manifest's stimuli.stimulus) of each array row"},
+    )
+    coord[...] = np.asarray(stimuli, dtype=object)
+    base = local_dir(group) / COORD
+    return [base / "zarr.json", base / "c.0"]
+
+
 def create_ragged_group(root: zarr.Group, path: str, attributes: dict[str, Any]) -> zarr.Group:
     if path in root:
         del root[path]

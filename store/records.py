@@ -175,6 +175,8 @@ class ArraySpec:
         check_name("tap", self.tap)
         check_name("site", self.site)
         check_name("tokens", self.tokens)
+        if self.tokens == "sample":  # each site group's stimulus-id coordinate (store/arrays.py)
+            raise StoreError("tokens 'sample' is reserved for the stimulus-id coordinate: name the kind otherwise")
         if not isinstance(self.layer, (int, np.integer)) or isinstance(self.layer, bool) or self.layer < 0:
             raise StoreError(
                 f"layer must be the block index >= 0 (use 0 for taps without layers; -1 is a read-time"

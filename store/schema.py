@@ -302,6 +302,29 @@ def _v4_generations(con: duckdb.DuckDBPyConnection) -> None:
         con.execute("DROP TABLE _kinds")
 
 
+# Seeds are averaged only over probes split alike: plans that hold out different test fractions
+# (params->'split'->>'test_fraction'; NULL for a split by column) score different things.
+_V5_PROBE_VIEWS = """
+CREATE OR REPLACE VIEW v_probe_layers AS
+SELECT run, tap, layer, site, tokens, target, kind, metric,
+       avg(score) AS score, avg(control_score) AS control_score,
+       avg(score) - avg(control_score) AS selectivity, count(*) AS n_seeds,
+       (params->'split'->>'test_fraction')::DOUBLE AS test_fraction
+FROM probes
+GROUP BY ALL;
+
+CREATE OR REPLACE VIEW v_best_probe AS
+SELECT *
+FROM v_probe_layers
+QUALIFY row_number() OVER (
+    PARTITION BY run, tap, site, tokens, target, kind, metric, test_fraction ORDER BY score DESC, layer) = 1;
+"""
+
+
+def _v5_probe_views(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(_V5_PROBE_VIEWS)
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: ``apply`` runs inside the migration's transaction."""
@@ -331,6 +354,7 @@ MIGRATIONS: list[Migration] = [
     Migration(3, "chunks.offsets_crc32c: a checksum of each ragged block's offsets", _v3_offsets_crc),
     Migration(4, "generations.stop_reason (eos | cap) and generations.answer_kind (empty | word | digits | runaway)",
               _v4_generations),
+    Migration(5, "v_probe_layers and v_best_probe average seeds per test fraction", _v5_probe_views),
 ]
 
 

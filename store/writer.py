@@ -565,7 +565,7 @@ class Writer:
         # Zarr chunks never exceed the array, so neither does the recorded chunk size.
         chunk = min(spec.chunk_samples or self.info.chunk_samples, n)
         path = layout.array_path(self.run, spec.tap, spec.layer, spec.site, spec.tokens)
-        dims = ("sample", *spec.default_dims())
+        dims = ("sample", *layout.kind_dims(spec.default_dims(), spec.tokens))
         shape = (n, -1, *spec.shape) if spec.ragged else (n, *spec.shape)
         per_row = int(np.prod(spec.shape))
         info = ArrayInfo(
@@ -641,6 +641,13 @@ class Writer:
                     self._root, info.zarr_path, info.n_samples, info.item_shape, info.chunk_samples,
                     info.stored_dtype, codec, info.dims[1:], attrs,
                 )
+                group = info.zarr_path.rsplit("/", 1)[0]
+                coord = layout.ensure_sample_coord(self._root, group, self._stimuli or [])
+                for f in coord:
+                    layout.fsync_path(f)
+                if coord and self.ws.root.remote:
+                    self._upload(lambda: self.ws.root.upload(coord))
+                    coord[-1].unlink()  # staged like a chunk: once uploaded, only metadata stays local
             else:
                 attrs["row_shape"] = list(info.item_shape)
                 attrs["blocks"] = "b<k>/rows [n_rows, ...] and b<k>/offsets [n+1] per chunk of chunk_samples samples"

@@ -142,6 +142,10 @@ def test_interrupted_run_resumes_to_the_same_store(tiny_dir, g2m_set, extracted,
     ws, ref = Workspace.open(data, readonly=True), Workspace.open(reference, readonly=True)
     assert ws.verify().ok
     assert ws.rows("SELECT count(*), count(DISTINCT array_row) FROM generations") == [(N_SAMPLES, N_SAMPLES)]
+    # The summary's accuracy is the run's (every stored row), the resumed rows' is given apart.
+    (stored,) = ws.rows("SELECT avg(correct::INT) FROM generations WHERE run = 'r1'")[0]
+    assert (resumed.scored, resumed.accuracy) == (N_SAMPLES, pytest.approx(stored))
+    assert f"of {N_SAMPLES} scored rows; the {resumed.computed} computed now:" in str(resumed)
     for info in ref.arrays("r1"):
         got = ws.read("r1", info.tap, info.layer, site=info.site, tokens=info.tokens)
         want = ref.read("r1", info.tap, info.layer, site=info.site, tokens=info.tokens)
@@ -194,3 +198,14 @@ def test_dry_run_summary_holds_without_the_logit_lens(extracted, g2m_set):
     model, _, _ = extracted
     text = dry_run(manifest_for(model, g2m_set, logit_lens=False))
     assert "arrays," in text.splitlines()[-1] and "logit lens" not in text
+
+
+def test_a_resumed_summary_prints_the_runs_accuracy_and_the_new_rows_apart(tmp_path):
+    from extract.run import RunSummary
+
+    resumed = RunSummary(run="r", workspace=tmp_path, samples=484, computed=120, seconds=2.0, accuracy=0.804,
+                         arrays=3, new_accuracy=0.721, scored=484)
+    assert "accuracy 80.4% (of 484 scored rows; the 120 computed now: 72.1%)" in str(resumed)
+    fresh = RunSummary(run="r", workspace=tmp_path, samples=484, computed=484, seconds=2.0, accuracy=0.804,
+                       arrays=3, new_accuracy=0.804, scored=484)
+    assert "accuracy 80.4% ->" in str(fresh)

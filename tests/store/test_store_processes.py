@@ -142,7 +142,7 @@ def test_plain_duckdb_and_plain_zarr_read_the_workspace_without_agnosia(tmp_path
     out = python("-c", code_zarr, cwd=tmp_path, env={"PYTHONPATH": ""})
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
-    assert lines[0] == "(16, 6, 8) float16 llm 3 model.layers.3 ('sample', 'token', 'dim')"
+    assert lines[0] == "(16, 6, 8) float16 llm 3 model.layers.3 ('sample', 'image_token', 'dim')"
     assert float(lines[1]) == float(dense_values([5])[0, 1, 2].astype(np.float16))
     assert lines[2] == "[0, 0, 1, 3, 6, 6, 7, 9, 12] (12, 8)"
 

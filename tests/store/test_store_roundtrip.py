@@ -174,7 +174,7 @@ def test_attention_rows_layout(tmp_path):
         w.write(a, 0, att)
         w.finish()
     info = ws.array_info("r", "attn", 5, tokens="answer")
-    assert info.dims == ("sample", "head", "query", "key") and info.shape == (12, 2, 3, 10)
+    assert info.dims == ("sample", "head", "answer_query", "answer_key") and info.shape == (12, 2, 3, 10)
     assert np.array_equal(ws.read("r", "attn", 5, tokens="answer", rows=[1, 7], index=(1,)), att[[1, 7], 1].astype(np.float16))
 
 

@@ -1,0 +1,55 @@
+"""`make demo STIMULI=/elsewhere`: the demo manifests name `stimuli/...` sets, and
+`python -m extract M --stimuli-root DIR` reads them from DIR (issue: the variable did nothing but
+break the demo, whose manifests hard-code `stimuli/`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from extract.manifest import load_manifest, parse_manifest, with_stimuli_root
+from extract.stimuli import get_family
+from extract.stimuli.io import write_set
+from store import Workspace
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_only_sets_under_stimuli_move():
+    m = parse_manifest({"run": "r", "model": {"path": "m"}, "stimuli": [
+        {"set": "stimuli/go-toy"}, {"set": "/abs/stimuli/g2m"}, {"set": "other/set"}, {"set": "stimuli"}]})
+    moved = [s.set for s in with_stimuli_root(m, "/elsewhere").stimuli]
+    assert moved == ["/elsewhere/go-toy", "/abs/stimuli/g2m", "other/set", "stimuli"]
+    assert [s.set for s in with_stimuli_root(m, "stimuli").stimuli] == [s.set for s in m.stimuli]  # the default
+
+
+def test_make_passes_stimuli_to_every_extraction_of_the_demo():
+    stamp = os.path.join(os.environ.get("VENV", ".venv"), ".agnosia-installed")
+    out = subprocess.run(["make", "-n", "-o", stamp, "-o", "setup", "demo", "STIMULI=/elsewhere"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    calls = [line for line in out.stdout.splitlines() if re.search(r"-m extract manifests/\S+\.yaml", line)]
+    assert len(calls) >= 8  # the plain run, six variants, the G2M toy
+    for line in calls:
+        assert "--stimuli-root /elsewhere" in line, line
+        manifest = load_manifest(REPO / re.search(r"manifests/\S+\.yaml", line).group(0))
+        assert all(s.set.startswith("stimuli/") for s in manifest.stimuli), line  # so the root applies
+    writes = [line for line in out.stdout.splitlines() if "-m extract.stimuli" in line]
+    assert writes and all("--out /elsewhere" in line for line in writes)
+
+
+def test_an_extraction_reads_its_sets_from_the_stimuli_root(tmp_path):
+    go = get_family("go")
+    write_set(go, go.config(preset="small", variation="mild", counts="0-2"), n=1, seed=1, split="test",
+              out=tmp_path / "elsewhere" / "go-toy")
+    got = subprocess.run([sys.executable, "-m", "extract", "manifests/demo-text.yaml", "--data", str(tmp_path / "data"),
+                          "--stimuli-root", str(tmp_path / "elsewhere"), "--no-progress"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0, got.stderr
+    ws = Workspace.open(tmp_path / "data", readonly=True)
+    rows = ws.rows("SELECT stimulus, set_path FROM v_samples WHERE run = 'toy-counter-text' ORDER BY array_row")
+    assert [r[0] for r in rows] == ["go-toy/go_000_00000", "go-toy/go_001_00000", "go-toy/go_002_00000"]
+    assert {Path(r[1]) for r in rows} == {(tmp_path / "elsewhere" / "go-toy").resolve()}
