@@ -6,8 +6,11 @@ new columns arrive as a new migration step, never by editing an applied one.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import duckdb
 
@@ -267,6 +270,118 @@ GROUP BY ALL;
 """
 
 
+# Probes keyed by their full identity (kind parameters, split, train_where ...), so two plans that
+# differ only there keep both rows; per-sample test predictions in their own table (not JSON in
+# params) to join with v_samples; each array's place along the model's data path (store/depth.py).
+_PROBES_V3 = """
+CREATE TABLE probes_v3 (
+    key           VARCHAR PRIMARY KEY,       -- probes/plan.py's task key: everything that defines the probe
+    run           VARCHAR NOT NULL,
+    tap           VARCHAR NOT NULL,
+    layer         INTEGER NOT NULL,
+    site          VARCHAR NOT NULL,
+    tokens        VARCHAR NOT NULL,
+    target        VARCHAR NOT NULL,
+    kind          VARCHAR NOT NULL,
+    seed          INTEGER NOT NULL,
+    series        VARCHAR,                   -- the key without tap/layer/site/seed: one curve along depth
+    kind_params   JSON,
+    split         VARCHAR,                   -- the split rule, e.g. hash(seed=0, test=0.25)
+    test_fraction DOUBLE,
+    train_where   VARCHAR,
+    n_train       INTEGER,
+    n_test        INTEGER,
+    metric        VARCHAR NOT NULL,
+    score         DOUBLE  NOT NULL,
+    control_score DOUBLE,
+    artifact      VARCHAR,
+    params        JSON,
+    created_at    TIMESTAMP NOT NULL
+);
+
+CREATE TABLE probe_predictions (           -- one row per test sample of a probe
+    key        VARCHAR NOT NULL,             -- probes.key
+    run        VARCHAR NOT NULL,
+    array_row  BIGINT  NOT NULL,             -- join v_samples on (run, array_row)
+    prediction DOUBLE,                       -- the probe's number for the sample (class code, value, N_H, boxes)
+    truth      DOUBLE,                       -- the target's number for the sample, where it is one number
+    score      DOUBLE,                       -- per-sample quality in the probe's metric (1/0, token/cell accuracy, AP)
+    PRIMARY KEY (key, array_row)
+);
+
+ALTER TABLE activations ADD COLUMN depth INTEGER;   -- position along the data path (store/depth.py)
+ALTER TABLE activations ADD COLUMN stage VARCHAR;   -- vision | merger | projector | llm | logits
+"""
+
+_VIEWS_V3 = """
+CREATE OR REPLACE VIEW v_probe_layers AS
+SELECT p.run, p.tap, p.layer, p.site, p.tokens, p.target, p.kind, p.metric, p.series,
+       any_value(a.depth) AS depth, any_value(a.stage) AS stage,
+       avg(p.score) AS score, avg(p.control_score) AS control_score,
+       avg(p.score) - avg(p.control_score) AS selectivity, count(*) AS n_seeds
+FROM probes p
+LEFT JOIN activations a ON a.run = p.run AND a.tap = p.tap AND a.layer = p.layer AND a.site = p.site
+                       AND a.tokens = p.tokens
+GROUP BY p.run, p.tap, p.layer, p.site, p.tokens, p.target, p.kind, p.metric, p.series;
+
+CREATE OR REPLACE VIEW v_best_probe AS
+SELECT *
+FROM v_probe_layers
+QUALIFY row_number() OVER (
+    PARTITION BY run, tap, site, tokens, target, kind, metric, series ORDER BY score DESC, layer) = 1;
+"""
+
+
+def _probe_rows_v3(con: duckdb.DuckDBPyConnection) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Old probes rows in the v3 layout, and their predictions moved out of params."""
+    from store.records import ProbeResult
+
+    cols = ["run", "tap", "layer", "site", "tokens", "target", "kind", "seed", "n_train", "n_test", "metric", "score",
+            "control_score", "artifact", "params", "created_at"]
+    probes, predictions = [], []
+    for values in con.execute(f"SELECT {', '.join(cols)} FROM probes").fetchall():
+        row = dict(zip(cols, values, strict=True))
+        params = json.loads(row["params"]) if row["params"] else {}
+        kind_params = params.get("kind_params")
+        split = None if params.get("split") is None else json.dumps(params["split"], sort_keys=True)
+        key = ProbeResult(run=row["run"], tap=row["tap"], layer=row["layer"], target=row["target"], kind=row["kind"],
+                          score=row["score"], site=row["site"], tokens=row["tokens"], seed=row["seed"],
+                          params=params, kind_params=kind_params, split=split,
+                          train_where=params.get("train_where")).probe_key()
+        got = params.pop("predictions", None) or {}
+        for r, v in zip(got.get("array_row", []), got.get("value", []), strict=False):
+            predictions.append((key, row["run"], int(r), None if v is None else float(v)))
+        series = series_of(row["tokens"], row["target"], row["kind"], kind_params, params.get("where"),
+                           params.get("train_where"), split, params.get("control"))
+        probes.append((key, *(row[c] for c in cols[:8]), series, json.dumps(kind_params), split, None,
+                       params.get("train_where"), *(row[c] for c in cols[8:14]), json.dumps(params), row["created_at"]))
+    return probes, predictions
+
+
+def series_of(*identity: Any) -> str:
+    """A probe's curve along depth: its identity without tap, layer, site and seed."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _v3(con: duckdb.DuckDBPyConnection) -> None:
+    from store.depth import assign_depths
+
+    probes, predictions = _probe_rows_v3(con)
+    con.execute(_PROBES_V3)
+    if probes:
+        con.executemany(f"INSERT INTO probes_v3 VALUES ({', '.join('?' * 22)})", probes)
+    if predictions:
+        # An old hidden_number / conv_spatial row kept one number per sample: N_H, or the cell accuracy.
+        con.executemany("INSERT INTO probe_predictions (key, run, array_row, prediction) VALUES (?, ?, ?, ?)",
+                        predictions)
+        con.execute("UPDATE probe_predictions SET score = prediction, prediction = NULL WHERE key IN"
+                    " (SELECT key FROM probes_v3 WHERE kind = 'conv_spatial')")
+    con.execute("DROP VIEW IF EXISTS v_best_probe; DROP VIEW IF EXISTS v_probe_layers; DROP TABLE probes;"
+                " ALTER TABLE probes_v3 RENAME TO probes")
+    con.execute(_VIEWS_V3)
+    assign_depths(con)
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: ``apply`` runs inside the migration's transaction."""
@@ -285,6 +400,8 @@ MIGRATIONS: list[Migration] = [
     Migration(1, "initial manifest: runs, stimuli, samples, activations, chunks, tensors, generations, probes", _v1),
     Migration(2, "interventions (runs.intervention, head_ablations) and the vocabulary for the logit lens",
               lambda con: con.execute(_V2)),
+    Migration(3, "probes keyed by their full identity, probe_predictions per test sample, activations.depth/stage",
+              _v3),
 ]
 
 

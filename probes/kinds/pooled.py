@@ -15,7 +15,7 @@ import torch
 from pydantic import Field
 
 from probes.errors import ProbeError
-from probes.kinds.base import Job, Outcome, register_kind
+from probes.kinds.base import Job, Outcome, PerSample, register_kind
 from probes.kinds.linear import LinearParams, LinearProbe, _as_float, _stats, evaluate_batched
 from probes.logreg import fit_ridge
 from probes.splits import control_permutation
@@ -148,7 +148,8 @@ class PooledProbe(LinearProbe):
         scores = [r2(v[fold.test], preds[:, c]) for c, v in enumerate(ys)]
         mae = float(np.nanmean(np.abs(preds[:, 0] - y[fold.test])))
         return Outcome("r2", scores[0], scores[1] if job.control else None, int(tr.sum()), int(te.sum()),
-                       {"mae": mae, "task": "regress"}, probe)
+                       {"mae": mae, "task": "regress"}, probe,
+                       predictions=PerSample(np.flatnonzero(fold.test), preds[:, 0].astype(np.float64), y[fold.test]))
 
 
 def r2(y: np.ndarray, pred: np.ndarray) -> float:
