@@ -217,17 +217,15 @@ def evaluate_batched(cls: type[LinearProbe], Xs: list[Any], jobs: list[Job]) -> 
 def per_sample(positions: np.ndarray, pred: np.ndarray, truth: np.ndarray, R: int,
                classes: tuple[Any, ...] | None) -> PerSample:
     """Test samples of a token or sample classifier: each sample's accuracy over its labelled
-    rows; a one-row (pooled) sample also its predicted and true class, as the class's number
-    where the classes are numbers (a count), else as the class code."""
+    rows; a one-row (pooled) sample whose classes are numbers (a count) also the predicted and
+    true number (class codes of a categorical target are no numbers to average)."""
     P, Y = pred.reshape(len(positions), R), truth.reshape(len(positions), R)
     ok = Y >= 0
     with np.errstate(invalid="ignore", divide="ignore"):
         score = ((P == Y) & ok).sum(1) / ok.sum(1)
-    if R != 1:
+    numeric = bool(classes) and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in classes or ())
+    if R != 1 or not numeric:
         return PerSample(positions, None, None, score)
-    numbers = None
-    if classes and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in classes):
-        numbers = np.asarray(classes, dtype=np.float64)
-    value = (lambda codes: numbers[codes]) if numbers is not None else (lambda codes: codes.astype(np.float64))
-    truth_v = np.where(ok[:, 0], value(np.where(ok[:, 0], Y[:, 0], 0)), np.nan)
-    return PerSample(positions, value(np.clip(P[:, 0], 0, None)), truth_v, score)
+    numbers = np.asarray(classes, dtype=np.float64)
+    truth_v = np.where(ok[:, 0], numbers[np.where(ok[:, 0], Y[:, 0], 0)], np.nan)
+    return PerSample(positions, numbers[np.clip(P[:, 0], 0, len(numbers) - 1)], truth_v, score)
