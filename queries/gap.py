@@ -15,11 +15,14 @@ test samples beside what the model itself answers on the same samples, and their
   probe's truth), then ``gap_accuracy = probe_accuracy - model_accuracy`` and
   ``gap_mae = model_mae - probe_mae``: positive when the layer holds more than the model says.
 * ``selectivity``: the probe's test score minus its shuffled-label control in the probe's own
-  metric (accuracy - accuracy, R^2 - R^2, AP - AP), averaged over seeds.
+  metric (accuracy - accuracy, AP - AP), averaged over seeds. For R^2 the floor is the better of
+  the control and 0 (predicting the mean): a shuffled ridge's R^2 can fall to -30 on held-out
+  samples, which would make any probe look selective.
 
 :func:`where_lost` reduces that table to one row per probe series and group: the depth where
 decodability falls the most from one stored depth to the next (MAE rises most, or accuracy
-drops most), with the values before and after. The counting gaps (queries/sql/counting_gaps.sql:
+drops most), with the values before and after; a step below 0.05 accuracy, or below a tenth of
+the group's spread of true values in MAE, is noise and the group reads "not lost". The counting gaps (queries/sql/counting_gaps.sql:
 Vision Gap = probe MAE against the truth, Language Gap against the answer) and G2M's gap curve
 (queries/sql/g2m_gap.sql: probe cell accuracy - model cell accuracy per N) are the same
 comparison for one probe kind and grouping each; ``gap`` gives them for any probe.
@@ -54,7 +57,9 @@ WITH p AS (
 ),
 sel AS (
     SELECT p.series, p.run, p.tap, p.layer, p.site, p.tokens,
-           avg(pr.score) - avg(pr.control_score) AS selectivity, count(*) AS n_seeds
+           avg(pr.score) - CASE WHEN any_value(pr.metric) = 'r2' THEN greatest(avg(pr.control_score), 0)
+                                ELSE avg(pr.control_score) END AS selectivity,
+           count(*) AS n_seeds
     FROM p JOIN probes pr USING (key)
     GROUP BY ALL
 ),
@@ -76,7 +81,7 @@ g AS (
            coalesce(avg(sample_score), avg((round(prediction) = truth)::INTEGER)) AS probe_accuracy,
            avg(abs(prediction - truth)) AS probe_mae,
            1 - avg((prediction - truth) ^ 2) / nullif(var_pop(truth), 0) AS probe_r2,
-           avg(prediction) AS mean_prediction,
+           avg(prediction) AS mean_prediction, stddev_pop(truth) AS truth_sd,
            avg(correct::INTEGER) AS model_accuracy,
            avg(abs(answer - truth)) AS model_mae
     FROM j
@@ -85,6 +90,7 @@ g AS (
 SELECT g.run, g.target, g.kind, g.metric, g.series, g.depth, g.stage, g.tap, g.layer, g.site, g.tokens, g."group",
        g.n, sel.n_seeds, round(g.probe_accuracy, 4) AS probe_accuracy, round(g.probe_mae, 3) AS probe_mae,
        round(g.probe_r2, 4) AS probe_r2, round(g.mean_prediction, 3) AS mean_prediction,
+       round(g.truth_sd, 3) AS truth_sd,
        round(g.model_accuracy, 4) AS model_accuracy, round(g.model_mae, 3) AS model_mae,
        round(g.probe_accuracy - g.model_accuracy, 4) AS gap_accuracy,
        round(g.model_mae - g.probe_mae, 3) AS gap_mae,
@@ -133,7 +139,7 @@ def where_lost(table: pa.Table) -> pa.Table:
         steps = [(sign * (b[value] - a[value]), a, b) for a, b in zip(rows, rows[1:], strict=False)
                  if a[value] is not None and b[value] is not None]
         best = max(steps, key=lambda s: s[0], default=None)
-        lost = best is not None and best[0] > 0
+        lost = best is not None and best[0] > _min_loss(rows, regress)
         at = best[2] if lost and best else None
         out.append({
             "run": run, "target": target, "kind": kind, "group": group, "n": rows[0]["n"], "measure": value,
@@ -146,3 +152,17 @@ def where_lost(table: pa.Table) -> pa.Table:
             "model_accuracy": rows[-1]["model_accuracy"], "model_mae": rows[-1]["model_mae"],
         })
     return pa.Table.from_pylist(out) if out else pa.table({"run": pa.array([], pa.string())})
+
+
+def _min_loss(rows: list[dict[str, Any]], regress: bool) -> float:
+    """The smallest step that counts as a loss: accuracy down by ``LOSS_ACCURACY``, or MAE up by
+    ``LOSS_SD`` of the group's true values (a read-out's noise is no loss)."""
+    if not regress:
+        return LOSS_ACCURACY
+    sds = [r["truth_sd"] for r in rows if r["truth_sd"]]
+    return LOSS_SD * max(sds) if sds else 0.0
+
+
+#: Steps smaller than these are noise, not a loss (where_lost).
+LOSS_ACCURACY = 0.05
+LOSS_SD = 0.1

@@ -318,7 +318,10 @@ CREATE OR REPLACE VIEW v_probe_layers AS
 SELECT p.run, p.tap, p.layer, p.site, p.tokens, p.target, p.kind, p.metric, p.series,
        any_value(a.depth) AS depth, any_value(a.stage) AS stage,
        avg(p.score) AS score, avg(p.control_score) AS control_score,
-       avg(p.score) - avg(p.control_score) AS selectivity, count(*) AS n_seeds
+       -- R^2's chance floor is 0 (the mean); a shuffled ridge can score far below it
+       avg(p.score) - CASE WHEN p.metric = 'r2' THEN greatest(avg(p.control_score), 0) ELSE avg(p.control_score) END
+           AS selectivity,
+       count(*) AS n_seeds
 FROM probes p
 LEFT JOIN activations a ON a.run = p.run AND a.tap = p.tap AND a.layer = p.layer AND a.site = p.site
                        AND a.tokens = p.tokens

@@ -21,10 +21,16 @@ from probes.logreg import fit_ridge
 from probes.splits import control_permutation
 
 
+#: A numeric target with more distinct values than this is a quantity (a count of stones), not
+#: a few categories: task auto regresses on it (a 121-way classifier scores a near miss as wrong).
+MAX_AUTO_CLASSES = 10
+
+
 class PooledParams(LinearParams):
     pool: Literal["mean", "max", "first", "last"] = Field("mean", description="how tokens become one vector")
     task: Literal["auto", "classify", "regress"] = Field(
-        "auto", description="auto: classes unless the target's values are non-integer numbers")
+        "auto", description=f"auto: a regression when the target's values are numbers that are not whole or take"
+                            f" more than {MAX_AUTO_CLASSES} values (a count), else classes")
     alpha: float = Field(1.0, gt=0, description="ridge strength when regressing")
 
 
@@ -55,12 +61,12 @@ def pool(X: Any, how: str) -> np.ndarray:
 def _regress(params: Any, y: np.ndarray | None, numeric: np.ndarray | None) -> bool:
     if params.task != "auto":
         return params.task == "regress"
-    vals = numeric if numeric is not None else (y if y is not None and np.asarray(y).dtype.kind == "f" else None)
+    vals = numeric if numeric is not None else (y if y is not None and np.asarray(y).dtype.kind in "iuf" else None)
     if vals is None:
         return False
     v = np.asarray(vals, dtype=np.float64)
     v = v[~np.isnan(v)]
-    return bool(len(v) and not np.all(v == np.round(v)))
+    return bool(len(v) and (not np.all(v == np.round(v)) or len(np.unique(v)) > MAX_AUTO_CLASSES))
 
 
 @register_kind("pooled")

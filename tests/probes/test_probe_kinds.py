@@ -208,3 +208,15 @@ def test_spatial_probe_records_its_error_map_per_grid_size(farm):
     assert list(maps) == ["4"] and np.asarray(maps["4"]).shape == (4, 4)
     # its mean error is the complement of the recorded cell accuracy (every 4x4 cell is labelled)
     assert 1 - np.mean(maps["4"]) == pytest.approx(row["score"], abs=1e-3)
+
+
+def test_pooled_regresses_on_counts_by_default_and_classifies_few_values():
+    from probes.kinds.pooled import PooledProbe
+
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 121, 200)
+    X = (counts[:, None, None] * np.ones((1, 3, 4)) + rng.standard_normal((200, 3, 4))).astype(np.float32)
+    probe = PooledProbe().fit(X, counts)
+    assert probe.regressor and abs(probe.predict(X[:5]) - counts[:5]).max() < 3  # a number, not one of 121 classes
+    flags = counts % 2
+    assert not PooledProbe().fit(X, flags).regressor

@@ -55,7 +55,7 @@ def test_gap_returns_the_depth_where_the_count_is_lost(ws):
     assert [r["probe_mae"] for r in ve] == [0.2] * 5 + [26.0] * 2
     assert ve[-1]["mean_prediction"] == 49.0 and ve[0]["n_seeds"] == 2
     assert ve[0]["model_accuracy"] == 0.0 and ve[0]["model_mae"] == 26.0 and ve[0]["gap_mae"] == 25.8
-    assert ve[0]["selectivity"] == pytest.approx(0.6)  # R^2 minus the control's R^2
+    assert ve[0]["selectivity"] == pytest.approx(0.5)  # R^2 minus max(control R^2, 0): a control at -0.1 is chance
     lost = {r["group"]: r for r in where_lost(table).to_pylist()}
     assert lost["VE"]["lost_at_depth"] == 6 and lost["VE"]["lost_at"] == "llm: llm.1/resid_post"
     assert lost["FE"]["lost_at_depth"] == 6 and lost["FE"]["after"] == 66.0
