@@ -74,3 +74,14 @@ def test_gap_groups_by_any_expression_and_bad_sql_is_one_clear_error(ws, capsys)
     assert "llm: llm.1/resid_post" in out and "not lost" in out
     assert cli(["gap", "--data", str(ws.path), "--param", "group_by=nope"]) == 2
     assert "error: gap on" in capsys.readouterr().err
+
+
+def test_the_report_opens_with_where_the_count_is_lost(ws, tmp_path):
+    from queries.report import write_report
+
+    index = write_report(ws.path, tmp_path / "report")
+    page = index.read_text()
+    assert page.index("Where is the count lost? r, truth:count") < page.index("Probes along the model")
+    lost = (tmp_path / "report" / "lost_r_truth_count.csv").read_text()
+    assert lost.count("llm: llm.1/resid_post") == 2 and "not lost" in lost  # VE and FE lost there, ID kept
+    assert (tmp_path / "report" / "lost_r_truth_count.png").stat().st_size > 0
