@@ -30,6 +30,7 @@ comparison for one probe kind and grouping each; ``gap`` gives them for any prob
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import pyarrow as pa
@@ -136,7 +137,7 @@ def where_lost(table: pa.Table) -> pa.Table:
         regress = all(r["probe_mae"] is not None for r in rows)
         value = "probe_mae" if regress else "probe_accuracy"
         sign = 1.0 if regress else -1.0  # a loss raises the error, or lowers the accuracy
-        steps = [(sign * (b[value] - a[value]), a, b) for a, b in zip(rows, rows[1:], strict=False)
+        steps = [(sign * (b[value] - a[value]), a, b) for a, b in pairwise(rows)
                  if a[value] is not None and b[value] is not None]
         best = max(steps, key=lambda s: s[0], default=None)
         lost = best is not None and best[0] > _min_loss(rows, regress)
