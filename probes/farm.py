@@ -11,10 +11,11 @@
     record results in batches (one short     ◄──  small ProbeResult records
     DuckDB transaction each: the only writer)     weights -> <workspace>/probes/<key>.safetensors
 
-A probe's key hashes everything that defines it (probes/plan.py), and lives in
-``probes.params->>'key'``; a re-run skips the keys already there, so a killed farm resumes
-where it stopped and never writes a probe twice (rows are also keyed by the table's primary
-key). A worker that dies takes only its in-flight group with it; Dask runs that group again
+A probe's key hashes everything that defines it (probes/plan.py: kind parameters, split,
+train_where ... included) and is the ``probes`` table's primary key, so plans that differ only
+in a parameter add rows; a re-run skips the keys already there, so a killed farm resumes where
+it stopped and never writes a probe twice. Each probe's per-sample test predictions go to
+``probe_predictions`` in the same transaction. A worker that dies takes only its in-flight group with it; Dask runs that group again
 elsewhere, and its results reach the manifest once, because only completed groups are
 recorded.
 """
@@ -88,11 +89,11 @@ def plan_tasks(plan: Plan, ws: Workspace) -> list[ProbeTask]:
 
 
 def done_keys(ws: Workspace, runs: Sequence[str]) -> set[str]:
-    """Keys of probes already in the manifest (params->>'key'; see the report for a column)."""
+    """Keys of probes already in the manifest (the probes table's primary key)."""
     if not runs:
         return set()
     marks = ", ".join("?" for _ in runs)
-    rows = ws.rows(f"SELECT params->>'key' FROM probes WHERE run IN ({marks}) AND params->>'key' IS NOT NULL", list(runs))
+    rows = ws.rows(f"SELECT key FROM probes WHERE run IN ({marks})", list(runs))
     return {r[0] for r in rows}
 
 

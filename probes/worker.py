@@ -10,6 +10,7 @@ writes nothing, so it needs no access to the workspace folder when the arrays ar
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -23,12 +24,13 @@ import numpy as np
 
 from probes import artifacts
 from probes.errors import ProbeError
-from probes.kinds.base import Job, Outcome, Probe, params_json
+from probes.kinds.base import Job, Outcome, PerSample, Probe, params_json
 from probes.plan import ProbeTask
 from probes.splits import Fold
 from probes.targets import TargetValues
 from store import ArrayInfo, ProbeResult
 from store.location import ArrayRoot
+from store.schema import series_of
 
 
 @dataclass
@@ -197,16 +199,31 @@ def _record(job: GroupJob, task: ProbeTask, out: Outcome, seconds: float, worker
         "tag": task.tag,
         "worker": worker,
     }
-    if out.predictions is not None:  # per test sample, by array row (queries/sql/counting_gaps.sql)
-        positions, values = out.predictions
-        params["predictions"] = {"array_row": job.rows[np.asarray(positions, dtype=np.int64)].tolist(),
-                                 "value": np.asarray(values, dtype=np.float64).tolist()}
     return ProbeResult(
         run=task.run, tap=task.tap, layer=task.layer, target=task.record_target, kind=task.kind,
         score=float(out.score), site=task.site, tokens=task.tokens, seed=task.seed,
         n_train=out.n_train, n_test=out.n_test, metric=out.metric,
         control_score=None if control is None or _nan(control) else float(control), artifact=artifact, params=params,
+        key=task.key, kind_params=task.params, split=json.dumps(fold.rule, sort_keys=True), train_where=task.train_where,
+        test_fraction=task.test_fraction if task.split == "hash" else None,
+        series=series_of(task.tokens, task.record_target, task.kind, task.params, task.where, task.train_where,
+                         json.dumps(fold.rule, sort_keys=True), task.control),
+        predictions=_predictions(job.rows, out.predictions),
     )
+
+
+def _predictions(rows: np.ndarray, got: PerSample | tuple[Any, Any] | None) -> dict[str, list[Any]] | None:
+    """A kind's per-test-sample output by array row (the probe_predictions table)."""
+    if got is None:
+        return None
+    if not isinstance(got, PerSample):  # (positions, values): a one-number prediction per sample
+        got = PerSample(np.asarray(got[0]), np.asarray(got[1]))
+    out = {"array_row": rows[np.asarray(got.positions, dtype=np.int64)].tolist()}
+    for name in ("prediction", "truth", "score"):
+        values = getattr(got, name)
+        if values is not None:
+            out[name] = np.asarray(values, dtype=np.float64).reshape(len(out["array_row"])).tolist()
+    return out
 
 
 def _nan(x: float) -> bool:

@@ -1,4 +1,9 @@
-"""``python -m queries NAME [--param key=value] [--format table|csv|json|parquet]``."""
+"""``python -m queries NAME [--param key=value] [--format table|csv|json|parquet]``.
+
+Besides the SQL files of queries/sql, two named queries are Python (queries/gap.py): ``gap``
+(a probe's decodability per depth and group beside the model's accuracy) and ``lost`` (where
+along the model each group's information is lost).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from queries import gap
 from queries.named import QueryError, available, check_out, run
 from queries.render import emit, render_schema
 from store import StoreError, Workspace
@@ -31,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
             for q in available().values():
                 params = ", ".join(f"{p.name}={p.default}" if p.default is not None else p.name for p in q.params)
                 print(f"{q.name:<20} {q.description}" + (f"\n{'':<20} params: {params}" if params else ""))
+            params = ", ".join(f"{k}={d}" for k, (d, _) in gap.PARAMS.items())
+            print(f"{'gap':<20} a probe's decodability per depth and stimulus group beside the model's accuracy"
+                  f"\n{'':<20} params: {params}")
+            print(f"{'lost':<20} where along the model each group's information is lost (gap, reduced)"
+                  f"\n{'':<20} params: {params}")
             return 0
         if args.out:
             check_out(args.out)
@@ -44,13 +55,17 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
         elif args.sql:
             table = ws.query(args.sql)
+        elif args.name in ("gap", "lost"):
+            params = dict(p.split("=", 1) if "=" in p else (p, "") for p in args.param)
+            table = gap.gap(ws, params)
+            table = gap.where_lost(table) if args.name == "lost" else table
         elif args.name:
             params = dict(p.split("=", 1) if "=" in p else (p, "") for p in args.param)
             table = run(ws, args.name, params)
         else:
             parser.error("name a query, or pass --list, --schema or --sql")
         return emit(table, args.format, args.out)
-    except (QueryError, StoreError) as err:
+    except (QueryError, StoreError, gap.GapError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

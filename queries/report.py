@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.csv as pacsv  # noqa: E402
 
+from queries import gap  # noqa: E402
 from queries.named import run as run_named  # noqa: E402
 from queries.render import format_cell  # noqa: E402
 from store import StoreError, Workspace  # noqa: E402
@@ -82,6 +83,8 @@ def build_sections(ws: Workspace, out: Path) -> list[Section]:
     sections.append(Section("Accuracy", "Per run and stimulus family; a failed parse counts as wrong.",
                             tables=[("accuracy", run_named(ws, "accuracy"))]))
 
+    sections += where_lost_sections(ws, out)
+
     regimes = run_named(ws, "counting_regimes")
     if regimes.num_rows:
         sec = Section("Counting lab: regimes and attractors",
@@ -134,14 +137,100 @@ def build_sections(ws: Workspace, out: Path) -> list[Section]:
     sections += lens_sections(ws, out)
     sections += object_attention_sections(ws, out)
 
-    probes = ws.query("SELECT run, tap, site, tokens, target, kind, layer, score, control_score, selectivity"
-                      " FROM v_probe_layers ORDER BY run, target, tap, layer")
+    probes = ws.query("SELECT run, tap, site, tokens, target, kind, metric, series, layer, depth, stage, score,"
+                      " control_score, selectivity FROM v_probe_layers ORDER BY run, target, depth, tap, layer")
     if probes.num_rows:
-        sections.append(Section("Probes per tap and layer", "Score (solid) and shuffled-label control (dotted).",
-                                figures=[_figure(out, "probes", lambda ax: _probe_lines(ax, probes))],
-                                tables=[("probe_leaderboard", run_named(ws, "probe_leaderboard"))]))
+        metrics = sorted({r for r in probes.column("metric").to_pylist()})
+        sections.append(Section(
+            "Probes along the model", "Score (solid) and shuffled-label control (dotted, clipped to the panel) per"
+            " depth along the data path (stage bands: vision, merger, projector, LLM), one panel per metric."
+            " CSV: probe_leaderboard.csv; per depth: python -m queries --sql 'SELECT * FROM v_probe_layers'.",
+            figures=[_panels(out, "probes", metrics, lambda ax, m: _probe_lines(ax, probes, m))],
+            tables=[("probe_leaderboard", run_named(ws, "probe_leaderboard"))]))
     sections.append(Section("Storage", tables=[("storage", run_named(ws, "storage"))]))
     return sections
+
+
+#: Read-outs of a count: targets whose per-sample predictions are numbers of stones or objects.
+COUNT_TARGETS = ("truth:count", "go.count", "counting.count")
+
+
+def where_lost_sections(ws: Workspace, out: Path) -> list[Section]:
+    """The question first: per count read-out along depth, its error per regime, and where it is lost."""
+    sections = []
+    marks = ", ".join("?" for _ in COUNT_TARGETS)
+    found = ws.rows(f"SELECT DISTINCT p.run, p.target FROM probes p JOIN probe_predictions pp USING (key)"
+                    f" WHERE p.target IN ({marks}) AND pp.prediction IS NOT NULL ORDER BY 1, 2", list(COUNT_TARGETS))
+    for run, target in found:
+        params = {"run": run, "target": target, "tokens": "image", "group_by": "coalesce(truth->>'regime', 'all')"}
+        table = gap.gap(ws, params)
+        if not table.num_rows or all(v is None for v in table.column("depth").to_pylist()):
+            continue
+        lost = gap.where_lost(table)
+        name = f"lost_{run}_{target}".replace(":", "_").replace(".", "_")
+        sections.append(Section(
+            f"Where is the count lost? {run}, {target}",
+            "Mean absolute error of the count read-out on test stimuli per depth along the data path, one line per"
+            " regime (ID seen in vision training, VE/FE past it); the dashed line of each regime's colour is the"
+            " model's own answer error where it is on the panel. The table says at which depth each regime's error"
+            f" rose most. CSV: {name}.csv, {name}_curve.csv (python -m queries gap --param run={run}"
+            f" --param target={target} --param group_by=\"truth->>'regime'\").",
+            figures=[_figure(out, name, lambda ax, t=table: _gap_lines(ax, t))],
+            tables=[(name, lost), (f"{name}_curve", table.select(
+                ["depth", "stage", "tap", "layer", "site", "group", "n", "probe_mae", "probe_r2", "mean_prediction",
+                 "model_accuracy", "model_mae", "gap_mae", "selectivity"]))]))
+    return sections
+
+
+STAGE_COLOURS = {"vision": "#e8f0fb", "merger": "#f3e8fb", "projector": "#fbf3e0", "llm": "#e6f5e6",
+                 "logits": "#f0f0f0"}
+
+
+def _stage_bands(ax, rows: list[dict]) -> None:
+    """Shade each stage's depth range and label the ticks tap.layer/site."""
+    ticks = sorted({(r["depth"], f"{r['tap']}.{r['layer']}" + ("" if r["site"] == "resid_post" else f"/{r['site']}"))
+                    for r in rows if r.get("depth") is not None})
+    stages: dict[str, list[int]] = {}
+    for r in rows:
+        if r.get("depth") is not None and r.get("stage"):
+            stages.setdefault(r["stage"], []).append(r["depth"])
+    for stage, depths in stages.items():
+        ax.axvspan(min(depths) - 0.5, max(depths) + 0.5, color=STAGE_COLOURS.get(stage, "#f4f4f4"), zorder=0)
+        ax.text((min(depths) + max(depths)) / 2, 1.0, stage, transform=ax.get_xaxis_transform(), ha="center",
+                va="bottom", fontsize=7, color="#555")
+    labels = {}
+    for d, label in ticks:
+        labels.setdefault(d, label)
+    ax.set_xticks(list(labels), list(labels.values()), rotation=45, ha="right", fontsize=7)
+    ax.set_xlabel("depth along the data path")
+
+
+def _gap_lines(ax, table: pa.Table) -> None:
+    rows = [r for r in table.to_pylist() if r["depth"] is not None]
+    colours = {"ID": "tab:blue", "VE": "tab:orange", "FE": "tab:red"}
+    top = max((r["probe_mae"] or 0) for r in rows) * 1.15 or 1.0
+    for group in sorted({r["group"] for r in rows}, key=lambda g: ("ID", "VE", "FE").index(g) if g in colours else 9):
+        pts = sorted((r["depth"], r["probe_mae"], r["model_mae"]) for r in rows if r["group"] == group)
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{group} read-out",
+                        color=colours.get(group))
+        model = pts[-1][2]
+        if model is not None and model <= top:
+            ax.axhline(model, ls="--", lw=1, color=line.get_color(), label=f"{group} model answer")
+    ax.set_ylim(0, top)
+    ax.set_ylabel("mean absolute error (stones)")
+    _stage_bands(ax, rows)
+    ax.legend(fontsize=7)
+
+
+def _panels(out: Path, name: str, keys: list[str], draw) -> str:
+    fig, axes = plt.subplots(len(keys), 1, figsize=(6.4, 2.8 * len(keys)), dpi=100, squeeze=False, sharex=True)
+    for ax, key in zip(axes[:, 0], keys, strict=True):
+        draw(ax, key)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png")
+    plt.close(fig)
+    return f"{name}.png"
 
 
 def intervention_sections(ws: Workspace, out: Path) -> list[Section]:
@@ -357,17 +446,23 @@ def _answer_histogram(ax, table: pa.Table) -> None:
     ax.legend(fontsize=7)
 
 
-def _probe_lines(ax, table: pa.Table) -> None:
-    rows = table.to_pylist()
-    keys = sorted({(r["run"], r["tap"], r["site"], r["target"], r["kind"]) for r in rows})
-    for key in keys[:12]:
-        pts = sorted((r["layer"], r["score"], r["control_score"]) for r in rows
-                     if (r["run"], r["tap"], r["site"], r["target"], r["kind"]) == key)
-        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"{key[1]}.{key[2]} {key[3]}")
-        if any(p[2] is not None for p in pts):
-            ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", color=line.get_color())
-    ax.set_xlabel("layer")
-    ax.set_ylabel("probe score")
+def _probe_lines(ax, table: pa.Table, metric: str) -> None:
+    """One line per probe series (run, target, kind) along depth; controls clipped to the panel."""
+    rows = [r for r in table.to_pylist() if r["metric"] == metric and r["depth"] is not None]
+    keys = sorted({(r["run"], r["target"], r["kind"], r["tokens"], r["series"] or "") for r in rows})
+    scores = [r["score"] for r in rows]
+    low = min(0.0, min(scores, default=0.0))
+    for key in keys[:10]:
+        pts = sorted((r["depth"], r["score"], r["control_score"]) for r in rows
+                     if (r["run"], r["target"], r["kind"], r["tokens"], r["series"] or "") == key)
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".",
+                        label=f"{key[0]} {key[1]} ({key[2]}, {key[3]})")
+        ctl = [(p[0], max(p[2], low)) for p in pts if p[2] is not None]
+        if ctl:
+            ax.plot([c[0] for c in ctl], [c[1] for c in ctl], ls=":", color=line.get_color())
+    ax.set_ylim(low, 1.05)
+    ax.set_ylabel(metric)
+    _stage_bands(ax, rows)
     ax.legend(fontsize=6)
 
 

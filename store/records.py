@@ -6,6 +6,7 @@ rest of the store can trust them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -360,10 +361,36 @@ class ProbeResult:
     control_score: float | None = None
     artifact: str | None = None
     params: Mapping[str, Any] | None = None
+    # The probe's identity (probes/plan.py's key); None: derived from the fields above, so a
+    # hand-made result recorded twice replaces itself.
+    key: str | None = None
+    series: str | None = None              # the key without tap/layer/site/seed: one curve along depth
+    kind_params: Mapping[str, Any] | None = None
+    split: str | None = None
+    test_fraction: float | None = None
+    train_where: str | None = None
+    # Per test sample (``probe_predictions`` rows): equal-length sequences under "array_row" and
+    # any of "prediction", "truth", "score" (missing or NaN entries are stored as NULL).
+    predictions: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.score, (int, float)) or math.isnan(float(self.score)):
             raise StoreError(f"probe score must be a number, got {self.score!r}")
+        if self.predictions is not None:
+            n = len(self.predictions.get("array_row", ()))
+            bad = [k for k, v in self.predictions.items() if len(v) != n]
+            if "array_row" not in self.predictions or bad:
+                raise StoreError(f"probe predictions need array_row and equal-length columns; {bad or 'array_row'} differ")
+
+    def probe_key(self) -> str:
+        """The primary key: the plan's key when given, else a hash of the identity fields."""
+        if self.key:
+            return self.key
+        if self.params and self.params.get("key"):
+            return str(self.params["key"])
+        ident = [self.run, self.tap, int(self.layer), self.site, self.tokens, self.target, self.kind, int(self.seed),
+                 self.kind_params, self.split, self.test_fraction, self.train_where]
+        return "h" + hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:23]
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ new columns arrive as a new migration step, never by editing an applied one.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import duckdb
 
@@ -325,6 +328,123 @@ def _v5_probe_views(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(_V5_PROBE_VIEWS)
 
 
+# Probes keyed by their full identity (kind parameters, split, train_where ...), so two plans that
+# differ only there keep both rows; per-sample test predictions in their own table (not JSON in
+# params) to join with v_samples; each array's place along the model's data path (store/depth.py).
+_PROBES_V6 = """
+CREATE TABLE probes_v6 (
+    key           VARCHAR PRIMARY KEY,       -- probes/plan.py's task key: everything that defines the probe
+    run           VARCHAR NOT NULL,
+    tap           VARCHAR NOT NULL,
+    layer         INTEGER NOT NULL,
+    site          VARCHAR NOT NULL,
+    tokens        VARCHAR NOT NULL,
+    target        VARCHAR NOT NULL,
+    kind          VARCHAR NOT NULL,
+    seed          INTEGER NOT NULL,
+    series        VARCHAR,                   -- the key without tap/layer/site/seed: one curve along depth
+    kind_params   JSON,
+    split         VARCHAR,                   -- the split rule, e.g. hash(seed=0, test=0.25)
+    test_fraction DOUBLE,
+    train_where   VARCHAR,
+    n_train       INTEGER,
+    n_test        INTEGER,
+    metric        VARCHAR NOT NULL,
+    score         DOUBLE  NOT NULL,
+    control_score DOUBLE,
+    artifact      VARCHAR,
+    params        JSON,
+    created_at    TIMESTAMP NOT NULL
+);
+
+CREATE TABLE probe_predictions (           -- one row per test sample of a probe
+    key        VARCHAR NOT NULL,             -- probes.key
+    run        VARCHAR NOT NULL,
+    array_row  BIGINT  NOT NULL,             -- join v_samples on (run, array_row)
+    prediction DOUBLE,                       -- the probe's number for the sample (class code, value, N_H, boxes)
+    truth      DOUBLE,                       -- the target's number for the sample, where it is one number
+    score      DOUBLE,                       -- per-sample quality in the probe's metric (1/0, token/cell accuracy, AP)
+    PRIMARY KEY (key, array_row)
+);
+
+ALTER TABLE activations ADD COLUMN depth INTEGER;   -- position along the data path (store/depth.py)
+ALTER TABLE activations ADD COLUMN stage VARCHAR;   -- vision | merger | projector | llm | logits
+"""
+
+_VIEWS_V6 = """
+CREATE OR REPLACE VIEW v_probe_layers AS
+SELECT p.run, p.tap, p.layer, p.site, p.tokens, p.target, p.kind, p.metric, p.series, p.test_fraction,
+       any_value(a.depth) AS depth, any_value(a.stage) AS stage,
+       avg(p.score) AS score, avg(p.control_score) AS control_score,
+       -- R^2's chance floor is 0 (the mean); a shuffled ridge can score far below it
+       avg(p.score) - CASE WHEN p.metric = 'r2' THEN greatest(avg(p.control_score), 0) ELSE avg(p.control_score) END
+           AS selectivity,
+       count(*) AS n_seeds
+FROM probes p
+LEFT JOIN activations a ON a.run = p.run AND a.tap = p.tap AND a.layer = p.layer AND a.site = p.site
+                       AND a.tokens = p.tokens
+GROUP BY p.run, p.tap, p.layer, p.site, p.tokens, p.target, p.kind, p.metric, p.series, p.test_fraction;
+
+CREATE OR REPLACE VIEW v_best_probe AS
+SELECT *
+FROM v_probe_layers
+QUALIFY row_number() OVER (
+    PARTITION BY run, tap, site, tokens, target, kind, metric, series ORDER BY score DESC, layer) = 1;
+"""
+
+
+def _probe_rows_v6(con: duckdb.DuckDBPyConnection) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Old probes rows in the v6 layout, and their predictions moved out of params."""
+    from store.records import ProbeResult
+
+    cols = ["run", "tap", "layer", "site", "tokens", "target", "kind", "seed", "n_train", "n_test", "metric", "score",
+            "control_score", "artifact", "params", "created_at"]
+    probes, predictions = [], []
+    for values in con.execute(f"SELECT {', '.join(cols)} FROM probes").fetchall():
+        row = dict(zip(cols, values, strict=True))
+        params = json.loads(row["params"]) if row["params"] else {}
+        kind_params = params.get("kind_params")
+        split = None if params.get("split") is None else json.dumps(params["split"], sort_keys=True)
+        key = ProbeResult(run=row["run"], tap=row["tap"], layer=row["layer"], target=row["target"], kind=row["kind"],
+                          score=row["score"], site=row["site"], tokens=row["tokens"], seed=row["seed"],
+                          params=params, kind_params=kind_params, split=split,
+                          train_where=params.get("train_where")).probe_key()
+        got = params.pop("predictions", None) or {}
+        for r, v in zip(got.get("array_row", []), got.get("value", []), strict=False):
+            predictions.append((key, row["run"], int(r), None if v is None else float(v)))
+        series = series_of(row["tokens"], row["target"], row["kind"], kind_params, params.get("where"),
+                           params.get("train_where"), split, params.get("control"))
+        rule = params.get("split")
+        fraction = rule.get("test_fraction") if isinstance(rule, dict) else None
+        probes.append((key, *(row[c] for c in cols[:8]), series, json.dumps(kind_params), split, fraction,
+                       params.get("train_where"), *(row[c] for c in cols[8:14]), json.dumps(params), row["created_at"]))
+    return probes, predictions
+
+
+def series_of(*identity: Any) -> str:
+    """A probe's curve along depth: its identity without tap, layer, site and seed."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _v6_probes(con: duckdb.DuckDBPyConnection) -> None:
+    from store.depth import assign_depths
+
+    probes, predictions = _probe_rows_v6(con)
+    con.execute(_PROBES_V6)
+    if probes:
+        con.executemany(f"INSERT INTO probes_v6 VALUES ({', '.join('?' * 22)})", probes)
+    if predictions:
+        # An old hidden_number / conv_spatial row kept one number per sample: N_H, or the cell accuracy.
+        con.executemany("INSERT INTO probe_predictions (key, run, array_row, prediction) VALUES (?, ?, ?, ?)",
+                        predictions)
+        con.execute("UPDATE probe_predictions SET score = prediction, prediction = NULL WHERE key IN"
+                    " (SELECT key FROM probes_v6 WHERE kind = 'conv_spatial')")
+    con.execute("DROP VIEW IF EXISTS v_best_probe; DROP VIEW IF EXISTS v_probe_layers; DROP TABLE probes;"
+                " ALTER TABLE probes_v6 RENAME TO probes")
+    con.execute(_VIEWS_V6)
+    assign_depths(con)
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: ``apply`` runs inside the migration's transaction."""
@@ -355,6 +475,8 @@ MIGRATIONS: list[Migration] = [
     Migration(4, "generations.stop_reason (eos | cap) and generations.answer_kind (empty | word | digits | runaway)",
               _v4_generations),
     Migration(5, "v_probe_layers and v_best_probe average seeds per test fraction", _v5_probe_views),
+    Migration(6, "probes keyed by their full identity, probe_predictions per test sample, activations.depth/stage",
+              _v6_probes),
 ]
 
 

@@ -442,31 +442,38 @@ class Workspace:
         return Writer(self, run, **options)
 
     def record_probes(self, results: Sequence[ProbeResult]) -> int:
-        """Insert or replace probe results (one short transaction). Safe while a writer runs."""
+        """Insert or replace probe results and their per-sample predictions, by probe key (one
+        short transaction). Safe while a writer runs."""
         if not results:
             return 0
         now = _now()
         table = pa.Table.from_pylist([
             {
-                "run": r.run, "tap": r.tap, "layer": int(r.layer), "site": r.site, "tokens": r.tokens,
-                "target": r.target, "kind": r.kind, "seed": int(r.seed), "n_train": r.n_train, "n_test": r.n_test,
+                "key": r.probe_key(), "run": r.run, "tap": r.tap, "layer": int(r.layer), "site": r.site,
+                "tokens": r.tokens, "target": r.target, "kind": r.kind, "seed": int(r.seed), "series": r.series,
+                "kind_params": to_json(r.kind_params), "split": r.split,
+                "test_fraction": None if r.test_fraction is None else float(r.test_fraction),
+                "train_where": r.train_where, "n_train": r.n_train, "n_test": r.n_test,
                 "metric": r.metric, "score": float(r.score),
                 "control_score": None if r.control_score is None else float(r.control_score),
                 "artifact": r.artifact, "params": to_json(r.params), "created_at": now,
             }
             for r in results
-        ])
+        ], schema=_PROBE_SCHEMA)
+        preds = _prediction_table(results)
         with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
             con.register("new_probes", table)
+            con.register("new_predictions", preds)
             con.execute("BEGIN TRANSACTION")
+            con.execute("DELETE FROM probes p USING new_probes n WHERE p.key = n.key")
+            con.execute("DELETE FROM probe_predictions p USING new_probes n WHERE p.key = n.key")
             con.execute(
-                "DELETE FROM probes p USING new_probes n WHERE p.run = n.run AND p.tap = n.tap AND p.layer = n.layer"
-                " AND p.site = n.site AND p.tokens = n.tokens AND p.target = n.target AND p.kind = n.kind AND p.seed = n.seed"
-            )
-            con.execute(
-                "INSERT INTO probes SELECT run, tap, layer, site, tokens, target, kind, seed, n_train, n_test, metric,"
+                "INSERT INTO probes SELECT key, run, tap, layer, site, tokens, target, kind, seed, series,"
+                " kind_params::JSON, split, test_fraction, train_where, n_train, n_test, metric,"
                 " score, control_score, artifact, params::JSON, created_at FROM new_probes"
             )
+            con.execute("INSERT INTO probe_predictions SELECT key, run, array_row, prediction, truth, score"
+                        " FROM new_predictions")
             con.execute("COMMIT")
         return len(results)
 
@@ -547,8 +554,8 @@ class Workspace:
         with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
             con.execute("BEGIN TRANSACTION")
             try:
-                for table in ("chunks", "activations", "samples", "generations", "probes", "tensors",
-                              "head_ablations", "vocab", "runs"):
+                for table in ("chunks", "activations", "samples", "generations", "probes", "probe_predictions",
+                              "tensors", "head_ablations", "vocab", "runs"):
                     n = con.execute(f"SELECT count(*) FROM {table} WHERE run = ?", [run]).fetchone()
                     counts[table] = int(n[0]) if n else 0
                     con.execute(f"DELETE FROM {table} WHERE run = ?", [run])
@@ -646,3 +653,32 @@ def _now() -> Any:
 
     return _dt.datetime.now()
 
+
+
+_PROBE_SCHEMA = pa.schema([
+    ("key", pa.string()), ("run", pa.string()), ("tap", pa.string()), ("layer", pa.int32()), ("site", pa.string()),
+    ("tokens", pa.string()), ("target", pa.string()), ("kind", pa.string()), ("seed", pa.int32()),
+    ("series", pa.string()), ("kind_params", pa.string()), ("split", pa.string()), ("test_fraction", pa.float64()),
+    ("train_where", pa.string()), ("n_train", pa.int32()), ("n_test", pa.int32()), ("metric", pa.string()),
+    ("score", pa.float64()), ("control_score", pa.float64()), ("artifact", pa.string()), ("params", pa.string()),
+    ("created_at", pa.timestamp("us")),
+])
+
+
+def _prediction_table(results: Sequence[ProbeResult]) -> pa.Table:
+    """Every result's per-sample predictions as one Arrow table (NaN -> NULL)."""
+    cols: dict[str, list[Any]] = {c: [] for c in ("key", "run", "array_row", "prediction", "truth", "score")}
+    for r in results:
+        got = r.predictions or {}
+        n = len(got.get("array_row", ()))
+        if not n:
+            continue
+        cols["key"] += [r.probe_key()] * n
+        cols["run"] += [r.run] * n
+        cols["array_row"] += [int(v) for v in got["array_row"]]
+        for c in ("prediction", "truth", "score"):
+            vals = got.get(c)
+            cols[c] += [None] * n if vals is None else [None if v is None or np.isnan(v) else float(v) for v in vals]
+    return pa.table({"key": pa.array(cols["key"], pa.string()), "run": pa.array(cols["run"], pa.string()),
+                     "array_row": pa.array(cols["array_row"], pa.int64()),
+                     **{c: pa.array(cols[c], pa.float64()) for c in ("prediction", "truth", "score")}})

@@ -60,6 +60,7 @@ import zarr
 from store import arrays as layout
 from store.checksum import crc32c
 from store import db, location
+from store.depth import assign_depths
 from store.dtypes import as_numpy, cast, count_nonfinite, default_stored, numpy_dtype
 from store.errors import (
     DiskFullError,
@@ -617,6 +618,7 @@ class Writer:
                             info.dtype, info.stored_dtype, info.codec, info.values_per_row, _now(),
                         ],
                     )
+                    assign_depths(con, self.run)  # a deeper layer may renumber the run's arrays
             if raced:
                 return self.array(spec)  # declared by a peer shard meanwhile: reopen it as on resume
             handle = ArrayHandle(info, codec, node, set(), id(self))

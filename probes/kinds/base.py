@@ -58,9 +58,20 @@ class Outcome:
     metrics: dict[str, Any] = field(default_factory=dict)
     probe: Probe | None = None
     flops: float = 0.0
-    # Per test sample: (positions among the job's rows, predicted value), for kinds whose
-    # prediction is one number per sample (hidden_number's N_H); the farm stores them by array row.
-    predictions: tuple[Any, Any] | None = None
+    # Per test sample (the farm stores them by array row in probe_predictions): a PerSample, or
+    # (positions among the job's rows, predicted value) from kinds written before PerSample.
+    predictions: PerSample | tuple[Any, Any] | None = None
+
+
+@dataclass
+class PerSample:
+    """A probe's test samples: positions among the job's rows and, per sample, its one-number
+    prediction, the target's number and the per-sample score (each None where it has none)."""
+
+    positions: np.ndarray
+    prediction: np.ndarray | None = None
+    truth: np.ndarray | None = None
+    score: np.ndarray | None = None
 
 
 KINDS: dict[str, type[Probe]] = {}
@@ -159,6 +170,15 @@ class Probe:
         grid probe's cell accuracy); the farm stores them by array row. None: not per sample."""
         return None
 
+    def sample_predictions(self, X: Any, y: Any) -> tuple[Any, Any, Any]:
+        """(prediction, truth, score) per sample of X. The default: a one-number target gets the
+        prediction, the truth and 1/0 correct; others their sample_scores."""
+        y = np.asarray(y) if not isinstance(y, list) else y
+        if isinstance(y, np.ndarray) and y.ndim == 1 and y.dtype.kind in "iuf":
+            pred = np.asarray(self.predict(X), dtype=np.float64).reshape(len(y))
+            return pred, y.astype(np.float64), (pred == y).astype(np.float64)
+        return None, None, self.sample_scores(X, y)
+
     # ------------------------------------------------------------------ persistence
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -224,10 +244,14 @@ class Probe:
             ctr, cte = fold.train & yc.labelled(), fold.test & yc.labelled()
             ctrl = cls.build(job, fold.seed).fit(take(X, ctr), _wide(yc.values)[ctr])
             control = float(ctrl.score(take(X, cte), _wide(yc.values)[cte]))
-        per_sample = probe.sample_scores(take(X, test), y[test])
-        predictions = None if per_sample is None else (np.flatnonzero(test), per_sample)
+        pred, truth, per_sample = probe.sample_predictions(take(X, test), _rows(y, test))
+        predictions = PerSample(np.flatnonzero(test), pred, truth, per_sample)
         return Outcome(cls.metric, score, control, int(train.sum()), int(test.sum()), metrics, probe,
                        predictions=predictions)
+
+
+def _rows(y: Any, index: np.ndarray) -> Any:
+    return [y[i] for i in np.flatnonzero(index)] if isinstance(y, list) else y[index]
 
 
 def _wide(y: np.ndarray) -> np.ndarray:

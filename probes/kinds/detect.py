@@ -242,6 +242,15 @@ class DetectProbe(Probe):
     def score(self, X: Any, y: Any) -> float:
         return ap50(self.predict(X), [np.asarray(b, np.float32).reshape(-1, 4) for b in y])
 
+    def sample_predictions(self, X: Any, y: Any) -> tuple[Any, Any, Any]:
+        """Per image: boxes predicted, boxes true (a count read from detection), the image's AP@50
+        (NaN for an image with no true box: nothing to recall)."""
+        preds = self.predict(X)
+        truths = [np.asarray(b, np.float32).reshape(-1, 4) for b in y]
+        ap = [ap50([p], [t]) for p, t in zip(preds, truths, strict=True)]
+        return (np.array([len(p[0]) for p in preds], np.float64), np.array([len(t) for t in truths], np.float64),
+                np.array(ap, np.float64))
+
     def metrics(self, X: Any, y: Any) -> dict[str, Any]:
         preds = self.predict(X)
         n_gt = sum(len(np.asarray(b).reshape(-1, 4)) for b in y)

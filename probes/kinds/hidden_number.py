@@ -21,7 +21,7 @@ import torch
 from pydantic import Field
 
 from probes.errors import ProbeError
-from probes.kinds.base import Job, Outcome, register_kind
+from probes.kinds.base import Job, Outcome, PerSample, register_kind
 from probes.kinds.linear import LinearParams, LinearProbe, _solve
 from probes.splits import control_permutation
 
@@ -102,8 +102,15 @@ class HiddenNumberProbe(LinearProbe):
                 probe, score, metrics, tr, te = results[0]
                 out[g].append(Outcome(cls.metric, score, results[1][1] if job.control else None,
                                       int(tr.sum()), int(te.sum()), metrics, probe,
-                                      predictions=(np.flatnonzero(te), probe.hidden_number(F[te]))))
+                                      predictions=_per_board(probe, F, ys[0], te)))
         return out
+
+
+def _per_board(probe: Any, F: np.ndarray, y: np.ndarray, te: np.ndarray) -> PerSample:
+    """Each test board's N_H beside its true count N_G, and 1/0 exact."""
+    n_h = probe.hidden_number(F[te]).astype(np.float64)
+    n_g = (np.asarray(y)[te] == probe.params.black).sum(1).astype(np.float64)
+    return PerSample(np.flatnonzero(te), n_h, n_g, (n_h == n_g).astype(np.float64))
 
 
 def train_tokens(y: np.ndarray, params: Any, seed: int) -> np.ndarray:

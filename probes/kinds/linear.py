@@ -18,7 +18,7 @@ import torch
 from pydantic import Field
 
 from probes.errors import ProbeError
-from probes.kinds.base import Job, Outcome, Probe, ProbeParams, params_json, register_kind
+from probes.kinds.base import Job, Outcome, PerSample, Probe, ProbeParams, params_json, register_kind
 from probes.logreg import SolveInfo, fit_logistic
 from probes.splits import control_permutation
 
@@ -209,6 +209,23 @@ def evaluate_batched(cls: type[LinearProbe], Xs: list[Any], jobs: list[Job]) -> 
                     int((job.target.labelled() & fold.train).sum()), int((job.target.labelled() & fold.test).sum()),
                     {"majority": majority, "n_train_rows": int((ytr[c] >= 0).sum()), "n_iter": solved.info.n_iter,
                      "converged": solved.info.converged},
-                    probe, share,
+                    probe, share, predictions=per_sample(te, preds[c][g], yte[c], R, job.target.classes),
                 )
     return out  # type: ignore[return-value]
+
+
+def per_sample(positions: np.ndarray, pred: np.ndarray, truth: np.ndarray, R: int,
+               classes: tuple[Any, ...] | None) -> PerSample:
+    """Test samples of a token or sample classifier: each sample's accuracy over its labelled
+    rows; a one-row (pooled) sample whose classes are numbers (a count) also the predicted and
+    true number (class codes of a categorical target are no numbers to average)."""
+    P, Y = pred.reshape(len(positions), R), truth.reshape(len(positions), R)
+    ok = Y >= 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        score = ((P == Y) & ok).sum(1) / ok.sum(1)
+    numeric = bool(classes) and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in classes or ())
+    if R != 1 or not numeric:
+        return PerSample(positions, None, None, score)
+    numbers = np.asarray(classes, dtype=np.float64)
+    truth_v = np.where(ok[:, 0], numbers[np.where(ok[:, 0], Y[:, 0], 0)], np.nan)
+    return PerSample(positions, numbers[np.clip(P[:, 0], 0, len(numbers) - 1)], truth_v, score)

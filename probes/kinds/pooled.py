@@ -15,16 +15,22 @@ import torch
 from pydantic import Field
 
 from probes.errors import ProbeError
-from probes.kinds.base import Job, Outcome, register_kind
+from probes.kinds.base import Job, Outcome, PerSample, register_kind
 from probes.kinds.linear import LinearParams, LinearProbe, _as_float, _stats, evaluate_batched
 from probes.logreg import fit_ridge
 from probes.splits import control_permutation
 
 
+#: A numeric target with more distinct values than this is a quantity (a count of stones), not
+#: a few categories: task auto regresses on it (a 121-way classifier scores a near miss as wrong).
+MAX_AUTO_CLASSES = 10
+
+
 class PooledParams(LinearParams):
     pool: Literal["mean", "max", "first", "last"] = Field("mean", description="how tokens become one vector")
     task: Literal["auto", "classify", "regress"] = Field(
-        "auto", description="auto: classes unless the target's values are non-integer numbers")
+        "auto", description=f"auto: a regression when the target's values are numbers that are not whole or take"
+                            f" more than {MAX_AUTO_CLASSES} values (a count), else classes")
     alpha: float = Field(1.0, gt=0, description="ridge strength when regressing")
 
 
@@ -55,12 +61,12 @@ def pool(X: Any, how: str) -> np.ndarray:
 def _regress(params: Any, y: np.ndarray | None, numeric: np.ndarray | None) -> bool:
     if params.task != "auto":
         return params.task == "regress"
-    vals = numeric if numeric is not None else (y if y is not None and np.asarray(y).dtype.kind == "f" else None)
+    vals = numeric if numeric is not None else (y if y is not None and np.asarray(y).dtype.kind in "iuf" else None)
     if vals is None:
         return False
     v = np.asarray(vals, dtype=np.float64)
     v = v[~np.isnan(v)]
-    return bool(len(v) and not np.all(v == np.round(v)))
+    return bool(len(v) and (not np.all(v == np.round(v)) or len(np.unique(v)) > MAX_AUTO_CLASSES))
 
 
 @register_kind("pooled")
@@ -148,7 +154,8 @@ class PooledProbe(LinearProbe):
         scores = [r2(v[fold.test], preds[:, c]) for c, v in enumerate(ys)]
         mae = float(np.nanmean(np.abs(preds[:, 0] - y[fold.test])))
         return Outcome("r2", scores[0], scores[1] if job.control else None, int(tr.sum()), int(te.sum()),
-                       {"mae": mae, "task": "regress"}, probe)
+                       {"mae": mae, "task": "regress"}, probe,
+                       predictions=PerSample(np.flatnonzero(fold.test), preds[:, 0].astype(np.float64), y[fold.test]))
 
 
 def r2(y: np.ndarray, pred: np.ndarray) -> float:

@@ -89,10 +89,10 @@ def test_rerun_skips_finished_probes_and_resumes_after_loss(ws_path):
 
     ws = open_workspace(ws_path)
     rows = probe_rows(ws)
-    stamp = ws.rows("SELECT params->>'key', created_at FROM probes ORDER BY 1")
+    stamp = ws.rows("SELECT key, created_at FROM probes ORDER BY 1")
     again = run_plan(plan, ws_path, in_process=True, **QUIET)
     assert again.trained == 0 and again.skipped == 8
-    assert ws.rows("SELECT params->>'key', created_at FROM probes ORDER BY 1") == stamp  # untouched
+    assert ws.rows("SELECT key, created_at FROM probes ORDER BY 1") == stamp  # untouched
     # Lose some results (a farm killed before its last flush): only those are trained again.
     from store import db
 
@@ -112,6 +112,22 @@ def test_rerun_skips_finished_probes_and_resumes_after_loss(ws_path):
     got = probe_rows(open_workspace(other))
     assert [r[:7] for r in got] == [r[:7] for r in rows]
     assert max(abs(a[7] - b[7]) for a, b in zip(got, rows)) <= 0.03
+
+
+def test_plans_differing_only_in_kind_parameters_keep_both_rows(ws_path):
+    # Before probes were keyed by their full identity, the second plan's C replaced the first's row.
+    entry = {"runs": ["spatial"], "layers": [1], "targets": ["spatial.relation"], "control": "none"}
+    for name, C in (("c-half", 0.5), ("c-two", 2.0)):
+        report = run_plan(parse_plan({"name": name, "probes": [{**entry, "kinds": {"pooled": {"C": C}}}]}), ws_path,
+                          in_process=True, **QUIET)
+        assert report.trained == 1 and report.failed == 0
+    from probes.farm import open_workspace
+
+    ws = open_workspace(ws_path)
+    got = ws.rows("SELECT kind_params->>'C', params->>'plan', count(DISTINCT series) OVER () FROM probes ORDER BY 1")
+    assert got == [("0.5", "c-half", 2), ("2.0", "c-two", 2)]
+    per_probe = ws.rows("SELECT count(DISTINCT key), count(*) FROM probe_predictions")
+    assert per_probe[0][0] == 2 and per_probe[0][1] > 0
 
 
 def test_cli_dry_run_lists_probes_and_bad_plans_exit_2(ws_path, tmp_path, capsys):

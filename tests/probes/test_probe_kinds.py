@@ -20,6 +20,7 @@ PLAN = {
         {"runs": ["g2m"], "targets": ["g2m.matrix"], "kinds": {"conv_spatial": {"iters": 150}}},
         {"runs": ["count"], "targets": ["counting.boxes"], "kinds": {"detect": {"iters": 150, "hidden": 32}}},
         {"runs": ["count"], "targets": ["counting.count"], "kinds": ["pooled"]},
+        {"runs": ["count"], "targets": ["counting.count"], "kinds": {"pooled": {"task": "regress"}}, "tag": "regress"},
         {"runs": ["spatial"], "targets": ["spatial.relation", "truth:flag_0"], "kinds": {"pooled": {"pool": "max"}}},
     ],
 }
@@ -78,15 +79,44 @@ def test_hidden_number_reports_regimes(farm):
     assert all(v["n"] > 0 for v in m["per_regime"].values())
 
 
+def _predictions(ws, key):
+    got = ws.query("SELECT array_row, prediction, truth, score FROM probe_predictions WHERE key = ? ORDER BY array_row",
+                   [key]).to_pydict()
+    return {"array_row": got["array_row"], "value": got["prediction"], "truth": got["truth"], "score": got["score"]}
+
+
+def test_every_kind_stores_per_sample_test_predictions(farm):
+    ws, _, rows = farm
+    kinds = set()
+    for row in rows:
+        pred = _predictions(ws, row["key"])
+        assert len(pred["array_row"]) == row["n_test"] > 0, (row["kind"], row["target"])
+        assert "predictions" not in row["params"]  # in their table, not in JSON
+        kinds.add(row["kind"])
+        if row["metric"] == "r2":  # a regression: value and truth per sample, R^2 from them matches
+            y, p = np.array(pred["truth"]), np.array(pred["value"])
+            assert 1 - ((y - p) ** 2).sum() / ((y - y.mean()) ** 2).sum() == pytest.approx(row["score"], abs=1e-5)
+        elif row["kind"] != "detect":  # per-sample scores average to the score (AP is not a mean)
+            assert np.nanmean(pred["score"]) == pytest.approx(row["score"], abs=0.05 if row["kind"] == "linear" else 1e-6)
+    assert kinds == {"linear", "hidden_number", "conv_spatial", "detect", "pooled"}
+    pooled = _get(rows, "count", "counting.count", "pooled", 1)
+    pred = _predictions(ws, pooled["key"])
+    counts = dict(ws.rows("SELECT array_row, (truth->>'count')::INT FROM v_samples WHERE run = 'count'"))
+    assert pred["truth"] == [counts[r] for r in pred["array_row"]]  # class codes become the counts they name
+    detect = _predictions(ws, _get(rows, "count", "counting.boxes", "detect", 1)["key"])
+    assert detect["truth"] == [counts[r] for r in detect["array_row"]]  # boxes per image: the count
+
+
 def test_hidden_number_stores_n_h_per_test_board_and_the_gap_query_reads_it(farm):
     ws, _, rows = farm
     row = _get(rows, "go", "go.intersection", "hidden_number", 1)
-    pred = row["params"]["predictions"]
+    pred = _predictions(ws, row["key"])
     assert len(pred["array_row"]) == len(pred["value"]) == row["n_test"]
     # N_H re-derived from the recorded per-board values agrees with the recorded exact match
     counts = dict(ws.rows("SELECT array_row, (truth->>'count')::INT FROM v_samples WHERE run = 'go'"))
     exact = np.mean([v == counts[r] for r, v in zip(pred["array_row"], pred["value"])])
     assert exact == pytest.approx(row["score"])
+    assert pred["truth"] == [counts[r] for r in pred["array_row"]]
     from queries.named import run as run_query
 
     gaps = [g for g in run_query(ws, "counting_gaps", {"run": "go"}).to_pylist() if g["layer"] == 1]
@@ -98,10 +128,10 @@ def test_hidden_number_stores_n_h_per_test_board_and_the_gap_query_reads_it(farm
 def test_spatial_probe_stores_cell_accuracy_per_grid_for_the_gap_curve(farm):
     ws, _, rows = farm
     row = _get(rows, "g2m", "g2m.matrix", "conv_spatial", 1)
-    pred = row["params"]["predictions"]
+    pred = _predictions(ws, row["key"])
     assert len(pred["array_row"]) == row["n_test"]
     # every grid is 4x4 and fully labelled: the mean per-grid accuracy is the recorded score
-    assert np.mean(pred["value"]) == pytest.approx(row["score"])
+    assert np.mean(pred["score"]) == pytest.approx(row["score"])
     from queries.named import run as run_query
 
     curve = [r for r in run_query(ws, "g2m_gap", {"run": "g2m"}).to_pylist() if r["layer"] == 1]
@@ -178,3 +208,15 @@ def test_spatial_probe_records_its_error_map_per_grid_size(farm):
     assert list(maps) == ["4"] and np.asarray(maps["4"]).shape == (4, 4)
     # its mean error is the complement of the recorded cell accuracy (every 4x4 cell is labelled)
     assert 1 - np.mean(maps["4"]) == pytest.approx(row["score"], abs=1e-3)
+
+
+def test_pooled_regresses_on_counts_by_default_and_classifies_few_values():
+    from probes.kinds.pooled import PooledProbe
+
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 121, 200)
+    X = (counts[:, None, None] * np.ones((1, 3, 4)) + rng.standard_normal((200, 3, 4))).astype(np.float32)
+    probe = PooledProbe().fit(X, counts)
+    assert probe.regressor and abs(probe.predict(X[:5]) - counts[:5]).max() < 3  # a number, not one of 121 classes
+    flags = counts % 2
+    assert not PooledProbe().fit(X, flags).regressor

@@ -67,6 +67,53 @@ def test_older_schema_is_migrated_newer_is_refused(tmp_path):
         Workspace.open(ws.path)
 
 
+def _v2_workspace(path):
+    """A workspace as agnosia wrote it at schema v2: a vision, a projector and an LLM array, and probes
+    whose identity and per-sample predictions lived in params JSON."""
+    ws = Workspace.open(path, migrations=schema_mod.MIGRATIONS[:2])
+    with duckdb.connect(str(ws.manifest_path)) as con:
+        con.execute("INSERT INTO runs (run, model, config, chunk_samples, bf16_policy, overflow_policy, status,"
+                    " created_at) VALUES ('r1', 'm', '{}', 8, 'fp16', 'error', 'finished', now())")
+        for tap, layer, site in [("vision", 0, "resid_post"), ("vision", 1, "resid_post"), ("projector", 0, "out"),
+                                 ("llm", 0, "resid_post"), ("llm", 1, "resid_post"), ("attn", 1, "probs")]:
+            con.execute("INSERT INTO activations (run, tap, layer, site, tokens, zarr_path, layout, shape, dims,"
+                        " chunk_samples, n_chunks, dtype, stored_dtype, codec, values_per_row, created_at) VALUES"
+                        " ('r1', ?, ?, ?, 'image', ?, 'dense', [8, 4], ['s', 'd'], 8, 1, 'float32', 'float16',"
+                        " 'none', 4, now())", [tap, layer, site, f"r1/{tap}/{layer}/{site}/image"])
+        probes = [  # two farm probes that differ only in C (replaced each other then: one survived) and a hand-made one
+            ("vision", 0, "linear", {"key": "k-c1", "kind_params": {"C": 1.0}, "split": {"by": "hash", "seed": 0}}),
+            ("llm", 1, "hidden_number", {"key": "k-hn", "kind_params": {}, "predictions": {"array_row": [3, 5],
+                                                                                        "value": [7.0, 9.0]}}),
+            ("llm", 0, "linear", None),
+        ]
+        for tap, layer, kind, params in probes:
+            con.execute("INSERT INTO probes VALUES ('r1', ?, ?, 'resid_post', 'image', 'count', ?, 0, 6, 2, 'accuracy',"
+                        " 0.5, 0.25, NULL, ?, now())", [tap, layer, kind, None if params is None else json.dumps(params)])
+    return ws
+
+
+def test_a_v2_workspace_migrates_keeping_every_probe_and_moving_predictions(tmp_path):
+    ws = _v2_workspace(tmp_path / "ws")
+    Workspace.open(ws.path)  # opened for writing: migrated
+    got = ws.query("SELECT key, tap, layer, kind, kind_params, split, params FROM probes ORDER BY tap, layer").to_pylist()
+    assert [(r["tap"], r["layer"], r["kind"]) for r in got] == [("llm", 0, "linear"), ("llm", 1, "hidden_number"),
+                                                                ("vision", 0, "linear")]
+    assert got[1]["key"] == "k-hn" and got[2]["key"] == "k-c1" and got[0]["key"]  # a hand-made row gets a hashed key
+    assert json.loads(got[2]["kind_params"]) == {"C": 1.0} and json.loads(got[2]["split"])["by"] == "hash"
+    assert "predictions" not in json.loads(got[1]["params"])
+    assert ws.rows("SELECT key, array_row, prediction FROM probe_predictions ORDER BY array_row") == [
+        ("k-hn", 3, 7.0), ("k-hn", 5, 9.0)]
+    # Every array has its place along the data path: vision blocks, projector, LLM blocks (attn beside its block).
+    depth = ws.rows("SELECT tap, layer, depth, stage FROM activations ORDER BY depth, tap")
+    assert depth == [("vision", 0, 0, "vision"), ("vision", 1, 1, "vision"), ("projector", 0, 4, "projector"),
+                     ("llm", 0, 5, "llm"), ("attn", 1, 6, "llm"), ("llm", 1, 6, "llm")]
+    # A new probe differing only in kind parameters adds a row now, and the views keep working.
+    ws.record_probes([ProbeResult(run="r1", tap="vision", layer=0, target="count", kind="linear", score=0.7,
+                                  key="k-c10", kind_params={"C": 10.0})])
+    assert ws.rows("SELECT count(*) FROM probes WHERE tap = 'vision'") == [(2,)]
+    assert ws.rows("SELECT depth, n_seeds FROM v_probe_layers WHERE tap = 'llm' ORDER BY depth") == [(5, 1), (6, 1)]
+
+
 def test_read_only_connections_refuse_writes(written):
     ws = Workspace.open(written, readonly=True)
     before = ws.rows("SELECT count(*) FROM chunks")
@@ -118,7 +165,8 @@ def test_probes_and_views_answer_common_questions(written, tmp_path):
         for layer in (1, 2, 3) for seed in (0, 1)
     ])
     ws.record_probes([ProbeResult(run="r1", tap="llm", layer=3, target="count", kind="linear", seed=0, score=0.2)])
-    assert ws.rows("SELECT count(*) FROM probes") == [(6,)]  # same key: replaced, not duplicated
+    assert ws.rows("SELECT count(*) FROM probes") == [(6,)]  # same identity: replaced, not duplicated
+    assert ws.rows("SELECT depth, stage FROM activations WHERE tokens = 'image'") == [(6, "llm")]  # 0 vision blocks + 3
     best = ws.query("SELECT layer, n_seeds FROM v_best_probe").to_pylist()
     assert best == [{"layer": 2, "n_seeds": 2}]
     arrays = ws.query("SELECT tokens, chunks_committed, n_chunks, bytes_per_value FROM v_arrays ORDER BY tokens").to_pylist()

@@ -1,0 +1,169 @@
+"""Where along the model is the information lost? The gap primitive.
+
+:func:`gap` takes any probes (a run, a target, a kind: usually one probe series trained at every
+tap and layer) and any grouping of the stimuli (an SQL expression over ``v_samples``: the regime,
+the grid size N, the case, a count bin, any ``truth`` field) and returns, per probe position along
+the model's data path (``activations.depth``) and per group, what the probe decodes on that group's
+test samples beside what the model itself answers on the same samples, and their difference:
+
+* ``probe_accuracy``: the mean per-sample score (1/0 correct, token or cell accuracy, AP@50);
+  for a regression probe, the share of samples whose rounded prediction equals the truth.
+* ``probe_mae``, ``probe_r2``, ``mean_prediction``: where the probe predicts one number per
+  sample (a count read-out, the hidden number N_H): mean absolute error, R^2 within the group,
+  and the mean prediction (a read-out that saturates shows the same value whatever the truth).
+* ``model_accuracy`` (``v_samples.correct``) and ``model_mae`` (the parsed answer vs the
+  probe's truth), then ``gap_accuracy = probe_accuracy - model_accuracy`` and
+  ``gap_mae = model_mae - probe_mae``: positive when the layer holds more than the model says.
+* ``selectivity``: the probe's test score minus its shuffled-label control in the probe's own
+  metric (accuracy - accuracy, AP - AP), averaged over seeds. For R^2 the floor is the better of
+  the control and 0 (predicting the mean): a shuffled ridge's R^2 can fall to -30 on held-out
+  samples, which would make any probe look selective.
+
+:func:`where_lost` reduces that table to one row per probe series and group: the depth where
+decodability falls the most from one stored depth to the next (MAE rises most, or accuracy
+drops most), with the values before and after; a step below 0.05 accuracy, or below a tenth of
+the group's spread of true values in MAE, is noise and the group reads "not lost". The counting gaps (queries/sql/counting_gaps.sql:
+Vision Gap = probe MAE against the truth, Language Gap against the answer) and G2M's gap curve
+(queries/sql/g2m_gap.sql: probe cell accuracy - model cell accuracy per N) are the same
+comparison for one probe kind and grouping each; ``gap`` gives them for any probe.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+import pyarrow as pa
+
+from store import StoreError, Workspace
+
+#: Parameters of ``python -m queries gap`` / ``lost`` (name -> (default, help)).
+PARAMS: dict[str, tuple[str | None, str]] = {
+    "run": ("%", "run id, or a LIKE pattern"),
+    "target": ("%", "probe target, or a LIKE pattern (e.g. truth:count)"),
+    "kind": ("%", "probe kind, or a LIKE pattern"),
+    "tokens": ("%", "token kind of the probed arrays (image, last, ...)"),
+    "group_by": ("'all'", "SQL over v_samples naming each sample's group, e.g. truth->>'regime'"),
+    "where": ("true", "SQL over v_samples: which samples count"),
+}
+
+_SQL = """
+WITH p AS (
+    SELECT p.key, p.run, p.tap, p.layer, p.site, p.tokens, p.target, p.kind, p.metric,
+           coalesce(p.series, p.target || '/' || p.kind) AS series, a.depth, a.stage
+    FROM probes p
+    LEFT JOIN activations a ON a.run = p.run AND a.tap = p.tap AND a.layer = p.layer AND a.site = p.site
+                           AND a.tokens = p.tokens
+    WHERE p.run LIKE $run AND p.target LIKE $target AND p.kind LIKE $kind AND p.tokens LIKE $tokens
+),
+sel AS (
+    SELECT p.series, p.run, p.tap, p.layer, p.site, p.tokens,
+           avg(pr.score) - CASE WHEN any_value(pr.metric) = 'r2' THEN greatest(avg(pr.control_score), 0)
+                                ELSE avg(pr.control_score) END AS selectivity,
+           count(*) AS n_seeds
+    FROM p JOIN probes pr USING (key)
+    GROUP BY ALL
+),
+s AS (
+    SELECT run, array_row, CAST(({group_by}) AS VARCHAR) AS grp, correct,
+           try_cast(trim(CAST(prediction AS VARCHAR), '"') AS DOUBLE) AS answer
+    FROM v_samples
+    WHERE run LIKE $run AND ({where})
+),
+j AS (
+    SELECT p.*, pp.array_row, pp.prediction, pp.truth, pp.score AS sample_score, s.grp, s.correct, s.answer
+    FROM p
+    JOIN probe_predictions pp USING (key)
+    JOIN s ON s.run = p.run AND s.array_row = pp.array_row
+),
+g AS (
+    SELECT run, target, kind, metric, series, depth, stage, tap, layer, site, tokens, grp AS "group",
+           count(DISTINCT array_row) AS n,
+           coalesce(avg(sample_score), avg((round(prediction) = truth)::INTEGER)) AS probe_accuracy,
+           avg(abs(prediction - truth)) AS probe_mae,
+           1 - avg((prediction - truth) ^ 2) / nullif(var_pop(truth), 0) AS probe_r2,
+           avg(prediction) AS mean_prediction, stddev_pop(truth) AS truth_sd,
+           avg(correct::INTEGER) AS model_accuracy,
+           avg(abs(answer - truth)) AS model_mae
+    FROM j
+    GROUP BY ALL
+)
+SELECT g.run, g.target, g.kind, g.metric, g.series, g.depth, g.stage, g.tap, g.layer, g.site, g.tokens, g."group",
+       g.n, sel.n_seeds, round(g.probe_accuracy, 4) AS probe_accuracy, round(g.probe_mae, 3) AS probe_mae,
+       round(g.probe_r2, 4) AS probe_r2, round(g.mean_prediction, 3) AS mean_prediction,
+       round(g.truth_sd, 3) AS truth_sd,
+       round(g.model_accuracy, 4) AS model_accuracy, round(g.model_mae, 3) AS model_mae,
+       round(g.probe_accuracy - g.model_accuracy, 4) AS gap_accuracy,
+       round(g.model_mae - g.probe_mae, 3) AS gap_mae,
+       round(sel.selectivity, 4) AS selectivity
+FROM g
+JOIN sel USING (series, run, tap, layer, site, tokens)
+ORDER BY g.run, g.target, g.kind, g.series, g."group", g.depth NULLS LAST, g.tap, g.layer
+"""
+
+
+class GapError(ValueError):
+    """The gap's parameters are wrong; the message says which and the fix."""
+
+
+def bind(params: dict[str, str] | None) -> dict[str, str]:
+    params = dict(params or {})
+    unknown = set(params) - set(PARAMS)
+    if unknown:
+        raise GapError(f"gap has no parameter {', '.join(sorted(unknown))}; its parameters: {', '.join(PARAMS)}")
+    return {name: params.get(name) or default or "" for name, (default, _) in PARAMS.items()}
+
+
+def gap(ws: Workspace, params: dict[str, str] | None = None) -> pa.Table:
+    """Probe decodability per depth and group beside the model's accuracy (module docstring)."""
+    p = bind(params)
+    sql = _SQL.format(group_by=p["group_by"], where=p["where"])
+    try:
+        return ws.query(sql, {k: p[k] for k in ("run", "target", "kind", "tokens")})
+    except StoreError as err:
+        raise GapError(f"gap on {ws.path}: {err} (group_by and where are SQL over v_samples, e.g."
+                       " group_by=\"truth->>'regime'\"; list its columns with python -m queries --schema)") from err
+
+
+def where_lost(table: pa.Table) -> pa.Table:
+    """Per (run, target, kind, series, group): the depth with the largest step loss (see module)."""
+    by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in table.to_pylist():
+        if row["depth"] is not None:
+            by.setdefault((row["run"], row["target"], row["kind"], row["series"], row["group"]), []).append(row)
+    out = []
+    for (run, target, kind, _, group), rows in by.items():
+        rows.sort(key=lambda r: r["depth"])
+        regress = all(r["probe_mae"] is not None for r in rows)
+        value = "probe_mae" if regress else "probe_accuracy"
+        sign = 1.0 if regress else -1.0  # a loss raises the error, or lowers the accuracy
+        steps = [(sign * (b[value] - a[value]), a, b) for a, b in pairwise(rows)
+                 if a[value] is not None and b[value] is not None]
+        best = max(steps, key=lambda s: s[0], default=None)
+        lost = best is not None and best[0] > _min_loss(rows, regress)
+        at = best[2] if lost and best else None
+        out.append({
+            "run": run, "target": target, "kind": kind, "group": group, "n": rows[0]["n"], "measure": value,
+            "first": f"{rows[0]['tap']}.{rows[0]['layer']}", "first_value": rows[0][value],
+            "lost_at_depth": at["depth"] if at else None,
+            "lost_at": f"{at['stage']}: {at['tap']}.{at['layer']}/{at['site']}" if at else "not lost",
+            "before": best[1][value] if lost and best else None, "after": at[value] if at else None,
+            "last": f"{rows[-1]['tap']}.{rows[-1]['layer']}", "last_value": rows[-1][value],
+            "last_mean_prediction": rows[-1]["mean_prediction"],
+            "model_accuracy": rows[-1]["model_accuracy"], "model_mae": rows[-1]["model_mae"],
+        })
+    return pa.Table.from_pylist(out) if out else pa.table({"run": pa.array([], pa.string())})
+
+
+def _min_loss(rows: list[dict[str, Any]], regress: bool) -> float:
+    """The smallest step that counts as a loss: accuracy down by ``LOSS_ACCURACY``, or MAE up by
+    ``LOSS_SD`` of the group's true values (a read-out's noise is no loss)."""
+    if not regress:
+        return LOSS_ACCURACY
+    sds = [r["truth_sd"] for r in rows if r["truth_sd"]]
+    return LOSS_SD * max(sds) if sds else 0.0
+
+
+#: Steps smaller than these are noise, not a loss (where_lost).
+LOSS_ACCURACY = 0.05
+LOSS_SD = 0.1
