@@ -381,6 +381,12 @@ class ProbeResult:
             bad = [k for k, v in self.predictions.items() if len(v) != n]
             if "array_row" not in self.predictions or bad:
                 raise StoreError(f"probe predictions need array_row and equal-length columns; {bad or 'array_row'} differ")
+        rule = (self.params or {}).get("split")
+        if isinstance(rule, dict):  # a result that carries its split only in params (older callers, migrations)
+            if self.split is None:
+                object.__setattr__(self, "split", json.dumps(rule, sort_keys=True))
+            if self.test_fraction is None and rule.get("test_fraction") is not None:
+                object.__setattr__(self, "test_fraction", float(rule["test_fraction"]))
 
     def probe_key(self) -> str:
         """The primary key: the plan's key when given, else a hash of the identity fields."""

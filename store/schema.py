@@ -389,7 +389,7 @@ CREATE OR REPLACE VIEW v_best_probe AS
 SELECT *
 FROM v_probe_layers
 QUALIFY row_number() OVER (
-    PARTITION BY run, tap, site, tokens, target, kind, metric, series ORDER BY score DESC, layer) = 1;
+    PARTITION BY run, tap, site, tokens, target, kind, metric, series, test_fraction ORDER BY score DESC, layer) = 1;
 """
 
 
