@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 PROMPT = 473
 STEPS = 128
@@ -53,7 +54,7 @@ def generate_seconds(model, batch: int, new_tokens: int) -> float:
 def main(quick: bool = False) -> None:
     import torch
 
-    built: dict[tuple[str, int | None], object] = {}
+    built: dict[tuple[str, int | None], Any] = {}
     for name, path, layers, batch in CASES:
         key = (path, layers)
         if key not in built:

@@ -103,7 +103,9 @@ class RunSummary:
 
 def collect_samples(manifest: Manifest) -> tuple[list[tuple[Path, str]], list[Sample]]:
     """(set folder, dataset name) per stimulus set, and the run's rows in order."""
-    sets, samples, seen = [], [], {}
+    sets: list[tuple[Path, str]] = []
+    samples: list[Sample] = []
+    seen: dict[str, Path] = {}
     for i, spec in enumerate(manifest.stimuli):
         stim_set = read_set(spec.set)
         dataset = stim_set.path.name
@@ -208,6 +210,8 @@ def array_specs(lm: LoadedModel, request: dict[str, list[str]], first: Sample, d
     batch = prepare_batch(lm, [first.image], [first.prompt], answers=[first.answer or "0"], strings=[first.strings])
     res = capture(lm, batch, request, tokens=("image", "last", "answer"))
     specs = {}
+    shape: tuple[int, ...]
+    dims: tuple[str, ...] | None
     for key in res.keys():
         value = res[key]
         row = value.row(0) if isinstance(value, RaggedTokens) else value[0]

@@ -102,8 +102,9 @@ def _d(seconds: float) -> str:
     return _duration(seconds)
 
 
-def table(samples: Sequence[PlanSample], batch_size: int = 8, hardware: Hardware = Hardware(),
+def table(samples: Sequence[PlanSample], batch_size: int = 8, hardware: Hardware | None = None,
           other_batches: Sequence[int] = (32, 128)) -> str:
+    hardware = hardware or Hardware()
     head = ("| model | kept | arrays | fp16 | bitround7 | chunk files | files | write at "
             f"{hardware.disk_mbps:g} MB/s | GPU | estimate |")
     lines = [head, "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
@@ -120,8 +121,8 @@ def table(samples: Sequence[PlanSample], batch_size: int = 8, hardware: Hardware
     for name, p in models.items():
         t = p.time
         cells = []
-        for b in other_batches:
-            m = manifest(MODELS[name], variants(1)[1], b)
+        for batch in other_batches:
+            m = manifest(MODELS[name], variants(1)[1], batch)
             other = plan_run(m, meta_model(m), samples, hardware=hardware)
             cells.append(f"{_d(other.time.gpu_seconds)} (KV {human(other.kv_bytes)})")
         lines.append(f"| {name} | {p.params.total / 1e9:.2f} B | {human(p.weight_bytes)} (KV at batch {batch_size}:"

@@ -223,7 +223,7 @@ def attractors(regimes: np.ndarray, kinds: np.ndarray, texts: list[str], visual:
     for r in ("VE", "FE"):
         idx = np.flatnonzero(regimes == r)
         if idx.size:
-            c = Counter(label(i) for i in idx)
+            c = Counter(label(int(i)) for i in idx)
             out[r] = [(k, v / idx.size) for k, v in c.most_common(10)]
     return out
 

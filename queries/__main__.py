@@ -17,6 +17,11 @@ from queries.render import emit, render_schema
 from store import StoreError, Workspace
 
 
+def _params(pairs: list[str]) -> dict[str, str]:
+    """``--param k=v`` pairs as a dict (a bare ``k`` is an empty value)."""
+    return dict(p.partition("=")[::2] for p in pairs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m queries", description=__doc__)
     parser.add_argument("name", nargs="?", help="a named query (see --list)")
@@ -56,12 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.sql:
             table = ws.query(args.sql)
         elif args.name in ("gap", "lost"):
-            params = dict(p.split("=", 1) if "=" in p else (p, "") for p in args.param)
-            table = gap.gap(ws, params)
+            table = gap.gap(ws, _params(args.param))
             table = gap.where_lost(table) if args.name == "lost" else table
         elif args.name:
-            params = dict(p.split("=", 1) if "=" in p else (p, "") for p in args.param)
-            table = run(ws, args.name, params)
+            table = run(ws, args.name, _params(args.param))
         else:
             parser.error("name a query, or pass --list, --schema or --sql")
         return emit(table, args.format, args.out)

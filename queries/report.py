@@ -198,7 +198,7 @@ def _stage_bands(ax, rows: list[dict]) -> None:
         ax.axvspan(min(depths) - 0.5, max(depths) + 0.5, color=STAGE_COLOURS.get(stage, "#f4f4f4"), zorder=0)
         ax.text((min(depths) + max(depths)) / 2, 1.0, stage, transform=ax.get_xaxis_transform(), ha="center",
                 va="bottom", fontsize=7, color="#555")
-    labels = {}
+    labels: dict[int, str] = {}
     for d, label in ticks:
         labels.setdefault(d, label)
     ax.set_xticks(list(labels), list(labels.values()), rotation=45, ha="right", fontsize=7)

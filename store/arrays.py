@@ -184,6 +184,7 @@ def ensure_sample_coord(root: zarr.Group, group_path: str, stimuli: list[str]) -
     """Write the stimulus ids of the run's rows as the ``sample`` coordinate of ``group_path`` (once;
     xarray then indexes every array of the group by stimulus). Returns the files written, to fsync."""
     group = root[group_path]
+    assert isinstance(group, zarr.Group), f"{group_path} is a site group"
     if COORD in group:
         return []
     coord = group.create_array(

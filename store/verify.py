@@ -232,18 +232,20 @@ def _read_chunk(ws: Workspace, info: ArrayInfo, node: object, chunk: int, start:
             # zarr would silently return fill values for a missing chunk.
             raise StoreError(f"chunk file {ws.root.where(info.zarr_path, name)} is missing")
         assert isinstance(node, zarr.Array)
-        values = node[start:stop]
+        values = np.asarray(node[start:stop])
         if values.shape[0] != n_rows:
             raise StoreError(f"{values.shape[0]} rows read, manifest says {n_rows}")
         return values, None
     assert isinstance(node, zarr.Group)
     block = node[layout.block_name(chunk)]
-    offsets = block["offsets"][...]
-    rows = block["rows"]
+    assert isinstance(block, zarr.Group)
+    offsets_node, rows = block["offsets"], block["rows"]
+    assert isinstance(offsets_node, zarr.Array) and isinstance(rows, zarr.Array)
+    offsets = np.asarray(offsets_node[...])
     if len(offsets) != stop - start + 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
         raise StoreError(f"offsets {offsets[:4]}... do not describe {stop - start} samples")
     if int(offsets[-1]) != rows.shape[0] or rows.shape[0] != n_rows:
         raise StoreError(f"block holds {rows.shape[0]} rows, offsets end at {offsets[-1]}, manifest says {n_rows}")
     if n_rows and not ws.root.has(f"{info.zarr_path}/{layout.block_name(chunk)}/rows", layout.chunk_file_key(rows.ndim, 0)):
         raise StoreError("rows chunk file is missing")
-    return rows[...], offsets
+    return np.asarray(rows[...]), offsets

@@ -471,7 +471,7 @@ class Writer:
                     "digest": hashlib.sha1(blob.encode()).hexdigest(),
                 }
             )
-        keys = [r["stimulus"] for r in records]
+        keys = [str(r["stimulus"]) for r in records]
         if len(set(keys)) != len(keys):
             dup = sorted({k for k in keys if keys.count(k) > 1})[:5]
             raise StoreError(f"stimulus ids must be unique within dataset {dataset}, repeated: {dup}")
@@ -637,6 +637,7 @@ class Writer:
             attrs["note"] = "raw bfloat16 bits stored as uint16: float32 = (bits.astype(uint32) << 16).view(float32)"
         if not codec.lossless:
             attrs["keepbits"] = codec.keepbits
+        node: zarr.Array | zarr.Group
         with _disk_full_names(self.ws.zarr_path / info.zarr_path):
             if info.layout == "dense":
                 node = layout.create_dense(
@@ -725,7 +726,11 @@ class Writer:
                 layout.fsync_path(f)
             layout.fsync_node_chain(self.ws.path, path)
         nbytes = sum(f.stat().st_size for f in files if f.name != "zarr.json")
-        self._upload(lambda: (self.ws.root.upload(files), self.ws.root.upload_meta(path)))
+        def upload() -> None:
+            self.ws.root.upload(files)
+            self.ws.root.upload_meta(path)
+
+        self._upload(upload)
         with db.connect(self.ws.manifest_path, read_only=False, timeout=self._manifest_timeout) as con:
             con.execute("BEGIN TRANSACTION")
             con.execute("DELETE FROM tensors WHERE run = ? AND name = ?", [self.run, name])
@@ -1461,7 +1466,7 @@ def _stream_stats(st: _Stream, values: np.ndarray | None, stored: np.ndarray | N
         st.crc = crc32c(stored, st.crc)
 
 
-def _seal(st: _Stream, nbytes: int) -> tuple[int, int, int, None]:
+def _seal(st: _Stream, nbytes: int) -> tuple[int, int, int, int | None]:
     """Close the finished temporary file and rename it into place; returns its CRC-32C.
 
     Renaming before fsync is safe here: a chunk counts only once the commit has fsynced it, and
@@ -1487,7 +1492,7 @@ def _crc(values: np.ndarray, n_nonfinite: int, n_clipped: int,
 
 
 def _bytes_view(values: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(values).reshape(-1).view(np.uint8).data
 
 
 def _now() -> Any:

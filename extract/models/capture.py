@@ -30,7 +30,7 @@ from .loading import LoadedModel
 from .taps import IMAGE_ONLY_TAPS, SITES, CaptureKey, TapSpec, check_kinds, kinds_for
 
 TapLike = TapSpec | str | tuple
-Taps = Sequence[TapLike] | Mapping[TapLike, Sequence[str]]
+Taps = Sequence[TapLike] | Mapping[str, Sequence[str]] | Mapping[TapSpec, Sequence[str]] | Mapping[tuple, Sequence[str]]
 
 
 @dataclass(frozen=True, eq=False)

@@ -29,7 +29,7 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type) -> Non
         help_text = f.metadata.get("help", "")
         kind = hints[f.name]
         origin, args = typing.get_origin(kind), typing.get_args(kind)
-        default = f.default
+        default: Any = f.default
         if kind is bool:
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
                                 default=default, help=f"{help_text} (default: {default})")

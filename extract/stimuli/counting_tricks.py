@@ -350,8 +350,8 @@ def grid_case_objects(case: Case, config: Config, base: list[tuple[int, int]],
         y = jitter(ay, config, rng) if "y" in case.jitter_axes else ay
         centres.append((x, y))
     sizes = radii(case, config, len(centres), rng)
-    objects = []
-    for (ax, ay), (x, y), r in zip(anchors, centres, sizes):
+    objects: list[Obj] = []
+    for (ax, ay), (x, y), r in zip(anchors, centres, sizes, strict=True):
         if within_edges(x, y, r, config):
             objects.append(Obj(float(x), float(y), r, float(ax), float(ay), group=len(objects)))
     return objects

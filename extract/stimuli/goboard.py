@@ -364,7 +364,8 @@ def render_varied(plan: Plan, labels: np.ndarray, rng: np.random.Generator,
     s = SUPERSAMPLE
     shift = int(rng.integers(-style.board_shift, style.board_shift + 1))
     tint = rng.integers(-style.board_tint, style.board_tint + 1, size=3)
-    board = tuple(int(np.clip(c + shift + t, 0, 255)) for c, t in zip(BOARD_RGB, tint))
+    red, green, blue = (int(np.clip(c + shift + t, 0, 255)) for c, t in zip(BOARD_RGB, tint, strict=True))
+    board = (red, green, blue)
     img = Image.new("RGB", (plan.image_px * s,) * 2, board)
     draw = ImageDraw.Draw(img)
     _grid_lines(draw, plan, s)
