@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 RUN_SNIPPET = """

@@ -39,7 +39,8 @@ def main(quick: bool) -> None:
             masks = []
             for lo in range(0, n, batch):
                 b = prepare_batch(lm, images[lo:lo + batch], prompts[lo:lo + batch], answers=answers[lo:lo + batch])
-                masks += [r["flip_mask"] for r in sorted(ablate(lm, b, sites), key=lambda r: (r["sample"], r["layer"], r["head"]))]
+                rows = sorted(ablate(lm, b, sites), key=lambda r: (r["sample"], r["layer"], r["head"]))
+                masks += [r["flip_mask"] for r in rows]
             return masks
 
         def single() -> list[int]:

@@ -139,7 +139,8 @@ def main(quick: bool) -> None:
         t_mm1, ref1 = best(lambda: np.load(npy, mmap_mode="r")[idx, 0, :])
         t_st1, got1 = best(lambda: ws.read("bench", "llm", 0, tokens="image", where=where, index=(0,)))
         assert np.array_equal(ref1, got1)
-        t_lazy, got2 = best(lambda: ws.read("bench", "llm", 0, tokens="image", where=where, lazy=True).compute(scheduler="threads"))
+        t_lazy, got2 = best(
+            lambda: ws.read("bench", "llm", 0, tokens="image", where=where, lazy=True).compute(scheduler="threads"))
         assert np.array_equal(ref, got2)
         print(f"\nread {len(idx)} of {n} rows selected by SQL ({where}), {sel_mb:.0f} MB, page cache warm   MB/s     ratio")
         print(f"  np.load(mmap_mode='r')[rows]              {sel_mb / t_mm:8.0f}")
@@ -169,7 +170,8 @@ def main(quick: bool) -> None:
                 y = ws_c.read("bench", "llm", 0, tokens="image").astype(np.float32)
                 xf = x.astype(np.float32)
                 err = float(np.max(np.abs(y[big] - xf[big]) / np.abs(xf[big])))
-            print(f"  {codec:<10} {row['bytes_per_value']:11.3f}  {2 / row['bytes_per_value']:5.2f}  {mb / secs:10.0f}  {err:.2e}")
+            bpv = row["bytes_per_value"]
+            print(f"  {codec:<10} {bpv:11.3f}  {2 / bpv:5.2f}  {mb / secs:10.0f}  {err:.2e}")
             if codec != "none":
                 shutil.rmtree(folder)
         print("  (lossless goal <= 2.0 bytes/value; bitround<k> keeps k mantissa bits, error <= 2^-(k+1))")

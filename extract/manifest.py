@@ -69,7 +69,8 @@ def expand_layers(spec: Any, n_layers: int) -> list[int]:
     out = set()
     for v in values:
         if not -n_layers <= v < n_layers:
-            raise ManifestError(f"layer {v} does not exist: this tap has {n_layers} layers (0..{n_layers - 1}, or -1 for the last)")
+            raise ManifestError(
+                f"layer {v} does not exist: this tap has {n_layers} layers (0..{n_layers - 1}, or -1 for the last)")
         out.add(v % n_layers)
     return sorted(out)
 
@@ -214,7 +215,8 @@ def _friendly(err: ValidationError, source: str) -> ManifestError:
             key = str(e["loc"][-1])
             parent = _fields_at(e["loc"][:-1])
             hint = difflib.get_close_matches(key, parent, n=1)
-            lines.append(f"  {where}: unknown key {key!r}" + (f" — did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(parent)}"))
+            suggestion = f" — did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(parent)}"
+            lines.append(f"  {where}: unknown key {key!r}" + suggestion)
         elif e["type"] == "missing":
             lines.append(f"  {where}: required key is missing")
         else:
@@ -235,7 +237,8 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
         if isinstance(part, int):
             continue
         # A discriminated union puts the tag in the path: intervention.rope_scaling.alpha
-        tagged = [m for m in candidates if "kind" in m.model_fields and part in typing.get_args(m.model_fields["kind"].annotation)]
+        tagged = [m for m in candidates
+                  if "kind" in m.model_fields and part in typing.get_args(m.model_fields["kind"].annotation)]
         if tagged:
             candidates = tagged
             continue

@@ -59,8 +59,9 @@ class EvalSpec:
 
 
 def load(checkpoint: str) -> tuple[Any, Any]:
-    import lab  # noqa: F401  (registers the Auto classes)
     from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    import lab  # noqa: F401  (registers the Auto classes)
 
     model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
     return model, AutoProcessor.from_pretrained(checkpoint)

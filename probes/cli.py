@@ -169,7 +169,7 @@ def _summary(report, data, keys) -> None:
             " SELECT * FROM layers QUALIFY row_number() OVER (PARTITION BY run, tap, tokens, target, kind, metric"
             "  ORDER BY score DESC, layer) = 1 ORDER BY run, tap, target, kind LIMIT 40").fetchall()
     if rows:
-        print(f"best layer per probe (mean over seeds):")
+        print("best layer per probe (mean over seeds):")
         # Columns as wide as their longest value: a run id cut short names no run.
         heads = ("run", "tap/site", "tokens", "target")
         w = [max(len(h), *(len(str(r[i])) for r in rows)) for i, h in enumerate(heads)]

@@ -22,7 +22,8 @@ test samples beside what the model itself answers on the same samples, and their
 :func:`where_lost` reduces that table to one row per probe series and group: the depth where
 decodability falls the most from one stored depth to the next (MAE rises most, or accuracy
 drops most), with the values before and after; a step below 0.05 accuracy, or below a tenth of
-the group's spread of true values in MAE, is noise and the group reads "not lost". The counting gaps (queries/sql/counting_gaps.sql:
+the group's spread of true values in MAE, is noise and the group reads "not lost". The counting gaps
+(queries/sql/counting_gaps.sql:
 Vision Gap = probe MAE against the truth, Language Gap against the answer) and G2M's gap curve
 (queries/sql/g2m_gap.sql: probe cell accuracy - model cell accuracy per N) are the same
 comparison for one probe kind and grouping each; ``gap`` gives them for any probe.

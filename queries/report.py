@@ -408,7 +408,7 @@ def _head_bars(ax, table: pa.Table) -> None:
     for k, run in enumerate(runs):
         share = {(r["tap"], r["layer"], r["head"]): r["critical_share"] for r in rows if r["run"] == run}
         ax.bar([i + k * width for i in range(len(heads))], [share.get(h, 0.0) for h in heads], width=width, label=run)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(heads))], [f"{t} L{l}H{h}" for t, l, h in heads], fontsize=7)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(heads))], [f"{t} L{layer}H{h}" for t, layer, h in heads], fontsize=7)
     ax.set_ylabel("critical share")
     ax.legend(fontsize=7)
 

@@ -73,7 +73,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             for a in arrays if a["run"] in chosen
         ]
         print()
-        print(_table(rows, ["run", "tap", "layer", "site", "tokens", "shape", "stored", "codec", "chunks", "bytes", "B/value", "nan/inf"]))
+        print(_table(rows, ["run", "tap", "layer", "site", "tokens", "shape", "stored", "codec", "chunks", "bytes",
+                            "B/value", "nan/inf"]))
     else:
         summary: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for a in arrays:

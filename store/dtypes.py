@@ -31,7 +31,8 @@ from store.errors import DtypeOverflowError, StoreError
 FP16_MAX = 65504.0
 # Exponent masks: a value is NaN/inf exactly when all its exponent bits are set. Checking bits
 # is ~4x faster than np.isfinite on float16 and allocates one bool array.
-_EXP: dict[int, tuple[type[np.unsignedinteger[Any]], int]] = {2: (np.uint16, 0x7C00), 4: (np.uint32, 0x7F800000), 8: (np.uint64, 0x7FF0000000000000)}
+_EXP: dict[int, tuple[type[np.unsignedinteger[Any]], int]] = {
+    2: (np.uint16, 0x7C00), 4: (np.uint32, 0x7F800000), 8: (np.uint64, 0x7FF0000000000000)}
 _BF16_EXP = 0x7F80
 
 

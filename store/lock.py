@@ -111,7 +111,7 @@ class WriterLock:
         self.took_over: Holder | None = None
         self._fd: int | None = None
 
-    def acquire(self) -> "WriterLock":
+    def acquire(self) -> WriterLock:
         if self._fd is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,7 +196,7 @@ class WriterLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def __enter__(self) -> "WriterLock":
+    def __enter__(self) -> WriterLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:

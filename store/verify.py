@@ -101,7 +101,7 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
         for info in ws.arrays(run_id):
             rep.arrays += 1
             _check_array(ws, info, status, by_array.get((run_id, info.zarr_path), []), checksums, rep)
-    for run_id, name, path, stored, crc in tensors:
+    for run_id, name, path, _stored, crc in tensors:
         if run and run_id != run:
             continue
         try:

@@ -46,8 +46,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,8 +58,8 @@ import pyarrow.parquet as pq
 import zarr
 
 from store import arrays as layout
-from store.checksum import crc32c
 from store import db, location
+from store.checksum import crc32c
 from store.depth import assign_depths
 from store.dtypes import as_numpy, cast, count_nonfinite, default_stored, numpy_dtype
 from store.errors import (

@@ -177,8 +177,8 @@ def load_model(
     layers) for that forward. Pass ``"eager"`` to reproduce ``output_attentions`` runs exactly.
     ``device`` (default: cuda if available, else cpu) is ignored when ``device_map`` is given.
     """
-    from transformers import AutoModelForImageTextToText
     import transformers
+    from transformers import AutoModelForImageTextToText
 
     src = resolve_source(source)
     registry()  # family modules may register Auto classes of their own (e.g. a toy model) before the config is read

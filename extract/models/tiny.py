@@ -114,9 +114,9 @@ def _has_tiny(cls: type[Adapter]) -> bool:
 
 def build(arch: str, out: str | Path, seed: int = 0) -> Path:
     """Build the tiny ``arch`` model and save it as a model folder at ``out``; returns the folder."""
-    from .adapters import adapter_class
-
     from transformers.utils import logging
+
+    from .adapters import adapter_class
 
     patch_processors_without_torchvision()
     logging.disable_progress_bar()  # a tiny folder is written in well under a second

@@ -213,8 +213,8 @@ def _first_list_of_lists(s: str) -> str | None:
     shortest first element, then as many further elements as can still be closed by ``]``, each
     as short as possible. Whether (and where) the rest of a match closes depends only on the
     position it continues from, so one right-to-left pass computes, for every position, the
-    match end the regex would reach from there (``after_elem``: continue after an element; ``from_close``: the first ``]`` at or after
-    a position whose continuation closes).
+    match end the regex would reach from there (``after_elem``: continue after an element; ``from_close``: the
+    first ``]`` at or after a position whose continuation closes).
     """
     n = len(s)
     skip_ws = [n] * (n + 1)  # first non-whitespace index >= i (re's \s is str.isspace)

@@ -20,7 +20,6 @@ from probes.kinds.linear import LinearParams, LinearProbe, _as_float, _stats, ev
 from probes.logreg import fit_ridge
 from probes.splits import control_permutation
 
-
 #: A numeric target with more distinct values than this is a quantity (a count of stones), not
 #: a few categories: task auto regresses on it (a 121-way classifier scores a near miss as wrong).
 MAX_AUTO_CLASSES = 10

@@ -6,7 +6,8 @@ Protocol: JSON lines on stdin, answers on stdout.
 
 * ``{"op": "run", "argv": [...], "log": PATH, "progress": PATH, "batch_sleep": S, "fsize_limit": B,
   "env": {...}}`` forks a child that runs ``python -m extract ARGV`` (``extract.__main__.main``) with
-  stdout and stderr in ``log`` and ``env`` added to its environment. Each queued batch appends a line to ``progress`` and then sleeps ``S``
+  stdout and stderr in ``log`` and ``env`` added to its environment. Each queued batch appends a line to
+  ``progress`` and then sleeps ``S``
   seconds (a slow model: kills land between batches and commits, not only in the set-up).
   SIGXFSZ is ignored in the child, so once its RLIMIT_FSIZE is lowered (``B`` bytes from the
   start, or later by the test with ``prlimit``) a write past the limit fails with EFBIG, as on a

@@ -111,12 +111,13 @@ def test_kill_9_at_ten_seeded_points_then_resume_equals_an_uninterrupted_run(zyg
         if seed % 3 == 0:
             delay = rng.uniform(0.0, 2.5)
             point = f"{delay:.2f} s after start"
-            wait_for(lambda: time.monotonic() - started >= delay or not child.alive(), timeout=60, step=0.005)
+            wait_for(lambda c=child, t0=started, d=delay: time.monotonic() - t0 >= d or not c.alive(), timeout=60,
+                     step=0.005)
         else:
             k, extra = rng.randint(1, 4), rng.uniform(0.0, 0.15)
             point = f"batch {k} + {extra:.2f} s"
 
-            def reached() -> bool:
+            def reached(child=child, k=k) -> bool:
                 nonlocal rows_read
                 if child.batches() >= k or not child.alive():
                     return True
@@ -165,7 +166,7 @@ def test_kill_9_while_writing_to_an_object_store_then_resume(zygote, manifest, r
     before: set = set()
     for k in (2, 5, 9):
         child = zygote.start(manifest, data, batch_sleep=0.12, env=s3.env)
-        wait_for(lambda: child.batches() >= k or not child.alive(), timeout=60, step=0.005)
+        wait_for(lambda c=child, k=k: c.batches() >= k or not c.alive(), timeout=60, step=0.005)
         assert child.kill(), f"the kill after {k} batches came too late: rc={child.rc}\n{child.log}"
         after = committed(data)
         assert before <= after, f"the kill after {k} batches lost committed chunks: {sorted(before - after)[:3]}"

@@ -141,7 +141,8 @@ def test_a_writer_refused_in_the_instant_the_holder_takes_the_lock_names_it(tmp_
 
     ws = Workspace.open(tmp_path / "ws")
     lock = ws.path / "writer.lock"
-    lock.write_text('{"pid": 4194303, "host": "%s", "run": "killed", "since": 0}\n' % __import__("socket").gethostname())
+    host = __import__("socket").gethostname()
+    lock.write_text(f'{{"pid": 4194303, "host": "{host}", "run": "killed", "since": 0}}\n')
     code = ("import fcntl, json, os, socket, sys, time\n"
             f"fd = os.open({str(lock)!r}, os.O_RDWR)\n"
             "fcntl.flock(fd, fcntl.LOCK_EX)\n"

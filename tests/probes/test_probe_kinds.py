@@ -176,7 +176,7 @@ def test_sklearn_like_surface_on_plain_arrays():
 
 
 def test_pooled_reads_ragged_answer_tokens_and_linear_refuses_them(tmp_path):
-    from probetest_lib import D, RELATIONS, spatial_family
+    from probetest_lib import RELATIONS, D, spatial_family
 
     from probes import PlanError
     from store import ArraySpec, RunInfo, TokenSpans, Workspace

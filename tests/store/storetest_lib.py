@@ -82,7 +82,8 @@ def write_run(
                 "chunks_written": w.stats.chunks_written}
 
 
-def python(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess[str]:
+def python(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 60,
+           **kw: Any) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=cwd or REPO, env=full_env, capture_output=True, text=True,
                           timeout=timeout, **kw)

@@ -54,8 +54,7 @@ class PaliGemmaAdapter(Adapter):
 
     @classmethod
     def build_tiny(cls, seed: int) -> tuple[Any, Any]:
-        from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor
-        from transformers import SiglipImageProcessorPil
+        from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor, SiglipImageProcessorPil
 
         tok = gemma_tokenizer({"image_token": "<image>"})
         size = TINY.image
