@@ -437,7 +437,9 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
     client, cluster = _start(scheduler, workers, len(work), memory_limit, report)
     report.dashboard = client.dashboard_link
     light = all(specs is not None for _, specs, _ in work)  # streamed only: workers never import torch
-    client.run(warm_worker, list(plugins), light)  # imports and first-call costs belong to start-up, not to the probes
+    # Imports and first-call costs belong to start-up, not to the probes. Streamed-only plans warm
+    # through probes.stream: unpickling a function of this module would import torch there.
+    client.run(farm_stream.stream.warm) if light else client.run(warm_worker, list(plugins))
     report.startup_seconds = time.perf_counter() - started
     log(f"dask: {report.workers} worker(s) at {client.scheduler.address}; dashboard {report.dashboard}"
         + ("" if _has_bokeh() else " (pip install bokeh for its plots)"))
@@ -483,23 +485,18 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
             cluster.close()
 
 
-def warm_worker(plugins: Sequence[str] = (), light: bool = False) -> bool:
+def warm_worker(plugins: Sequence[str] = ()) -> bool:
     """Import the kinds, the reader and the plan's plugins and run one tiny batched fit, so a
-    worker's first group runs warm (imports cost seconds on a busy 2-core machine). ``light``:
-    the plan has streamed kinds only; import numpy/scipy and the reader, never torch."""
+    worker's first group runs warm (imports cost seconds on a busy 2-core machine)."""
     import importlib
 
+    import torch
     import zarr  # noqa: F401
 
-    import probes.stream  # noqa: F401
     import store.reader  # noqa: F401
     from probes.features import tune_malloc
 
     tune_malloc()
-    if light:
-        import scipy.linalg  # noqa: F401
-        return True
-    import torch
 
     import probes.kinds  # noqa: F401
     from probes.logreg import fit_logistic

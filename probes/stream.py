@@ -99,6 +99,14 @@ def partitions(rows: np.ndarray, chunk_samples: int, parts: int) -> list[tuple[i
     return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
+def _positions(spec: StreamSpec, lo: int, hi: int, side: str) -> np.ndarray:
+    """Positions in [lo, hi) holding a unit on ``side`` ("train" / "test") of any Solve."""
+    keep = np.zeros(hi - lo, bool)
+    for s in spec.solves:
+        keep |= getattr(s, side)[lo:hi].any(1)
+    return lo + np.flatnonzero(keep)
+
+
 def read_block(spec: StreamSpec, info: ArrayInfo, rows: np.ndarray) -> tuple[np.ndarray, int]:
     """(units of ``rows`` as float32 [m, R, d], stored bytes read): every token (token level) or
     one pooled vector per sample."""
@@ -131,18 +139,19 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     syrk, syr = _blas(spec.precision)
     raw: list[dict[str, Any] | None] = [None] * len(spec.solves)
     part = Part([None] * len(spec.solves))
+    pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
     with threadpool_limits(1):
-        for a in range(lo, hi, spec.block_rows):
-            b = min(a + spec.block_rows, hi)
-            U, nbytes = read_block(spec, info, spec.rows[a:b])
+        for a in range(0, len(pos), spec.block_rows):
+            idx = pos[a : a + spec.block_rows]
+            U, nbytes = read_block(spec, info, spec.rows[idx])
             part.read_bytes += nbytes
             d = U.shape[-1]
             for s, solve in enumerate(spec.solves):
-                mask = solve.train[a:b]
+                mask = solve.train[idx]
                 if not mask.any():
                     continue
                 X = U[mask]
-                Y = solve.Y[a:b][mask]
+                Y = solve.Y[idx][mask]
                 acc = raw[s]
                 if acc is None:  # shift by the first block's mean: the sums stay well conditioned
                     acc = raw[s] = {"n": 0.0, "k": X.mean(0, dtype=np.float64), "sx": np.zeros(d), "sy": np.zeros(Y.shape[1]),
@@ -309,10 +318,7 @@ def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) ->
 
     out = empty_scores(spec)
     A = len(spec.alphas)
-    tested = np.zeros(hi - lo, bool)
-    for s in spec.solves:
-        tested |= s.test[lo:hi].any(1)
-    pos = lo + np.flatnonzero(tested)
+    pos = _positions(spec, lo, hi, "test")
     with threadpool_limits(1):
         for a in range(0, len(pos), spec.block_rows):
             idx = pos[a : a + spec.block_rows]
@@ -362,6 +368,18 @@ def add_scores(a: Scores, b: Scores) -> Scores:
 def pack(solutions: list[Solution], scores: list[Scores]) -> tuple[list[Solution], list[Scores]]:
     """The last task of a group: gathers its layers' results for the client in one transfer."""
     return solutions, scores
+
+
+def warm() -> bool:
+    """Worker warm-up of streamed-only plans: numpy, scipy and the store reader, never torch."""
+    import scipy.linalg  # noqa: F401
+    import zarr  # noqa: F401
+
+    import store.reader  # noqa: F401
+    from probes.features import tune_malloc
+
+    tune_malloc()
+    return True
 
 
 def _rss() -> int:
