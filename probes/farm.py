@@ -65,6 +65,7 @@ class FarmReport:
     memory_limit: int | None = None       # bytes per worker the plan was checked against
     rss_peak: int = 0                     # streamed kinds: the largest worker RSS their tasks measured
     read_bytes: int = 0                   # streamed kinds: stored feature bytes read
+    worker_peaks: dict[str, int] = field(default_factory=dict)   # streamed on Dask: peak RSS per worker
     failures: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -317,6 +318,8 @@ def run_plan(
     def take(res: GroupResult) -> None:
         report.rss_peak = max(report.rss_peak, res.rss_peak)
         report.read_bytes += res.read_bytes
+        for w, peak in res.worker_peaks.items():
+            report.worker_peaks[w] = max(report.worker_peaks.get(w, 0), peak)
         # The weights first, each whole: a recorded probe always has its file.
         for key, blob in res.weights.items():
             artifacts.write(artifacts.artifact_path(ws.path, key), blob)

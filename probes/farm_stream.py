@@ -221,7 +221,9 @@ def run_dask(client: Any, job: GroupJob, specs: list[SpecGroup], parts: int) -> 
             sols.append(sol)
             scores.append(score_layer(call, g.spec, info, parts, sol))
     got_sols, got_scores = client.gather(sols), client.gather(scores)
-    return finish(job, specs, got_sols, got_scores, time.perf_counter() - t0, worker=f"dask:{parts}")
+    result = finish(job, specs, got_sols, got_scores, time.perf_counter() - t0, worker=f"dask:{parts}")
+    result.worker_peaks = client.run(stream._rss)   # each worker's high-water RSS so far
+    return result
 
 
 def finish(job: GroupJob, specs: list[SpecGroup], sols: list[stream.Solution], scores: list[stream.Scores],

@@ -383,9 +383,19 @@ def warm() -> bool:
 
 
 def _rss() -> int:
+    """This process's peak resident set so far, in bytes: Linux's VmHWM (the kernel's high-water
+    mark, so transient peaks inside a task count; reset at exec, unlike ru_maxrss, which a Dask
+    worker would inherit from the client process that spawned it). Elsewhere: current RSS."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     try:
         import psutil
 
         return int(psutil.Process().memory_info().rss)
-    except Exception:  # psutil missing: RSS is a diagnostic, never a reason to fail a probe
+    except ImportError:
         return 0

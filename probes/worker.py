@@ -63,6 +63,7 @@ class GroupResult:
     started_at: float = 0.0                 # time.time() on the worker: a timeline for diagnostics
     rss_peak: int = 0                       # streamed kinds: the largest worker RSS their tasks saw
     read_bytes: int = 0                     # streamed kinds: stored feature bytes read
+    worker_peaks: dict[str, int] = field(default_factory=dict)   # streamed on Dask: peak RSS per worker
 
 
 def run_group(job: GroupJob) -> GroupResult:
