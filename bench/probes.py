@@ -350,3 +350,60 @@ def real_shape(quick: bool) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+
+
+def demo_store(tmp: Path) -> Path:
+    """The demo's workspace (`make demo`'s extraction: the toy counting VLM over 484 Go boards);
+    $AGNOSIA_DEMO_DATA names an existing one (copied, never written)."""
+    import os
+    import subprocess
+    import sys
+
+    given = os.environ.get("AGNOSIA_DEMO_DATA")
+    if given:
+        shutil.copytree(given, tmp / "demo")
+        return tmp / "demo"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    sets = tmp / "stimuli"
+    subprocess.run([sys.executable, "-m", "extract.stimuli", "go", "--preset", "small", "--variation", "mild", "--n", "4",
+                    "--seed", "1", "--out", str(sets / "go-toy"), "--overwrite"], check=True, env=env, cwd=REPO,
+                   capture_output=True)
+    manifest = (REPO / "manifests" / "demo.yaml").read_text().replace("stimuli/go-toy", str(sets / "go-toy"))
+    (tmp / "demo.yaml").write_text(manifest)
+    subprocess.run([sys.executable, "-m", "extract", str(tmp / "demo.yaml"), "--data", str(tmp / "demo")], check=True,
+                   env=env, cwd=REPO, capture_output=True)
+    return tmp / "demo"
+
+
+def many_probes(quick: bool) -> None:
+    """(c) Thousands: layers x token positions x targets x seeds (each with its control) over the demo store."""
+    from probes import parse_plan, run_plan
+    from probes.farm import open_workspace, plan_tasks
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-many-"))
+    try:
+        t0 = time.perf_counter()
+        data = demo_store(tmp)
+        built = time.perf_counter() - t0
+        seeds = list(range(2 if quick else 10))
+        sample_targets = ["truth:regime", "go.count"]
+        entries = [{"taps": "all", "sites": "all", "tokens": ["image"], "targets": sample_targets, "tag": pool,
+                    "kinds": {"ridge": {"pool": pool}}, "seeds": seeds} for pool in ("mean", "max", "first", "last")]
+        entries.append({"taps": ["llm"], "tokens": ["last"], "targets": sample_targets, "kinds": {"ridge": {"pool": "last"}},
+                        "seeds": seeds})
+        entries.append({"taps": "all", "sites": "all", "tokens": ["image"], "targets": ["go.intersection"],
+                        "kinds": {"ridge": {}}, "seeds": seeds})
+        plan = parse_plan({"name": "many", "defaults": {"test_fraction": 0.25}, "probes": [
+            {**e, "where": "family = 'go'"} for e in entries]})
+        n = len(plan_tasks(plan, open_workspace(data)))
+        t1 = time.perf_counter()
+        rep = run_plan(plan, data, workers=2, progress=False, log=lambda s: None)
+        wall = time.perf_counter() - t1
+        assert rep.failed == 0, rep.failures[:3]
+        print(f"\n(c) {n} probes over the demo store (built in {built:.0f} s): taps x sites x layers x 4 poolings / last"
+              f" token / every image token x targets x {len(seeds)} seeds, each with its shuffled-label control; kind ridge:")
+        print(f"  {rep.trained} trained on 2 workers in {wall:.1f} s wall ({rep.startup_seconds:.1f} s cluster start,"
+              f" {rep.seconds:.1f} s training) = {rep.trained / wall:.1f} probes/s wall, {rep.probes_per_s:.1f} probes/s"
+              f" training; {rep.read_bytes / 2**20:.0f} MiB of features read")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

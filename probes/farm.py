@@ -228,11 +228,13 @@ class _Recorder:
     def __init__(self, ws: Workspace, every: float, size: int, on_record: Callable[[list[ProbeResult]], None] | None):
         self.ws, self.every, self.size, self.on_record = ws, every, size, on_record
         self.buffer: list[ProbeResult] = []
+        self.pending: dict[str, Path] = {}      # probe key -> its weight file, until the row commits
         self.last = time.monotonic()
         self.written = 0
 
-    def add(self, records: list[ProbeResult]) -> None:
+    def add(self, records: list[ProbeResult], pending: dict[str, Path] | None = None) -> None:
         self.buffer.extend(records)
+        self.pending.update(pending or {})
         if len(self.buffer) >= self.size or time.monotonic() - self.last >= self.every:
             self.flush(final=False)
 
@@ -245,6 +247,10 @@ class _Recorder:
             if final:
                 raise
             return  # someone holds the manifest; keep the buffer and try at the next result
+        for r in self.buffer:
+            path = self.pending.pop(str(r.params.get("key")), None)
+            if path is not None:
+                artifacts.publish(path)
         if self.on_record is not None:
             self.on_record(list(self.buffer))
         self.written += len(self.buffer)
@@ -283,6 +289,10 @@ def run_plan(
     report = FarmReport(plan=plan.name, workspace=str(ws.path))
     tasks = plan_tasks(plan, ws)
     report.tasks = len(tasks)
+    published, deleted = artifacts.recover(ws.path, {r[0] for r in ws.rows("SELECT params->>'key' FROM probes")})
+    if published or deleted:
+        log(f"plan {plan.name}: a farm client died before: {published} weight file(s) of recorded probes put in place,"
+            f" {deleted} of unrecorded probes deleted")
     done = set() if force else done_keys(ws, sorted({t.run for t in tasks}))
     todo = [t for t in tasks if t.key not in done]
     report.skipped = len(tasks) - len(todo)
@@ -320,10 +330,11 @@ def run_plan(
         report.read_bytes += res.read_bytes
         for w, peak in res.worker_peaks.items():
             report.worker_peaks[w] = max(report.worker_peaks.get(w, 0), peak)
-        # The weights first, each whole: a recorded probe always has its file.
-        for key, blob in res.weights.items():
-            artifacts.write(artifacts.artifact_path(ws.path, key), blob)
-        recorder.add(res.records)
+        # The weights first, each whole, under a pending name; the recorder renames each into
+        # place once its row is committed. A client killed in between leaves only pending files,
+        # which the next run publishes (row committed) or deletes (no row): artifacts.recover.
+        pending = {key: artifacts.write(artifacts.pending_path(ws.path, key), blob) for key, blob in res.weights.items()}
+        recorder.add(res.records, pending)
         report.trained += len(res.records)
         report.flops += res.flops
         report.failed += len(res.failures)
