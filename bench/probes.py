@@ -385,7 +385,7 @@ def many_probes(quick: bool) -> None:
         t0 = time.perf_counter()
         data = demo_store(tmp)
         built = time.perf_counter() - t0
-        seeds = list(range(2 if quick else 10))
+        seeds = list(range(2 if quick else 100))   # 58 probes per seed over the demo arrays
         sample_targets = ["truth:regime", "go.count"]
         entries = [{"taps": "all", "sites": "all", "tokens": ["image"], "targets": sample_targets, "tag": pool,
                     "kinds": {"ridge": {"pool": pool}}, "seeds": seeds} for pool in ("mean", "max", "first", "last")]
@@ -393,7 +393,7 @@ def many_probes(quick: bool) -> None:
                         "seeds": seeds})
         entries.append({"taps": "all", "sites": "all", "tokens": ["image"], "targets": ["go.intersection"],
                         "kinds": {"ridge": {}}, "seeds": seeds})
-        plan = parse_plan({"name": "many", "defaults": {"test_fraction": 0.25}, "probes": [
+        plan = parse_plan({"name": "many", "layers_per_task": 8, "defaults": {"test_fraction": 0.25}, "probes": [
             {**e, "where": "family = 'go'"} for e in entries]})
         n = len(plan_tasks(plan, open_workspace(data)))
         t1 = time.perf_counter()

@@ -462,7 +462,7 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
         for job, specs, _ in work:  # streamed groups: one layer's map-reduce at a time, all workers on it
             if specs is not None:
                 try:
-                    take(farm_stream.run_dask(client, job, specs, max(report.workers, 1)))
+                    take(farm_stream.run_dask(client, job, specs, max(report.workers, 1), memory_limit))
                 except Exception as err:
                     lost(job, err)
         # A bounded window keeps only a few groups' labels in the scheduler's memory at a time;

@@ -177,17 +177,17 @@ def check_fits(plan: MemoryPlan, limit: int | None, job: GroupJob, streamed: boo
 # ----------------------------------------------------------------------------- running
 
 
-def fit_layer(call: Callable[..., Any], spec: stream.StreamSpec, info: Any, parts: int) -> Any:
+def fit_layer(call: Callable[..., Any], spec: Any, info: Any, parts: int, rows: np.ndarray) -> Any:
     """map (partitions of whole chunks) -> tree of merges -> solve. ``call(fn, *args)`` runs a
     task here, or submits it to Dask and returns its future."""
-    cuts = stream.partitions(spec.rows, info.chunk_samples, parts)
+    cuts = stream.partitions(rows, info.chunk_samples, parts)
     maps = [call(stream.accumulate, spec, info, lo, hi) for lo, hi in cuts]
     return call(stream.solve, spec, stream.tree_reduce(maps, lambda a, b: call(stream.merge, a, b)))
 
 
-def score_layer(call: Callable[..., Any], spec: stream.StreamSpec, info: Any, parts: int, sol: Any) -> Any:
+def score_layer(call: Callable[..., Any], spec: Any, info: Any, parts: int, sol: Any, rows: np.ndarray) -> Any:
     """map over the test rows -> tree of sums."""
-    cuts = stream.partitions(spec.rows, info.chunk_samples, parts)
+    cuts = stream.partitions(rows, info.chunk_samples, parts)
     tested = [call(stream.score, spec, info, lo, hi, sol) for lo, hi in cuts]
     return stream.tree_reduce(tested, lambda a, b: call(stream.add_scores, a, b))
 
@@ -198,14 +198,24 @@ def run_local(job: GroupJob, specs: list[SpecGroup]) -> GroupResult:
     for g in specs:
         for info in job.arrays:
             # Two partitions: the in-process path runs the same merges as the cluster does.
-            sols.append(fit_layer(lambda fn, *a: fn(*a), g.spec, info, 2))
-            scores.append(score_layer(lambda fn, *a: fn(*a), g.spec, info, 2, sols[-1]))
+            sols.append(fit_layer(lambda fn, *a: fn(*a), g.spec, info, 2, job.rows))
+            scores.append(score_layer(lambda fn, *a: fn(*a), g.spec, info, 2, sols[-1], job.rows))
     return finish(job, specs, sols, scores, time.perf_counter() - t0)
 
 
-def run_dask(client: Any, job: GroupJob, specs: list[SpecGroup], parts: int) -> GroupResult:
-    """One layer's statistics in flight at a time (its maps on every worker, then one solve):
-    a worker then holds at most what :func:`plan_stream` planned; scoring overlaps the next layer."""
+def layers_in_flight(specs: list[SpecGroup], job: GroupJob, limit: int | None) -> int:
+    """How many layers' statistics may be in flight at once: one when a layer's Gram matrices are
+    large (then a worker holds at most what plan_stream planned), more when they are small (the
+    latency of one solve per layer then no longer idles the workers)."""
+    d = job.arrays[0].item_shape[-1]
+    held = sum(2 * len(g.spec.solves) * d * d * np.dtype(g.spec.precision).itemsize for g in specs) or 1
+    room = (FIT_FRACTION * limit - WORKER_BASE) if limit else 256 * MiB
+    return int(max(1, min(8, room // held)))
+
+
+def run_dask(client: Any, job: GroupJob, specs: list[SpecGroup], parts: int, limit: int | None = None) -> GroupResult:
+    """Each layer: maps on every worker, merges, one solve, then the score maps; a bounded number
+    of layers in flight (:func:`layers_in_flight`). Specs travel to the workers once (scatter)."""
     from dask.distributed import wait
 
     t0 = time.perf_counter()
@@ -213,13 +223,19 @@ def run_dask(client: Any, job: GroupJob, specs: list[SpecGroup], parts: int) -> 
     def call(fn: Callable[..., Any], *args: Any) -> Any:
         return client.submit(fn, *args, pure=False, retries=1)
 
-    sols, scores = [], []
-    for g in specs:
-        for info in job.arrays:
-            sol = fit_layer(call, g.spec, info, parts)
-            wait([sol])
-            sols.append(sol)
-            scores.append(score_layer(call, g.spec, info, parts, sol))
+    scattered = [client.scatter(g.spec, hash=False) for g in specs]
+    todo = [(scattered[i], info) for i in range(len(specs)) for info in job.arrays]
+    k = layers_in_flight(specs, job, limit)
+    sols: list[Any] = [None] * len(todo)
+    scores: list[Any] = [None] * len(todo)
+    for i, (spec, info) in enumerate(todo[:k]):
+        sols[i] = fit_layer(call, spec, info, parts, job.rows)
+    for i, (spec, info) in enumerate(todo):
+        wait([sols[i]])
+        if i + k < len(todo):
+            nspec, ninfo = todo[i + k]
+            sols[i + k] = fit_layer(call, nspec, ninfo, parts, job.rows)
+        scores[i] = score_layer(call, spec, info, parts, sols[i], job.rows)
     got_sols, got_scores = client.gather(sols), client.gather(scores)
     result = finish(job, specs, got_sols, got_scores, time.perf_counter() - t0, worker=f"dask:{parts}")
     result.worker_peaks = client.run(stream._rss)   # each worker's high-water RSS so far

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any, Literal
 
 import numpy as np
@@ -96,7 +97,7 @@ def partitions(rows: np.ndarray, chunk_samples: int, parts: int) -> list[tuple[i
     starts = np.concatenate([[0], np.flatnonzero(np.diff(ks)) + 1])
     per = max(1, -(-len(starts) // max(parts, 1)))
     cuts = list(starts[::per]) + [len(rows)]
-    return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+    return [(int(a), int(b)) for a, b in pairwise(cuts)]
 
 
 def _positions(spec: StreamSpec, lo: int, hi: int, side: str) -> np.ndarray:
