@@ -30,6 +30,8 @@ import numpy as np
 
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def make_workspace(path: Path, n: int, d: int, layers: int, targets: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
@@ -213,5 +215,195 @@ def main(quick: bool) -> None:
         print(f"  farm solver throughput: {gf2:.1f} GFLOP/s with 2 workers = {gf2 / peak2:.0%} of the 2-thread peak;"
               f" {gf1:.1f} GFLOP/s with 1 = {gf1 / peak1:.0%} of the 1-thread peak"
               f" (matmul FLOPs of the solver over the whole timed phase, reading and recording included)")
+        ridge_thousand(tmp, ws, layers, targets, plan.defaults.test_fraction, np.mean([v[0] for v in sk.values()]))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    real_shape(quick)
+    many_probes(quick)
+
+
+def ridge_thousand(tmp: Path, ws: Workspace, layers: int, targets: int, test_fraction: float, logistic_acc: float) -> None:
+    """(b) The statistics path on the same 1,000 tasks: kind ridge (one pass per layer trains all
+    50 targets and their controls) against one scikit-learn RidgeClassifier fit per probe."""
+    import json
+
+    from sklearn.linear_model import RidgeClassifier
+    from threadpoolctl import threadpool_limits
+
+    from probes import parse_plan, run_plan
+    from probes.splits import control_permutation, hash_fold
+
+    sel = ws.select("bench")
+    fold = hash_fold(sel.stimuli, 0, test_fraction)
+    truth = ws.rows("SELECT truth FROM v_samples WHERE run = 'bench' ORDER BY array_row")
+    Y = np.array([[json.loads(t[0])[f"t{j:02d}"] for j in range(targets)] for t in truth])
+    perm = control_permutation(len(Y), 0)
+    sk: dict[tuple[int, str], tuple[float, float]] = {}
+    spent = 0.0
+    with threadpool_limits(1):
+        for layer in range(layers):
+            X = ws.read("bench", "llm", layer, tokens="last")[:, 0].astype(np.float64)
+            for j in range(targets):
+                got = []
+                for y in (Y[:, j], Y[perm, j]):
+                    t0 = time.perf_counter()
+                    m = RidgeClassifier(alpha=1.0).fit(X[fold.train], y[fold.train])
+                    spent += time.perf_counter() - t0
+                    got.append(float((m.predict(X[fold.test]) == y[fold.test]).mean()))
+                sk[(layer, f"truth:t{j:02d}")] = (got[0], got[1])
+    tasks = layers * targets
+    plan = parse_plan({"name": "bench-ridge", "probes": [{
+        "runs": ["bench"], "taps": ["llm"], "layers": "all", "tokens": ["last"],
+        "targets": [f"truth:t{j:02d}" for j in range(targets)], "kinds": {"ridge": {"pool": "last"}}}]})
+    path = tmp / "ridge2"
+    shutil.copytree(tmp / "ws", path)
+    rep = run_plan(plan, path, workers=2, progress=False, log=lambda s: None)
+    assert rep.failed == 0, rep.failures[:3]
+    farm = farm_scores(Workspace.open(path, readonly=True))
+    diffs = np.array([farm[k][0] - sk[k][0] for k in sk])
+    print(f"\n(b) statistics path, kind ridge (alpha 1), the same {tasks} tasks, each with its control:")
+    print(f"  sklearn RidgeClassifier, 1 fit per probe: {spent:6.2f} s  {tasks / spent:8.1f} probes/s   (fits only)")
+    print(f"  farm ridge, LocalCluster 2 workers:       {rep.seconds:6.2f} s  {rep.probes_per_s:8.1f} probes/s"
+          f"   {rep.probes_per_s / (tasks / spent):.1f}x sklearn ridge (goal >= 20x; +{rep.startup_seconds:.1f} s cluster start)")
+    print(f"  accuracy vs sklearn RidgeClassifier per probe: |diff| max {np.abs(diffs).max():.4f} (goal <= 0.01);"
+          f" mean {np.mean([v[0] for v in farm.values()]):.4f} (the logistic probes above: {logistic_acc:.4f})")
+
+
+def make_real_shape(path: Path, n: int, T: int, d: int, layers: int, chunk: int = 32, seed: int = 0) -> float:
+    """A store of real-model shape: ``layers`` LLM layers of [n, T, d] float16 image tokens over
+    4x4 colour grids seen through a 16x16 patch grid (g2m.cell_color per token; truth.dominant per
+    sample). Seconds spent writing."""
+    from probes.targets import cells_under_tokens
+
+    rng = np.random.default_rng(seed)
+    side = int(np.sqrt(T))
+    mats = rng.integers(0, 3, (n, 4, 4))
+    rows = [{"id": f"r{i:05d}", "family": "g2m", "split": "test", "seed": i, "params": {"num_colors": 3, "grid_size": 4},
+             "truth": {"matrix": mats[i].tolist(), "dominant": int(np.bincount(mats[i].ravel(), minlength=3).argmax())}}
+            for i in range(n)]
+    token_cells = cells_under_tokens(side, side, 4, 4)
+    protos = rng.standard_normal((3, d)).astype(np.float32)
+    pool = rng.standard_normal((4096, d)).astype(np.float16)
+    t0 = time.perf_counter()
+    ws = Workspace.open(path)
+    with ws.writer(RunInfo(run="real", model="synthetic", dtype="float16", chunk_samples=chunk)) as w:
+        w.set_samples(w.register_stimuli(rows, dataset="real"))
+        hs = [w.array(ArraySpec(tap="llm", layer=l, tokens="image", shape=(T, d), dtype="float16")) for l in range(layers)]
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            lab = mats[s:e].reshape(e - s, -1)[:, token_cells]                        # [m, T] colour under each token
+            base = pool[rng.integers(0, len(pool), (e - s, T))]
+            batch = {h: base + (protos * (0.05 + 0.1 * l))[lab].astype(np.float16) for l, h in enumerate(hs)}
+            w.write_batch(s, batch, tokens=[TokenSpans(seq_len=T + 4, image_start=1, image_count=T, grid_h=side,
+                                                       grid_w=side, last_prompt=T + 3) for _ in range(s, e)])
+        w.finish()
+    return time.perf_counter() - t0
+
+
+def sequential_read(ws: Workspace) -> tuple[int, float]:
+    """(bytes, seconds) of numpy.fromfile over every chunk file of the run's arrays, in order."""
+    files = []
+    for info in ws.arrays("real"):
+        folder = Path(ws.root.where(info.zarr_path))
+        files += sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "zarr.json")
+    t0 = time.perf_counter()
+    total = sum(np.fromfile(p, dtype=np.uint8).nbytes for p in files)
+    return total, time.perf_counter() - t0
+
+
+def real_shape(quick: bool) -> None:
+    """(a) The farm over a store of real-model shape, 2 workers under a memory limit."""
+    from probes import parse_plan, run_plan
+
+    n, T, d, layers, limit = (64, 64, 512, 2, "256MiB") if quick else (448, 256, 3584, 8, "384MiB")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-real-"))
+    try:
+        wrote = make_real_shape(tmp / "ws", n, T, d, layers)
+        ws = Workspace.open(tmp / "ws", readonly=True)
+        layer_mib = n * T * d * 2 / 2**20
+        print(f"\n(a) real-model shape: {layers} layers x [{n} samples, {T} image tokens, d={d}] float16 ="
+              f" {layer_mib:.0f} MiB per layer ({layers * layer_mib / 1024:.2f} GiB, written in {wrote:.0f} s);"
+              f" 2 workers, memory_limit {limit} each, kind ridge (precision float32)")
+        peak1, peak2 = matmul_peak(1), matmul_peak(2)
+        nbytes, secs = sequential_read(ws)
+        seq = nbytes / secs
+        print(f"  sequential numpy.fromfile of the same chunk files: {nbytes / 2**30:.2f} GiB in {secs:.1f} s ="
+              f" {seq / 2**20:.0f} MiB/s; fp32 matmul peak {peak1:.1f} GFLOP/s (1 thread), {peak2:.1f} (2)")
+        plans = {
+            "pooled (truth:dominant, mean of 256 tokens; read-bound)":
+                {"layers": "all", "targets": ["truth:dominant"], "kinds": {"ridge": {"pool": "mean", "precision": "float32"}}},
+            "per token (g2m.cell_color, every token a row; XᵀX-bound), layers 0-1":
+                {"layers": [0, 1], "targets": ["g2m.cell_color"], "kinds": {"ridge": {"precision": "float32"}}},
+        }
+        for what, entry in plans.items():
+            plan = parse_plan({"name": "real", "memory_limit": limit, "probes": [{"runs": ["real"], "tokens": ["image"], **entry}]})
+            rep = run_plan(plan, tmp / "ws", workers=2, progress=False, log=lambda s: None, force=True)
+            assert rep.failed == 0, rep.failures[:2]
+            rate = rep.read_bytes / rep.seconds
+            peaks = ", ".join(f"{v / 2**20:.0f}" for v in sorted(rep.worker_peaks.values()))
+            best = Workspace.open(tmp / "ws", readonly=True).rows(
+                "SELECT round(max(score), 3), round(max(control_score), 3) FROM probes WHERE target = ?", [entry["targets"][0]])[0]
+            print(f"  {what}: {rep.trained} probes in {rep.seconds:.1f} s (+{rep.startup_seconds:.1f} s start);"
+                  f" read {rep.read_bytes / 2**30:.2f} GiB at {rate / 2**20:.0f} MiB/s = {rate / seq:.2f}x sequential fromfile"
+                  f" (goal >= 0.5x); {rep.gflops_per_s:.1f} GFLOP/s = {rep.gflops_per_s / peak2:.0%} of the 2-thread peak"
+                  f" (goal >= 50%); peak RSS per worker {peaks} MiB vs limit {limit}; best score {best[0]}, control {best[1]}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+
+def demo_store(tmp: Path) -> Path:
+    """The demo's workspace (`make demo`'s extraction: the toy counting VLM over 484 Go boards);
+    $AGNOSIA_DEMO_DATA names an existing one (copied, never written)."""
+    import os
+    import subprocess
+    import sys
+
+    given = os.environ.get("AGNOSIA_DEMO_DATA")
+    if given:
+        shutil.copytree(given, tmp / "demo")
+        return tmp / "demo"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    sets = tmp / "stimuli"
+    subprocess.run([sys.executable, "-m", "extract.stimuli", "go", "--preset", "small", "--variation", "mild", "--n", "4",
+                    "--seed", "1", "--out", str(sets / "go-toy"), "--overwrite"], check=True, env=env, cwd=REPO,
+                   capture_output=True)
+    manifest = (REPO / "manifests" / "demo.yaml").read_text().replace("stimuli/go-toy", str(sets / "go-toy"))
+    (tmp / "demo.yaml").write_text(manifest)
+    subprocess.run([sys.executable, "-m", "extract", str(tmp / "demo.yaml"), "--data", str(tmp / "demo")], check=True,
+                   env=env, cwd=REPO, capture_output=True)
+    return tmp / "demo"
+
+
+def many_probes(quick: bool) -> None:
+    """(c) Thousands: layers x token positions x targets x seeds (each with its control) over the demo store."""
+    from probes import parse_plan, run_plan
+    from probes.farm import open_workspace, plan_tasks
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-many-"))
+    try:
+        t0 = time.perf_counter()
+        data = demo_store(tmp)
+        built = time.perf_counter() - t0
+        seeds = list(range(2 if quick else 100))   # 58 probes per seed over the demo arrays
+        sample_targets = ["truth:regime", "go.count"]
+        entries = [{"taps": "all", "sites": "all", "tokens": ["image"], "targets": sample_targets, "tag": pool,
+                    "kinds": {"ridge": {"pool": pool}}, "seeds": seeds} for pool in ("mean", "max", "first", "last")]
+        entries.append({"taps": ["llm"], "tokens": ["last"], "targets": sample_targets, "kinds": {"ridge": {"pool": "last"}},
+                        "seeds": seeds})
+        entries.append({"taps": "all", "sites": "all", "tokens": ["image"], "targets": ["go.intersection"],
+                        "kinds": {"ridge": {}}, "seeds": seeds})
+        plan = parse_plan({"name": "many", "layers_per_task": 8, "defaults": {"test_fraction": 0.25}, "probes": [
+            {**e, "where": "family = 'go'"} for e in entries]})
+        n = len(plan_tasks(plan, open_workspace(data)))
+        t1 = time.perf_counter()
+        rep = run_plan(plan, data, workers=2, progress=False, log=lambda s: None)
+        wall = time.perf_counter() - t1
+        assert rep.failed == 0, rep.failures[:3]
+        print(f"\n(c) {n} probes over the demo store (built in {built:.0f} s): taps x sites x layers x 4 poolings / last"
+              f" token / every image token x targets x {len(seeds)} seeds, each with its shuffled-label control; kind ridge:")
+        print(f"  {rep.trained} trained on 2 workers in {wall:.1f} s wall ({rep.startup_seconds:.1f} s cluster start,"
+              f" {rep.seconds:.1f} s training) = {rep.trained / wall:.1f} probes/s wall, {rep.probes_per_s:.1f} probes/s"
+              f" training; {rep.read_bytes / 2**20:.0f} MiB of features read")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -12,11 +12,30 @@ from the stimuli's truth) likewise. A new kind is one decorated class: docs/new-
 This package imports ``store`` only: never a model, never ``transformers``.
 """
 
+from typing import Any
+
 from probes.errors import PlanError, ProbeError
-from probes.farm import FarmReport, load_probe, run_plan
-from probes.kinds import KINDS, Job, Outcome, Probe, ProbeParams, get_kind, register_kind
-from probes.plan import Plan, ProbeTask, load_plan, parse_plan
-from probes.targets import TARGETS, SampleInfo, TargetValues, get_target, register_target
+
+# The rest loads on first use (PEP 562): a Dask worker that unpickles a task of
+# probes.stream imports this package, and must not pay for torch and every kind
+# (~200 MB of resident memory) to run numpy statistics.
+_LAZY = {
+    "FarmReport": "probes.farm", "load_probe": "probes.farm", "run_plan": "probes.farm",
+    "KINDS": "probes.kinds", "Job": "probes.kinds", "Outcome": "probes.kinds", "Probe": "probes.kinds",
+    "ProbeParams": "probes.kinds", "get_kind": "probes.kinds", "register_kind": "probes.kinds",
+    "Plan": "probes.plan", "ProbeTask": "probes.plan", "load_plan": "probes.plan", "parse_plan": "probes.plan",
+    "TARGETS": "probes.targets", "SampleInfo": "probes.targets", "TargetValues": "probes.targets",
+    "get_target": "probes.targets", "register_target": "probes.targets",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'probes' has no attribute {name!r}")
+
 
 __all__ = [
     "KINDS", "TARGETS", "FarmReport", "Job", "Outcome", "Plan", "PlanError", "Probe", "ProbeError", "ProbeParams",

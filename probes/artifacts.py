@@ -39,6 +39,57 @@ def artifact_path(workspace: str | os.PathLike[str], key: str) -> Path:
     return Path(workspace) / FOLDER / f"{key}.safetensors"
 
 
+PENDING = ".pending"
+
+
+def pending_path(workspace: str | os.PathLike[str], key: str) -> Path:
+    """Where the farm's client puts a probe's weights until its row is committed:
+    ``probes/.<key>.<pid>.pending`` (hidden, and named by the client that wrote it)."""
+    final = artifact_path(workspace, key)
+    return final.with_name(f".{key}.{os.getpid()}{PENDING}")
+
+
+def publish(pending: Path) -> Path:
+    """Rename a pending weight file to its final name (after its row is committed)."""
+    key = pending.name[1:].split(".")[0]
+    final = pending.with_name(f"{key}.safetensors")
+    os.replace(pending, final)
+    return final
+
+
+def recover(workspace: str | os.PathLike[str], recorded: set[str]) -> tuple[int, int]:
+    """Finish what a dead farm client left: its pending files whose row was committed are
+    published, the others (no row: the client died before its next flush) deleted. Files of a
+    live client (its pid still runs on this host) are left alone. Returns (published, deleted)."""
+    folder = Path(workspace) / FOLDER
+    published = deleted = 0
+    if not folder.is_dir():
+        return 0, 0
+    for path in folder.glob(f".*{PENDING}"):
+        parts = path.name[1:].split(".")
+        if len(parts) != 3 or not parts[1].isdigit() or _alive(int(parts[1])):
+            continue
+        if parts[0] in recorded:
+            publish(path)
+            published += 1
+        else:
+            path.unlink(missing_ok=True)
+            deleted += 1
+    return published, deleted
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def dumps(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> bytes:
     """The safetensors file of a probe, as bytes."""
     arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}

@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to reach the --scheduler before giving up (default 10)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="LocalCluster worker processes, one thread each (default: CPU count)")
+    p.add_argument("--memory-limit", default=None, metavar="SIZE",
+                   help="memory per worker, e.g. 384MiB (Dask's memory_limit; default: the plan's memory_limit, else"
+                        " Dask's share of the machine); every task's planned peak must fit 80%% of it")
+    p.add_argument("--block-rows", type=int, default=None, metavar="N",
+                   help="samples per read block of streamed kinds (ridge); fewer rows, less memory")
     p.add_argument("--in-process", action="store_true", help="no Dask: run the groups here, one by one (debugging)")
     p.add_argument("--dry-run", action="store_true", help="list the probes and which are done; train nothing")
     p.add_argument("--force", action="store_true", help="retrain probes that are already recorded")
@@ -41,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.block_rows is not None and args.block_rows < 1:
+        print(f"error: --block-rows must be >= 1, got {args.block_rows}", file=sys.stderr)
+        return 2
     if args.workers is not None and args.workers < 1:
         print(f"error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
         return 2
@@ -67,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                       f" : {t.kind} ({t.seed})")
             if len(shown) < len(tasks):
                 print(f"... {len(tasks) - len(shown)} more (-v lists all)")
+            _memory_plan(ws, plan, groups, args)
             per = Counter((t.kind, t.target) for t in todo)
             for (kind, target), n in sorted(per.items()):
                 print(f"  to train: {n:6d}  {kind} -> {target}")
@@ -74,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.scheduler and not args.in_process:
             check_scheduler(args.scheduler, args.connect_timeout)
         report = run_plan(plan, args.data, scheduler=args.scheduler, workers=args.workers, in_process=args.in_process,
-                          force=args.force, progress=not args.no_progress)
+                          force=args.force, progress=not args.no_progress, memory_limit=args.memory_limit,
+                          block_rows=args.block_rows)
         keys = {t.key for t in plan_tasks(plan, open_workspace(args.data))}
     except (ProbeError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -148,6 +158,27 @@ def _why(err: BaseException, timeout: float) -> str:
     if isinstance(err, (MemoryError, OverflowError, ValueError, TypeError)) and "scheme" not in str(err):
         return "the service on that port does not speak Dask's protocol"  # it read garbage as a message length
     return f"{type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''}".rstrip(": ")
+
+
+def _memory_plan(ws, plan, groups, args) -> None:
+    """Each Dask task's bytes read and planned peak (manifest reads only; refuses what cannot fit)."""
+    from probes.farm import _Preparer, parse_bytes, plan_work
+
+    limit = parse_bytes(args.memory_limit if args.memory_limit is not None else plan.memory_limit)
+    prep = _Preparer(ws, plan)
+    jobs = [prep.job(g) for g in groups if len(prep.samples(g.run, g.where)[0])]
+    work = plan_work(jobs, args.block_rows or plan.block_rows, None)
+    cap = f"{limit >> 20} MiB" if limit else "Dask's default"
+    print(f"memory plan (worker limit {cap}; a task must fit 80% of it):")
+    print(f"  {'group':18} {'path':9} {'layers':>6} {'rows':>7} {'reads MiB':>10} {'peak MiB':>9}  peak set by")
+    for job, specs, mem in work[: None if args.verbose else 40]:
+        path = "streamed" if specs is not None else "in-memory"
+        print(f"  {job.group:18} {path:9} {len(job.arrays):6d} {len(job.rows):7d} {mem.read_bytes / 2**20:10.1f}"
+              f" {mem.peak_bytes / 2**20:9.1f}  {mem.what}")
+    if work:
+        print(f"  total read {sum(m.read_bytes for _, _, m in work) / 2**20:.1f} MiB;"
+              f" largest peak {max(m.peak_bytes for _, _, m in work) / 2**20:.1f} MiB")
+    plan_work(jobs, args.block_rows or plan.block_rows, limit)
 
 
 def _summary(report, data, keys) -> None:

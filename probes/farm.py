@@ -27,12 +27,13 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from probes import artifacts
+from probes import artifacts, farm_stream
 from probes.errors import ProbeError
 from probes.kinds import get_kind
 from probes.plan import ArrayRow, Group, Plan, ProbeTask, expand, group_tasks
@@ -62,6 +63,10 @@ class FarmReport:
     startup_seconds: float = 0.0
     flops: float = 0.0
     dashboard: str | None = None
+    memory_limit: int | None = None       # bytes per worker the plan was checked against
+    rss_peak: int = 0                     # streamed kinds: the largest worker RSS their tasks measured
+    read_bytes: int = 0                   # streamed kinds: stored feature bytes read
+    worker_peaks: dict[str, int] = field(default_factory=dict)   # streamed on Dask: peak RSS per worker
     failures: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -224,11 +229,13 @@ class _Recorder:
     def __init__(self, ws: Workspace, every: float, size: int, on_record: Callable[[list[ProbeResult]], None] | None):
         self.ws, self.every, self.size, self.on_record = ws, every, size, on_record
         self.buffer: list[ProbeResult] = []
+        self.pending: dict[str, Path] = {}      # probe key -> its weight file, until the row commits
         self.last = time.monotonic()
         self.written = 0
 
-    def add(self, records: list[ProbeResult]) -> None:
+    def add(self, records: list[ProbeResult], pending: dict[str, Path] | None = None) -> None:
         self.buffer.extend(records)
+        self.pending.update(pending or {})
         if len(self.buffer) >= self.size or time.monotonic() - self.last >= self.every:
             self.flush(final=False)
 
@@ -241,6 +248,10 @@ class _Recorder:
             if final:
                 raise
             return  # someone holds the manifest; keep the buffer and try at the next result
+        for r in self.buffer:
+            path = self.pending.pop(str(r.params.get("key")), None)
+            if path is not None:
+                artifacts.publish(path)
         if self.on_record is not None:
             self.on_record(list(self.buffer))
         self.written += len(self.buffer)
@@ -262,18 +273,27 @@ def run_plan(
     window: int | None = None,
     log: Callable[[str], None] | None = None,
     on_record: Callable[[list[ProbeResult]], None] | None = None,
+    memory_limit: str | int | None = None,
+    block_rows: int | None = None,
 ) -> FarmReport:
     """Train every probe of ``plan`` not yet in the workspace's ``probes`` table.
 
     ``scheduler``: a Dask scheduler address (default: $DASK_SCHEDULER_ADDRESS, else a new
     LocalCluster of ``workers`` processes with one thread each). ``in_process`` runs the groups
     here, one after another, without Dask (tests, debugging). ``force`` retrains done probes.
+    ``memory_limit`` (bytes or "384MiB"; default: the plan's) caps each worker; every task's
+    planned peak is checked against it before any training. ``block_rows``: samples per read
+    block of streamed kinds (default: the plan's, else ~32 MiB of features).
     """
     log = log or (lambda s: print(s, file=sys.stderr))
     ws = open_workspace(data)
     report = FarmReport(plan=plan.name, workspace=str(ws.path))
     tasks = plan_tasks(plan, ws)
     report.tasks = len(tasks)
+    published, deleted = artifacts.recover(ws.path, {r[0] for r in ws.rows("SELECT params->>'key' FROM probes")})
+    if published or deleted:
+        log(f"plan {plan.name}: a farm client died before: {published} weight file(s) of recorded probes put in place,"
+            f" {deleted} of unrecorded probes deleted")
     done = set() if force else done_keys(ws, sorted({t.run for t in tasks}))
     todo = [t for t in tasks if t.key not in done]
     report.skipped = len(tasks) - len(todo)
@@ -298,16 +318,24 @@ def run_plan(
     if not jobs:
         log(f"plan {plan.name}: nothing left to train ({report.skipped} done)")
         return report
+    limit = parse_bytes(memory_limit if memory_limit is not None else plan.memory_limit)
+    report.memory_limit = limit
+    work = plan_work(jobs, block_rows or plan.block_rows, limit)  # refuses a plan that cannot fit, before training
     n_todo = sum(len(j.tasks) for j in jobs)
     log(f"plan {plan.name}: {n_todo} probes to train in {len(jobs)} groups ({report.skipped} already done)")
     recorder = _Recorder(ws, flush_every, flush_size, on_record)
     bar = _progress(n_todo, progress)
 
     def take(res: GroupResult) -> None:
-        # The weights first, each whole: a recorded probe always has its file.
-        for key, blob in res.weights.items():
-            artifacts.write(artifacts.artifact_path(ws.path, key), blob)
-        recorder.add(res.records)
+        report.rss_peak = max(report.rss_peak, res.rss_peak)
+        report.read_bytes += res.read_bytes
+        for w, peak in res.worker_peaks.items():
+            report.worker_peaks[w] = max(report.worker_peaks.get(w, 0), peak)
+        # The weights first, each whole, under a pending name; the recorder renames each into
+        # place once its row is committed. A client killed in between leaves only pending files,
+        # which the next run publishes (row committed) or deletes (no row): artifacts.recover.
+        pending = {key: artifacts.write(artifacts.pending_path(ws.path, key), blob) for key, blob in res.weights.items()}
+        recorder.add(res.records, pending)
         report.trained += len(res.records)
         report.flops += res.flops
         report.failed += len(res.failures)
@@ -324,15 +352,15 @@ def run_plan(
         if in_process:
             report.workers = 1
             t0 = time.perf_counter()
-            for job in jobs:
+            for job, specs, _ in work:
                 try:
-                    take(run_group(job))
+                    take(run_group(job) if specs is None else farm_stream.run_local(job, specs))
                 except Exception as err:
                     lost(job, err)
             report.seconds = time.perf_counter() - t0
         else:
-            _run_dask(jobs, report, take, lost, scheduler or os.environ.get(ENV_SCHEDULER) or None, workers, window, log,
-                      plan.plugins)
+            _run_dask(work, report, take, lost, scheduler or os.environ.get(ENV_SCHEDULER) or None, workers, window, log,
+                      plan.plugins, limit)
     finally:
         bar.close()
         recorder.flush()
@@ -349,38 +377,99 @@ def _progress(total: int, enabled: bool) -> Any:
     return tqdm(total=total, unit="probe", disable=not enabled, file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
 
 
-def _run_dask(jobs: list[GroupJob], report: FarmReport, take: Callable[[GroupResult], None],
-              lost: Callable[[GroupJob, BaseException], None], scheduler: str | None, workers: int | None,
-              window: int | None, log: Callable[[str], None], plugins: Sequence[str] = ()) -> None:
+Work = list[tuple[GroupJob, Any, Any]]  # (job, stream specs or None for in-memory kinds, MemoryPlan)
+
+
+def parse_bytes(value: str | int | None) -> int | None:
+    """``384MiB`` / ``2GB`` / an int -> bytes; None stays None."""
+    if value is None or isinstance(value, int):
+        return value
+    from dask.utils import parse_bytes as dask_bytes
+
+    try:
+        return int(dask_bytes(str(value)))
+    except (ValueError, TypeError):
+        raise ProbeError(f"memory limit {value!r} is not a size: write e.g. 384MiB, 2GiB or a number of bytes") from None
+
+
+def split_streaming(job: GroupJob) -> list[GroupJob]:
+    """A group's streamed kinds (ridge) and in-memory kinds become separate jobs."""
+    streamed = [t for t in job.tasks if farm_stream.is_streaming(job.kinds[t.kind])]
+    if not streamed or len(streamed) == len(job.tasks):
+        return [job]
+    rest = [t for t in job.tasks if not farm_stream.is_streaming(job.kinds[t.kind])]
+    return [replace(job, tasks=streamed, group=f"{job.group}s"), replace(job, tasks=rest)]
+
+
+def plan_work(jobs: list[GroupJob], block_rows: int | None, limit: int | None) -> Work:
+    """Each job with its stream specs and planned peak; a ProbeError before training if one cannot fit."""
+    work: Work = []
+    for whole in jobs:
+        for job in split_streaming(whole):
+            if all(farm_stream.is_streaming(job.kinds[t.kind]) for t in job.tasks):
+                specs = farm_stream.build_specs(job, block_rows)
+                mem = farm_stream.plan_stream(specs, job)
+            else:
+                specs, mem = None, farm_stream.plan_in_memory(job)
+            farm_stream.check_fits(mem, limit, job, specs is not None)
+            work.append((job, specs, mem))
+    return work
+
+
+def _start(scheduler: str | None, workers: int | None, n_jobs: int, limit: int | None, report: FarmReport) -> tuple[Any, Any]:
     import logging
 
-    from dask.distributed import Client, LocalCluster, as_completed
+    from dask.distributed import Client, LocalCluster
 
-    started = time.perf_counter()
     cluster = None
     if scheduler:
         client = Client(scheduler, timeout="30s")
-        report.workers = len(client.scheduler_info().get("workers", {}))
-        if report.workers == 0:
+        if not client.scheduler_info().get("workers"):
             client.wait_for_workers(1, timeout=60)
-            report.workers = len(client.scheduler_info().get("workers", {}))
+        info = client.scheduler_info().get("workers", {})
+        report.workers = len(info)
+        limits = [w.get("memory_limit") or 0 for w in info.values()]
+        if limit and limits and min(limits) and min(limits) < limit:
+            client.close()
+            raise ProbeError(f"the cluster's workers have {min(limits) >> 20} MiB of memory limit, the plan was checked"
+                             f" against {limit >> 20} MiB: start them with `dask worker --memory-limit {limit >> 20}MiB`")
     else:
-        n = workers or max(1, min(os.cpu_count() or 1, len(jobs)))
+        n = workers or max(1, min(os.cpu_count() or 1, n_jobs))
         cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0",
-                               silence_logs=logging.ERROR)
+                               silence_logs=logging.ERROR, memory_limit=limit if limit else "auto")
         client = Client(cluster)
         report.workers = n
+    return client, cluster
+
+
+def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None],
+              lost: Callable[[GroupJob, BaseException], None], scheduler: str | None, workers: int | None,
+              window: int | None, log: Callable[[str], None], plugins: Sequence[str] = (),
+              memory_limit: int | None = None) -> None:
+    from dask.distributed import as_completed
+
+    started = time.perf_counter()
+    client, cluster = _start(scheduler, workers, len(work), memory_limit, report)
     report.dashboard = client.dashboard_link
-    client.run(warm_worker, list(plugins))  # imports and first-call costs belong to start-up, not to the probes
+    light = all(specs is not None for _, specs, _ in work)  # streamed only: workers never import torch
+    # Imports and first-call costs belong to start-up, not to the probes. Streamed-only plans warm
+    # through probes.stream: unpickling a function of this module would import torch there.
+    client.run(farm_stream.stream.warm) if light else client.run(warm_worker, list(plugins))
     report.startup_seconds = time.perf_counter() - started
     log(f"dask: {report.workers} worker(s) at {client.scheduler.address}; dashboard {report.dashboard}"
         + ("" if _has_bokeh() else " (pip install bokeh for its plots)"))
     t0 = time.perf_counter()
     try:
+        for job, specs, _ in work:  # streamed groups: one layer's map-reduce at a time, all workers on it
+            if specs is not None:
+                try:
+                    take(farm_stream.run_dask(client, job, specs, max(report.workers, 1), memory_limit))
+                except Exception as err:
+                    lost(job, err)
         # A bounded window keeps only a few groups' labels in the scheduler's memory at a time;
         # three per worker keeps every worker busy while the next one queues.
         limit = window or max(3 * max(report.workers, 1), 4)
-        pending = iter(jobs)
+        pending = iter([job for job, specs, _ in work if specs is None])
         by_key: dict[str, GroupJob] = {}
         ac = as_completed()
 
@@ -419,12 +508,14 @@ def warm_worker(plugins: Sequence[str] = ()) -> bool:
     import torch
     import zarr  # noqa: F401
 
-    import probes.kinds  # noqa: F401
     import store.reader  # noqa: F401
-    from probes.logreg import fit_logistic
-    from probes.worker import tune_malloc
+    from probes.features import tune_malloc
 
     tune_malloc()
+
+    import probes.kinds  # noqa: F401
+    from probes.logreg import fit_logistic
+
     for name in plugins:
         importlib.import_module(name)
 

@@ -121,6 +121,10 @@ class Plan(_Strict):
     name: str = Field("probes", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     plugins: list[str] = []
     layers_per_task: int = Field(1, ge=1, le=1024)
+    # Worker memory (Dask's memory_limit, e.g. "384MiB"; None: Dask's default share of the
+    # machine) and samples per read block of streamed kinds (None: ~32 MiB of float32 per block).
+    memory_limit: str | int | None = None
+    block_rows: int | None = Field(None, ge=1)
     defaults: Defaults = Defaults()
     probes: list[Entry] = Field(min_length=1)
 

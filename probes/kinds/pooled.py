@@ -16,8 +16,9 @@ from pydantic import Field
 
 from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, PerSample, register_kind
-from probes.kinds.linear import LinearParams, LinearProbe, _as_float, _stats, evaluate_batched
+from probes.kinds.linear import LinearParams, LinearProbe, _stats, evaluate_batched
 from probes.logreg import fit_ridge
+from probes.pooling import pool
 from probes.splits import control_permutation
 
 #: A numeric target with more distinct values than this is a quantity (a count of stones), not
@@ -31,30 +32,6 @@ class PooledParams(LinearParams):
         "auto", description=f"auto: a regression when the target's values are numbers that are not whole or take"
                             f" more than {MAX_AUTO_CLASSES} values (a count), else classes")
     alpha: float = Field(1.0, gt=0, description="ridge strength when regressing")
-
-
-def pool(X: Any, how: str) -> np.ndarray:
-    """[n, T, d] or Ragged -> [n, d] float32."""
-    if hasattr(X, "offsets"):  # store.Ragged: variable rows per sample
-        vals, offs = np.asarray(X.values, dtype=np.float32), np.asarray(X.offsets)
-        lengths = np.diff(offs)
-        if (lengths == 0).any():
-            raise ProbeError(f"{int((lengths == 0).sum())} samples have no tokens in this ragged array: select them out with where:")
-        if how == "mean":
-            return _as_float(np.add.reduceat(vals, offs[:-1], axis=0) / lengths[:, None])
-        if how == "max":
-            return _as_float(np.maximum.reduceat(vals, offs[:-1], axis=0))
-        return _as_float(vals[offs[:-1]] if how == "first" else vals[offs[1:] - 1])
-    X = np.asarray(X)
-    if X.ndim == 2:
-        return _as_float(X)
-    if X.ndim != 3:
-        raise ProbeError(f"pooled reads X [n, T, d] or a Ragged array, got shape {X.shape}")
-    if how == "mean":
-        return _as_float(X.mean(1, dtype=np.float32))  # float32 accumulate: fp16 sums overflow
-    if how == "max":
-        return _as_float(X.max(1))
-    return _as_float(X[:, 0] if how == "first" else X[:, -1])
 
 
 def _regress(params: Any, y: np.ndarray | None, numeric: np.ndarray | None) -> bool:

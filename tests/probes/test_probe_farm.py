@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -269,3 +270,42 @@ def test_workers_write_nothing_the_client_writes_each_weight_file(tmp_path):
     run_plan(plan, ws.path, in_process=True, **QUIET)  # the client writes them, then records the rows
     for row in ws.query("SELECT artifact FROM probes").to_pylist():
         assert Probe.load(ws.path / row["artifact"]).name == "linear"
+
+
+def test_killed_client_leaves_no_weight_file_without_a_row(tmp_path):
+    """Issue 16 item 7: weights wait under a pending name until their row commits; a client killed
+    between the two leaves none under a final name, and the next run publishes or deletes them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from probetest_lib import HERE, build_spatial_layers, wait_for
+
+    from probes.farm import open_workspace
+
+    plan = {"name": "orphans", "plugins": ["probetest_slow"],
+            "probes": [{"targets": ["spatial.relation", "truth:flag_0"], "kinds": ["slow_pooled"]}]}
+    build_spatial_layers(tmp_path / "ws", layers=8)
+    script = ("import sys; from probes import parse_plan, run_plan; import yaml;"
+              f"run_plan(parse_plan(yaml.safe_load({yaml.safe_dump(plan)!r})), sys.argv[1], in_process=True,"
+              " progress=False, flush_every=3600, flush_size=10**6)")   # rows only at the end: the kill lands before
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "ws")], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    folder = tmp_path / "ws" / "probes"
+    try:
+        wait_for(lambda: (folder.is_dir() and len(list(folder.iterdir())) >= 2) or proc.poll() is not None, timeout=60,
+                 step=0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    ws = open_workspace(tmp_path / "ws")
+    assert ws.rows("SELECT count(*) FROM probes")[0][0] == 0
+    assert len(list(folder.iterdir())) >= 2, "the kill must land after weights were written"
+    assert list(folder.glob("*.safetensors")) == []              # nothing under a final name without its row
+    resumed = run_plan(parse_plan(plan), tmp_path / "ws", in_process=True, **QUIET)
+    assert resumed.trained == 16
+    files = sorted(p.name for p in folder.iterdir())
+    rows = sorted(Path(r[0]).name for r in ws.rows("SELECT artifact FROM probes"))
+    assert files == rows and len(rows) == 16                      # pending files of the dead client are gone

@@ -1,0 +1,316 @@
+"""The farm's side of streamed statistics kinds (``ridge``): specs, memory plans, the Dask graph.
+
+For each group of streamed probes the client builds one :class:`probes.stream.StreamSpec` per
+parameter set (labels, masks and classes only), plans every task's peak bytes from the array
+shape before anything runs, submits per layer ``map (partitions of whole chunks) -> tree of
+merges -> solve -> map over test rows -> tree of sums``, and turns the solved weights into the
+probes table's records and safetensors files, exactly as for in-memory kinds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from probes import stream
+from probes.errors import ProbeError
+from probes.kinds.base import Job, Outcome, params_json
+from probes.kinds.ridge import RidgeProbe, gcv_pick, one_hot, regresses
+from probes.splits import control_permutation
+from probes.worker import GroupJob, GroupResult, _record, _signature
+
+MiB = 1 << 20
+#: RSS of an idle farm worker that imported numpy, scipy, zarr and the store reader (no torch):
+#: 132 MiB measured on a LocalCluster worker here (python -m bench probes prints it); rounded up.
+WORKER_BASE = 160 * MiB
+#: The same with torch and every kind imported (in-memory kinds): 322 MiB measured; rounded up.
+WORKER_BASE_TORCH = 340 * MiB
+#: Dask pauses a worker at 80 % of its limit; a plan must fit below that.
+FIT_FRACTION = 0.8
+#: Default block: this many bytes of float32 features per read.
+BLOCK_BYTES = 32 * MiB
+
+
+@dataclass
+class SpecGroup:
+    spec: stream.StreamSpec
+    sigs: list[tuple[Any, ...]]             # task signatures, one per Job (all layers share it)
+    jobs: list[Job]
+
+
+def is_streaming(kind_cls: type) -> bool:
+    return bool(getattr(kind_cls, "streaming", False))
+
+
+def default_block_rows(info: Any, precision: str, block_bytes: int = BLOCK_BYTES) -> int:
+    per = info.values_per_row * (np.dtype(info.stored_dtype).itemsize + 4 + np.dtype(precision).itemsize)
+    return int(max(1, min(info.chunk_samples, block_bytes // max(per, 1))))
+
+
+def build_specs(job: GroupJob, block_rows: int | None = None) -> list[SpecGroup]:
+    """One StreamSpec per parameter set of the group's streamed tasks."""
+    wanted: dict[tuple[Any, ...], Any] = {}
+    for t in job.tasks:
+        wanted.setdefault(_signature(t), t)
+    by_params: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+    for sig, t in wanted.items():
+        by_params[params_json(t.params)].append(sig)
+    out = []
+    for sigs in by_params.values():
+        first = [wanted[s] for s in sigs]
+        jobs = [Job(key=t.key, target=job.targets[t.target], fold=job.folds[t.fold_id], params=t.params,
+                    control=t.control == "shuffle", grid=job.grid) for t in first]
+        params = RidgeProbe.check_params(jobs[0].params)
+        levels = {"token" if j.target.shape == "token" else "sample" for j in jobs}
+        for level in sorted(levels):  # token and sample targets read different units: two specs
+            idx = [i for i, j in enumerate(jobs) if ("token" if j.target.shape == "token" else "sample") == level]
+            spec = _spec(job, [jobs[i] for i in idx], params, level, block_rows)
+            out.append(SpecGroup(spec, [sigs[i] for i in idx], [jobs[i] for i in idx]))
+    return out
+
+
+def _spec(job: GroupJob, jobs: list[Job], params: Any, level: str, block_rows: int | None) -> stream.StreamSpec:
+    n = len(job.rows)
+    designs: dict[tuple[bytes, bytes], dict[str, Any]] = {}
+    for j, jb in enumerate(jobs):
+        regress = regresses(params, jb.target)
+        fold = jb.fold
+        variants = [(False, jb.target)]
+        if jb.control:
+            variants.append((True, jb.target.permuted(control_permutation(n, fold.seed))))
+        for is_control, tv in variants:
+            if regress:
+                y = np.asarray(tv.as_numeric() if tv.shape == "sample" else tv.values, dtype=np.float64)
+                y = y.reshape(n, -1)
+                labelled = ~np.isnan(y)
+            else:
+                y = np.asarray(tv.values).reshape(n, -1).astype(np.int64)
+                labelled = y >= 0
+            train, test = fold.train[:, None] & labelled, fold.test[:, None] & labelled
+            d = designs.setdefault((train.tobytes(), test.tobytes()), {"train": train, "test": test, "cols": [], "codes": [],
+                                                                       "variants": []})
+            start = sum(c.shape[-1] for c in d["cols"])
+            if regress:
+                cols, classes, codes = np.nan_to_num(y)[..., None], None, np.full(y.shape, -1, np.int64)
+            else:
+                classes = np.unique(y[train]).astype(np.int64)
+                cols, codes = one_hot(y, classes if len(classes) else np.zeros(1, np.int64)), y
+            d["cols"].append(cols)
+            d["codes"].append(codes)
+            d["variants"].append(stream.Variant(j, is_control, start, start + cols.shape[-1], classes))
+    solves = [stream.Solve(d["train"], d["test"], np.concatenate(d["cols"], -1), np.stack(d["codes"], -1), d["variants"])
+              for d in designs.values()]
+    info = job.arrays[0]
+    rows = block_rows or default_block_rows(info, params.precision)
+    return stream.StreamSpec(job.root, job.rows, level, params.pool, tuple(params.alphas), params.standardize,
+                             params.precision, int(rows), solves, job.dense_tokens)
+
+
+# ----------------------------------------------------------------------------- memory plan
+
+
+@dataclass
+class MemoryPlan:
+    read_bytes: int          # feature bytes one run of the group reads (all layers)
+    peak_bytes: int          # the largest task's planned peak, worker base included
+    what: str                # which task sets the peak
+
+
+def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
+    """Each streamed task's peak from shapes alone: Gram matrices, one block, the solve's factor."""
+    info = job.arrays[0]
+    vpr = info.values_per_row
+    item = np.dtype(info.stored_dtype).itemsize
+    peaks: list[tuple[int, str]] = []
+    read = 0
+    for g in specs:
+        sp = g.spec
+        d = info.item_shape[-1]
+        p = np.dtype(sp.precision).itemsize
+        A = len(sp.alphas)
+        gram = sum(d * d * p + d * s.Y.shape[-1] * 8 for s in sp.solves)
+        cols = sum(s.Y.shape[-1] for s in sp.solves)
+        block = sp.block_rows * vpr * (item + 4 + p)
+        peaks += [(2 * gram + block, f"map (2 x {gram / MiB:.0f} MiB of XᵀX, block of {sp.block_rows} rows)"),
+                  (2 * gram, "merge (2 x XᵀX)"),
+                  (gram + d * d * p + 2 * d * cols * A * 8, "solve (XᵀX + one Cholesky factor)"),
+                  (sp.block_rows * vpr * (item + 4 + 8) + 2 * d * cols * A * 8, "score (a block of test rows)")]
+        read += len(job.arrays) * _rows_bytes(info, len(sp.rows))
+    peak, what = max(peaks)
+    return MemoryPlan(read, WORKER_BASE + peak, what)
+
+
+def plan_in_memory(job: GroupJob) -> MemoryPlan:
+    """In-memory kinds read every selected row of the group's layers as float32, then copy them
+    (stacking, train/test split, standardising): about 3x."""
+    info = job.arrays[0]
+    feats = len(job.arrays) * len(job.rows) * info.values_per_row * 4
+    return MemoryPlan(len(job.arrays) * _rows_bytes(info, len(job.rows)), WORKER_BASE_TORCH + 3 * feats,
+                      f"in-memory features ({feats / MiB:.0f} MiB float32)")
+
+
+def _rows_bytes(info: Any, n: int) -> int:
+    if info.layout == "dense":
+        return n * info.values_per_row * np.dtype(info.stored_dtype).itemsize
+    return int(info.bytes * n / max(info.n_samples, 1))
+
+
+def check_fits(plan: MemoryPlan, limit: int | None, job: GroupJob, streamed: bool) -> None:
+    """A ProbeError naming the setting that fixes a plan whose task cannot fit the worker limit."""
+    if limit is None or plan.peak_bytes <= FIT_FRACTION * limit:
+        return
+    need = plan.peak_bytes / FIT_FRACTION / MiB
+    fix = ("set --block-rows lower (plan key block_rows), kind ridge's precision: float32 (halves XᵀX),"
+           if streamed else "use kind ridge (streams chunk by chunk), select fewer rows (where:) or layers_per_task: 1,")
+    raise ProbeError(
+        f"group {job.group} ({job.arrays[0].key()}, {len(job.arrays)} layer(s)) needs {plan.peak_bytes / MiB:.0f} MiB per"
+        f" worker at its peak ({plan.what}), over {FIT_FRACTION:.0%} of the {limit / MiB:.0f} MiB worker memory limit:"
+        f" {fix} or raise --memory-limit to at least {need:.0f}MiB"
+    )
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def fit_layer(call: Callable[..., Any], spec: Any, info: Any, parts: int, rows: np.ndarray) -> Any:
+    """map (partitions of whole chunks) -> tree of merges -> solve. ``call(fn, *args)`` runs a
+    task here, or submits it to Dask and returns its future."""
+    cuts = stream.partitions(rows, info.chunk_samples, parts)
+    maps = [call(stream.accumulate, spec, info, lo, hi) for lo, hi in cuts]
+    return call(stream.solve, spec, stream.tree_reduce(maps, lambda a, b: call(stream.merge, a, b)))
+
+
+def score_layer(call: Callable[..., Any], spec: Any, info: Any, parts: int, sol: Any, rows: np.ndarray) -> Any:
+    """map over the test rows -> tree of sums."""
+    cuts = stream.partitions(rows, info.chunk_samples, parts)
+    tested = [call(stream.score, spec, info, lo, hi, sol) for lo, hi in cuts]
+    return stream.tree_reduce(tested, lambda a, b: call(stream.add_scores, a, b))
+
+
+def run_local(job: GroupJob, specs: list[SpecGroup]) -> GroupResult:
+    t0 = time.perf_counter()
+    sols, scores = [], []
+    for g in specs:
+        for info in job.arrays:
+            # Two partitions: the in-process path runs the same merges as the cluster does.
+            sols.append(fit_layer(lambda fn, *a: fn(*a), g.spec, info, 2, job.rows))
+            scores.append(score_layer(lambda fn, *a: fn(*a), g.spec, info, 2, sols[-1], job.rows))
+    return finish(job, specs, sols, scores, time.perf_counter() - t0)
+
+
+def layers_in_flight(specs: list[SpecGroup], job: GroupJob, limit: int | None) -> int:
+    """How many layers' statistics may be in flight at once: one when a layer's Gram matrices are
+    large (then a worker holds at most what plan_stream planned), more when they are small (the
+    latency of one solve per layer then no longer idles the workers)."""
+    d = job.arrays[0].item_shape[-1]
+    held = sum(2 * len(g.spec.solves) * d * d * np.dtype(g.spec.precision).itemsize for g in specs) or 1
+    room = (FIT_FRACTION * limit - WORKER_BASE) if limit else 256 * MiB
+    return int(max(1, min(8, room // held)))
+
+
+def run_dask(client: Any, job: GroupJob, specs: list[SpecGroup], parts: int, limit: int | None = None) -> GroupResult:
+    """Each layer: maps on every worker, merges, one solve, then the score maps; a bounded number
+    of layers in flight (:func:`layers_in_flight`). Specs travel to the workers once (scatter)."""
+    from dask.distributed import wait
+
+    t0 = time.perf_counter()
+
+    def call(fn: Callable[..., Any], *args: Any) -> Any:
+        return client.submit(fn, *args, pure=False, retries=1)
+
+    scattered = [client.scatter(g.spec, hash=False) for g in specs]
+    todo = [(scattered[i], info) for i in range(len(specs)) for info in job.arrays]
+    k = layers_in_flight(specs, job, limit)
+    sols: list[Any] = [None] * len(todo)
+    scores: list[Any] = [None] * len(todo)
+    for i, (spec, info) in enumerate(todo[:k]):
+        sols[i] = fit_layer(call, spec, info, parts, job.rows)
+    for i, (spec, info) in enumerate(todo):
+        wait([sols[i]])
+        if i + k < len(todo):
+            nspec, ninfo = todo[i + k]
+            sols[i + k] = fit_layer(call, nspec, ninfo, parts, job.rows)
+        scores[i] = score_layer(call, spec, info, parts, sols[i], job.rows)
+    got_sols, got_scores = client.gather(sols), client.gather(scores)
+    result = finish(job, specs, got_sols, got_scores, time.perf_counter() - t0, worker=f"dask:{parts}")
+    result.worker_peaks = client.run(stream._rss)   # each worker's high-water RSS so far
+    return result
+
+
+def finish(job: GroupJob, specs: list[SpecGroup], sols: list[stream.Solution], scores: list[stream.Scores],
+           seconds: float, worker: str = "stream") -> GroupResult:
+    """Records and weights of every probe, from the solved layers (client side)."""
+    import os
+    import socket
+
+    result = GroupResult(group=job.group, worker=worker or f"{socket.gethostname()}:{os.getpid()}", started_at=time.time())
+    result.rss_peak = max([x.rss_peak for x in [*sols, *scores]] + [0])
+    result.read_bytes = sum(x.read_bytes for x in scores) + sum(x.read_bytes for x in sols)
+    wanted: dict[tuple[Any, ...], dict[int, Any]] = defaultdict(dict)
+    for t in job.tasks:
+        wanted[_signature(t)][t.layer] = t
+    k = 0
+    n_probes = max(len(job.tasks), 1)
+    for g in specs:
+        for info in job.arrays:
+            sol, sc = sols[k], scores[k]
+            k += 1
+            flops = (sol.flops + sc.flops) / max(len(g.jobs), 1)
+            for j, sig in enumerate(g.sigs):
+                task = wanted[sig].get(info.layer)
+                if task is None:
+                    continue
+                try:
+                    out = _outcome(g, j, sol, sc, flops)
+                    result.records.append(_record(job, task, out, seconds / n_probes, result.worker, result.weights))
+                    result.flops += out.flops
+                except (ProbeError, ValueError) as err:
+                    result.failures.append((task.key, f"{type(err).__name__}: {err}"))
+    result.seconds = seconds
+    return result
+
+
+def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flops: float) -> Outcome:
+    sp, job = g.spec, g.jobs[j]
+    found: dict[bool, tuple[int, int]] = {}
+    for s, solve in enumerate(sp.solves):
+        for v, var in enumerate(solve.variants):
+            if var.job == j:
+                found[var.control] = (s, v)
+    s, v = found[False]
+    var = sp.solves[s].variants[v]
+    if sol.W[s] is None:
+        raise ProbeError(f"ridge on {job.target.name}: fewer than 2 labelled training rows; select more rows")
+    pick = gcv_pick(sol.gcv[s][var.start : var.stop])
+    by_alpha = _test_scores(sc, s, v, var)
+    ctrl = None
+    if True in found:
+        cs, cv = found[True]
+        cvar = sp.solves[cs].variants[cv]
+        if sol.W[cs] is not None:
+            ctrl = float(_test_scores(sc, cs, cv, cvar)[gcv_pick(sol.gcv[cs][cvar.start : cvar.stop])])
+    probe = RidgeProbe.build(job, job.fold.seed)
+    W, b = sol.W[s][:, var.start : var.stop, pick], sol.b[s][var.start : var.stop, pick]
+    regress = var.classes is None
+    probe.state_ = {"coef": np.ascontiguousarray(W.T), "intercept": np.ascontiguousarray(b),
+                    "classes": np.zeros(0, np.int64) if regress else var.classes}
+    probe.meta_ = {"task": "regress" if regress else "classify", "alpha": sp.alphas[pick]}
+    metrics = {"alpha": sp.alphas[pick], "alphas": list(sp.alphas), "by_alpha": [float(x) for x in by_alpha],
+               "task": probe.meta_["task"], "n_train_rows": int(sol.n_train[s]), "n_test_rows": int(sc.count[s][v]),
+               "streamed": True}
+    return Outcome("r2" if regress else "accuracy", float(by_alpha[pick]), ctrl,
+                   int((job.target.labelled() & job.fold.train).sum()), int((job.target.labelled() & job.fold.test).sum()),
+                   metrics, probe, flops)
+
+
+def _test_scores(sc: stream.Scores, s: int, v: int, var: stream.Variant) -> np.ndarray:
+    if var.classes is not None:
+        return sc.hits[s][v] / sc.count[s][v] if sc.count[s][v] else np.full(sc.hits[s].shape[1], np.nan)
+    n = sc.count[s][v]
+    ss = sc.syy[s][v] - sc.sy[s][v] ** 2 / n if n else 0.0
+    return 1.0 - sc.sse[s][v] / ss if ss > 0 else np.full(sc.sse[s].shape[1], np.nan)

@@ -1,0 +1,162 @@
+"""``ridge``: closed-form ridge regression / classification, trained from streamed statistics.
+
+Classification follows scikit-learn's ``RidgeClassifier``: one column per class, +1 for the
+sample's class and -1 elsewhere, least squares with ``alpha * ||w||²`` (intercept unpenalised,
+``fit_intercept=True``), prediction = the arg-max column. Regression is ``Ridge(alpha)`` on the
+target's numbers, scored by R². Sample targets read one vector per sample (``pool``); token
+targets read every token as a row, with the split still by sample.
+
+In the farm the kind never holds a layer in memory: probes/stream.py accumulates XᵀX, XᵀY and
+sums chunk by chunk in a Dask map-reduce and solves every target, every shuffled-label control
+and every alpha of the layer from that one pass. With several ``alphas`` each probe takes the
+one with the lowest generalised cross-validation error on its *training* rows (GCV, from the
+eigenvalues of the same XᵀX); every alpha's test score is kept in the probe's metrics.
+``fit``/``predict``/``score`` here are the plain in-memory solver (an eigendecomposition of the
+centred XᵀX), the reference the streamed result is tested against.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field, field_validator
+
+from probes.errors import ProbeError
+from probes.kinds.base import Job, Outcome, Probe, ProbeParams, register_kind
+from probes.pooling import pool
+
+
+class RidgeParams(ProbeParams):
+    alphas: list[float] = Field([1.0], min_length=1, max_length=64,
+                                description="L2 strengths (scikit-learn's alpha); GCV on the training rows picks one")
+    pool: Literal["mean", "max", "first", "last"] = Field("mean", description="sample targets: how tokens become one vector")
+    task: Literal["auto", "classify", "regress"] = Field(
+        "auto", description="auto: classes unless the target's values are non-integer numbers")
+    standardize: bool = Field(False, description="z-score features with the training rows' statistics first")
+    precision: Literal["float64", "float32"] = Field(
+        "float64", description="XᵀX accumulation and solve; float32 halves memory and doubles GEMM speed")
+
+    @field_validator("alphas")
+    @classmethod
+    def _positive(cls, v: list[float]) -> list[float]:
+        if any(not a > 0 for a in v):
+            raise ValueError("every alpha must be > 0")
+        return v
+
+
+def regresses(params: Any, target: Any) -> bool:
+    """Whether a job's target is regressed (numbers) rather than classified."""
+    if params.task != "auto":
+        return params.task == "regress"
+    if target.classes is None:
+        return True
+    if target.shape != "sample" or target.numeric is None:
+        return False
+    v = np.asarray(target.numeric, dtype=np.float64)
+    v = v[~np.isnan(v)]
+    return bool(len(v) and not np.all(v == np.round(v)))
+
+
+def one_hot(codes: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    """±1 columns per class (RidgeClassifier's coding); rows of unknown codes are all -1."""
+    return np.where(codes[..., None] == classes, 1.0, -1.0)
+
+
+def gcv_pick(gcv: np.ndarray) -> int:
+    """Index of the alpha a probe keeps: least GCV summed over its columns (the first when tied)."""
+    total = np.nansum(gcv, axis=0) if gcv.ndim == 2 else gcv
+    return int(np.argmin(total)) if np.isfinite(total).any() else 0
+
+
+@register_kind("ridge")
+class RidgeProbe(Probe):
+    """X ``[n, T, d]`` (or Ragged for sample targets); y ``[n]`` or ``[n, T]`` codes or numbers."""
+
+    Params = RidgeParams
+    accepts = ("token", "sample")
+    accepts_ragged = True
+    streaming = True
+
+    def units(self, X: Any, y: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(rows [m, d] float64, labels [m]) of the labelled units of X."""
+        y = np.asarray(y)
+        if y.ndim == 2:
+            X = np.asarray(X)
+            if X.ndim != 3 or X.shape[:2] != y.shape:
+                raise ProbeError(f"ridge on a token target needs X [n, T, d] matching y {y.shape}, got {getattr(X, 'shape', '?')}")
+            F, y = X.reshape(-1, X.shape[-1]), y.reshape(-1)
+        else:
+            F = pool(X, self.params.pool)
+        ok = ~np.isnan(y) if y.dtype.kind == "f" else y >= 0
+        return np.asarray(F[ok], dtype=np.float64), y[ok]
+
+    def _regress(self, y: np.ndarray) -> bool:
+        if self.params.task != "auto":
+            return self.params.task == "regress"
+        return y.dtype.kind == "f" and not np.all(y[~np.isnan(y)] == np.round(y[~np.isnan(y)]))
+
+    def fit(self, X: Any, y: Any) -> RidgeProbe:
+        F, labels = self.units(X, y)
+        if len(F) < 2:
+            raise ProbeError(f"ridge needs at least 2 labelled training rows, got {len(F)}")
+        regress = self._regress(np.asarray(y))
+        classes = np.zeros(0, np.int64) if regress else np.unique(labels).astype(np.int64)
+        Y = labels.astype(np.float64)[:, None] if regress else one_hot(labels.astype(np.int64), classes)
+        W, b, gcv, alpha = closed_form(F, Y, self.params.alphas, self.params.standardize)
+        self.state_ = {"coef": W.T.copy(), "intercept": b, "classes": classes}
+        self.meta_ = {"task": "regress" if regress else "classify", "alpha": alpha, "gcv": gcv.tolist()}
+        return self
+
+    def decision(self, X: Any, y_shape: tuple[int, ...] | None = None) -> np.ndarray:
+        if not self.state_:
+            raise ProbeError("this ridge probe is not fitted: call fit(X, y) or Probe.load(path) first")
+        if y_shape is not None and len(y_shape) == 2:
+            F = np.asarray(X, dtype=np.float64).reshape(-1, np.asarray(X).shape[-1])
+        else:
+            F = pool(X, self.params.pool).astype(np.float64)
+        return F @ self.state_["coef"].T + self.state_["intercept"]
+
+    def predict(self, X: Any, token_level: bool = False) -> np.ndarray:
+        z = self.decision(X, (0, 0) if token_level else None)
+        if self.meta_.get("task") == "regress":
+            return z[:, 0]
+        return self.state_["classes"][z.argmax(1)]
+
+    def score(self, X: Any, y: Any) -> float:
+        y = np.asarray(y)
+        pred = self.predict(X, token_level=y.ndim == 2)
+        flat = y.reshape(-1)
+        if self.meta_.get("task") == "regress":
+            ok = ~np.isnan(flat)
+            from probes.kinds.pooled import r2
+
+            return r2(flat[ok].astype(np.float64), pred[ok])
+        ok = flat >= 0
+        return float((pred[ok] == flat[ok]).mean()) if ok.any() else float("nan")
+
+    @classmethod
+    def evaluate(cls, Xs: list[Any], jobs: list[Job]) -> list[list[Outcome]]:
+        raise ProbeError("kind ridge trains from streamed statistics; the farm runs it through probes/stream.py")
+
+
+def closed_form(F: np.ndarray, Y: np.ndarray, alphas: list[float], standardize: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Ridge in memory: (W [d, c], b [c], GCV [A], chosen alpha), every alpha from one eigh."""
+    mx, my = F.mean(0), Y.mean(0)
+    Xc, Yc = F - mx, Y - my
+    scale = Xc.std(0) if standardize else np.ones(F.shape[1])
+    scale[scale < 1e-8] = 1.0
+    Xc = Xc / scale
+    lam, V = np.linalg.eigh(Xc.T @ Xc)
+    Q = V.T @ (Xc.T @ Yc)                                     # [d, c]
+    n = len(F)
+    ws, gcv = [], []
+    for alpha in alphas:
+        w = V @ (Q / (lam + alpha)[:, None])
+        rss = ((Yc - Xc @ w) ** 2).sum(0)
+        df = float((lam / (lam + alpha)).sum())
+        gcv.append(float((n * rss / max(n - df - 1, 1e-12) ** 2).sum()))
+        ws.append(w)
+    pick = 0 if len(alphas) == 1 else int(np.argmin(gcv))
+    W = ws[pick] / scale[:, None]
+    return W, my - mx @ W, np.array(gcv), float(alphas[pick])

@@ -1,0 +1,402 @@
+"""Statistics probes streamed over the store's chunks: one read of a layer's bytes trains every
+closed-form probe of it (all targets, their shuffled-label controls, every ridge strength).
+
+A layer's selected rows are cut into partitions of whole chunks; each partition is one Dask
+task that reads its rows block by block (``block_rows`` samples at a time, never the whole
+layer) and accumulates, per training design (:class:`Solve`), the sufficient statistics of
+ridge regression: the row count, the feature means, the upper triangle of the centred Gram
+matrix XᵀX, XᵀY and the target sums. Partitions merge pairwise (a tree; Chan's parallel
+update keeps the centred sums exact), one task solves every column and alpha with one
+Cholesky factor per alpha, and a second map over the *test* rows scores them (train and test
+samples are disjoint, so each selected byte is read once per design). Workers import numpy,
+scipy and the store reader only (never torch), so their resident memory stays small and plannable.
+
+Everything here is plain numpy/scipy on one BLAS thread; the client builds the :class:`StreamSpec`
+(labels, masks, classes: small) and turns the solved weights into probe records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any, Literal
+
+import numpy as np
+
+from store.location import ArrayRoot
+from store.records import ArrayInfo
+
+
+@dataclass
+class Variant:
+    """One probe's label columns inside a Solve: Y[..., start:stop]."""
+
+    job: int
+    control: bool
+    start: int
+    stop: int
+    classes: np.ndarray | None   # class codes of the columns (classification), None: regression
+
+
+@dataclass
+class Solve:
+    """Label columns that share their training and test units (a fold, a labelled mask)."""
+
+    train: np.ndarray            # bool [n, R]: units fitted (R = tokens per sample, or 1 when pooled)
+    test: np.ndarray             # bool [n, R]
+    Y: np.ndarray                # float64 [n, R, c]: ±1 one-hot columns or numbers
+    codes: np.ndarray            # int64 [n, R, V]: each variant's true class code (-1: regression)
+    variants: list[Variant] = field(default_factory=list)
+
+
+@dataclass
+class StreamSpec:
+    """What every map task of one group needs (paths, rows, masks, labels; never features)."""
+
+    root: ArrayRoot
+    rows: np.ndarray             # array rows of the selection, ascending
+    level: Literal["token", "sample"]
+    pool: str
+    alphas: tuple[float, ...]
+    standardize: bool
+    precision: Literal["float64", "float32"]
+    block_rows: int
+    solves: list[Solve]
+    dense_tokens: int | None = None
+
+
+@dataclass
+class Stats:
+    """Centred sufficient statistics of one Solve (``xx``: upper triangle valid, Fortran order)."""
+
+    n: float
+    mx: np.ndarray               # float64 [d]
+    my: np.ndarray               # float64 [c]
+    xx: np.ndarray               # [d, d] precision dtype
+    xy: np.ndarray               # float64 [d, c]
+    yy: np.ndarray               # float64 [c]
+
+
+@dataclass
+class Part:
+    """A map task's output: Stats per Solve, plus what it cost."""
+
+    stats: list[Stats | None]
+    flops: float = 0.0
+    read_bytes: int = 0
+    seconds: float = 0.0
+    rss_peak: int = 0
+
+
+def partitions(rows: np.ndarray, chunk_samples: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) positions into ``rows`` cut at chunk boundaries into about ``parts`` pieces."""
+    if len(rows) == 0:
+        return []
+    ks = rows // chunk_samples
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(ks)) + 1])
+    per = max(1, -(-len(starts) // max(parts, 1)))
+    cuts = list(starts[::per]) + [len(rows)]
+    return [(int(a), int(b)) for a, b in pairwise(cuts)]
+
+
+def _positions(spec: StreamSpec, lo: int, hi: int, side: str) -> np.ndarray:
+    """Positions in [lo, hi) holding a unit on ``side`` ("train" / "test") of any Solve."""
+    keep = np.zeros(hi - lo, bool)
+    for s in spec.solves:
+        keep |= getattr(s, side)[lo:hi].any(1)
+    return lo + np.flatnonzero(keep)
+
+
+def read_block(spec: StreamSpec, info: ArrayInfo, rows: np.ndarray) -> tuple[np.ndarray, int]:
+    """(units of ``rows`` as float32 [m, R, d], stored bytes read): every token (token level) or
+    one pooled vector per sample."""
+    from probes.features import read_features
+    from probes.pooling import pool
+
+    X = read_features(spec.root, info, rows, spec.dense_tokens)
+    values = X.values if hasattr(X, "offsets") else X
+    nbytes = int(np.asarray(values).size * np.dtype(info.stored_dtype).itemsize)
+    if spec.level == "token":
+        X = np.asarray(X)
+        return (X if X.ndim == 3 else X[:, None, :]), nbytes
+    return pool(X, spec.pool)[:, None, :], nbytes
+
+
+def _blas(precision: str) -> Any:
+    from scipy.linalg import blas
+
+    return (blas.dsyrk, blas.dsyr) if precision == "float64" else (blas.ssyrk, blas.ssyr)
+
+
+def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
+    """Map task: the statistics of selection positions [lo, hi), read ``block_rows`` at a time."""
+    import time
+
+    from threadpoolctl import threadpool_limits
+
+    t0 = time.perf_counter()
+    dtype = np.dtype(spec.precision)
+    syrk, syr = _blas(spec.precision)
+    raw: list[dict[str, Any] | None] = [None] * len(spec.solves)
+    part = Part([None] * len(spec.solves))
+    pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
+    with threadpool_limits(1):
+        for a in range(0, len(pos), spec.block_rows):
+            idx = pos[a : a + spec.block_rows]
+            U, nbytes = read_block(spec, info, spec.rows[idx])
+            part.read_bytes += nbytes
+            d = U.shape[-1]
+            for s, solve in enumerate(spec.solves):
+                mask = solve.train[idx]
+                if not mask.any():
+                    continue
+                X = U[mask]
+                Y = solve.Y[idx][mask]
+                acc = raw[s]
+                if acc is None:  # shift by the first block's mean: the sums stay well conditioned
+                    acc = raw[s] = {"n": 0.0, "k": X.mean(0, dtype=np.float64), "sx": np.zeros(d), "sy": np.zeros(Y.shape[1]),
+                                    "xx": np.zeros((d, d), dtype, order="F"), "xy": np.zeros((d, Y.shape[1])),
+                                    "yy": np.zeros(Y.shape[1])}
+                Xk = X.astype(dtype, copy=False)
+                Xk -= acc["k"].astype(dtype)
+                syrk(1.0, Xk.T, beta=1.0, c=acc["xx"], trans=0, lower=0, overwrite_c=1)
+                acc["n"] += len(Xk)
+                acc["sx"] += Xk.sum(0, dtype=np.float64)
+                acc["sy"] += Y.sum(0)
+                acc["xy"] += Xk.T @ Y.astype(dtype)
+                acc["yy"] += (Y * Y).sum(0)
+                part.flops += float(len(Xk)) * d * (d + 1) + 2.0 * len(Xk) * d * Y.shape[1]
+        for s, acc in enumerate(raw):
+            if acc is not None:
+                part.stats[s] = _centre(acc, syr)
+    part.seconds = time.perf_counter() - t0
+    part.rss_peak = _rss()
+    return part
+
+
+def _centre(acc: dict[str, Any], syr: Callable[..., Any]) -> Stats:
+    n = acc["n"]
+    mean_k = acc["sx"] / n
+    xx = acc["xx"]
+    syr(-n, mean_k.astype(xx.dtype), a=xx, lower=0, overwrite_a=1)   # Σ(x-k)(x-k)ᵀ - n m mᵀ
+    my = acc["sy"] / n
+    xy = acc["xy"] - n * np.outer(mean_k, my)
+    yy = acc["yy"] - n * my * my
+    return Stats(n, acc["k"] + mean_k, my, xx, xy, yy)
+
+
+def merge(a: Part, b: Part) -> Part:
+    """Reduce task: b folded into a (in place; Chan et al.'s update of centred sums)."""
+    for s, (x, y) in enumerate(zip(a.stats, b.stats)):
+        if y is None:
+            continue
+        if x is None:
+            a.stats[s] = y
+            continue
+        n = x.n + y.n
+        dx, dy = y.mx - x.mx, y.my - x.my
+        f = x.n * y.n / n
+        x.xx += y.xx
+        _blas(x.xx.dtype.name)[1](f, dx.astype(x.xx.dtype), a=x.xx, lower=0, overwrite_a=1)
+        x.xy += y.xy + f * np.outer(dx, dy)
+        x.yy += y.yy + f * dy * dy
+        x.mx += dx * (y.n / n)
+        x.my += dy * (y.n / n)
+        x.n = n
+    a.flops += b.flops
+    a.read_bytes += b.read_bytes
+    a.seconds += b.seconds
+    a.rss_peak = max(a.rss_peak, b.rss_peak, _rss())
+    return a
+
+
+def tree_reduce(items: list[Any], combine: Callable[[Any, Any], Any]) -> Any:
+    """Pairwise reduction (depth log2 n); ``combine`` may be a Dask submit."""
+    while len(items) > 1:
+        nxt = [combine(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
+        if len(items) % 2:
+            nxt.append(items[-1])
+        items = nxt
+    return items[0]
+
+
+@dataclass
+class Solution:
+    """Weights in original feature units per Solve: W [d, c, A], b [c, A]; the GCV per alpha."""
+
+    W: list[np.ndarray | None]
+    b: list[np.ndarray | None]
+    gcv: list[np.ndarray | None]          # [c, A]
+    n_train: list[float]
+    flops: float = 0.0
+    rss_peak: int = 0
+    read_bytes: int = 0
+
+
+def solve(spec: StreamSpec, part: Part) -> Solution:
+    """One Cholesky factor per alpha per Solve solves every column; GCV picks alphas later."""
+    from threadpoolctl import threadpool_limits
+
+    out = Solution([], [], [], [], part.flops, read_bytes=part.read_bytes)
+    with threadpool_limits(1):
+        for st in part.stats:
+            if st is None or st.n < 2:
+                out.W.append(None), out.b.append(None), out.gcv.append(None), out.n_train.append(0 if st is None else st.n)
+                continue
+            W, b, gcv, flops = solve_stats(st, spec.alphas, spec.standardize)
+            out.W.append(W), out.b.append(b), out.gcv.append(gcv), out.n_train.append(st.n)
+            out.flops += flops
+    out.rss_peak = max(part.rss_peak, _rss())
+    return out
+
+
+def solve_stats(st: Stats, alphas: tuple[float, ...], standardize: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """(W [d, c, A], b [c, A], GCV [c, A], flops) of ridge on centred statistics (sklearn's
+    objective: ‖y - Xw - b‖² + α‖w‖², intercept unpenalised)."""
+    from scipy.linalg import eigh, lapack
+
+    C = st.xx                                  # overwritten: the task owns it
+    d, c = C.shape[0], st.xy.shape[1]
+    scale = np.sqrt(np.maximum(np.diag(C).astype(np.float64), 0) / st.n) if standardize else np.ones(d)
+    scale[scale < 1e-8] = 1.0
+    if standardize:
+        inv = (1.0 / scale).astype(C.dtype)
+        C *= inv[:, None]
+        C *= inv[None, :]
+    xy = (st.xy / scale[:, None]).astype(C.dtype)
+    work = np.empty_like(C, order="F")
+    potrf, potrs = (lapack.dpotrf, lapack.dpotrs) if C.dtype == np.float64 else (lapack.spotrf, lapack.spotrs)
+    eig = None
+    if len(alphas) > 1:
+        np.copyto(work, C)
+        eig = eigh(work, eigvals_only=True, lower=False, overwrite_a=True, check_finite=False).astype(np.float64)
+    W = np.empty((d, c, len(alphas)))
+    gcv = np.full((c, len(alphas)), np.nan)
+    for i, alpha in enumerate(alphas):
+        np.copyto(work, C)
+        work.flat[:: d + 1] += alpha
+        factor, info = potrf(work, lower=0, overwrite_a=1, clean=0)
+        if info != 0:
+            raise ValueError(f"ridge: X'X + {alpha} I is not positive definite (LAPACK info {info}); raise alpha")
+        w, info = potrs(factor, xy, lower=0)
+        w = np.asarray(w, dtype=np.float64)
+        W[:, :, i] = w / scale[:, None]
+        if eig is not None:
+            rss = st.yy - (w * xy).sum(0) - alpha * (w * w).sum(0)
+            df = float((eig / (eig + alpha)).sum())
+            gcv[:, i] = st.n * np.maximum(rss, 0) / max(st.n - df - 1, 1e-12) ** 2
+    b = st.my[:, None] - np.einsum("d,dca->ca", st.mx, W)
+    flops = len(alphas) * (d**3 / 3 + 2.0 * d * d * c) + (4 / 3 * d**3 if eig is not None else 0.0)
+    del work
+    return W, b, gcv, flops
+
+
+@dataclass
+class Scores:
+    """Test-pass sums per Solve and Variant, per alpha: hits / count (classify), SSE and y sums (regress)."""
+
+    hits: list[np.ndarray]       # [V, A]
+    count: list[np.ndarray]      # [V]
+    sse: list[np.ndarray]        # [V, A]
+    sy: list[np.ndarray]         # [V]
+    syy: list[np.ndarray]        # [V]
+    flops: float = 0.0
+    read_bytes: int = 0
+    rss_peak: int = 0
+
+
+def empty_scores(spec: StreamSpec) -> Scores:
+    A = len(spec.alphas)
+    V = [len(s.variants) for s in spec.solves]
+    return Scores([np.zeros((v, A)) for v in V], [np.zeros(v) for v in V], [np.zeros((v, A)) for v in V],
+                  [np.zeros(v) for v in V], [np.zeros(v) for v in V])
+
+
+def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) -> Scores:
+    """Map task over test rows: predictions for every column and alpha, summed into Scores."""
+    from threadpoolctl import threadpool_limits
+
+    out = empty_scores(spec)
+    A = len(spec.alphas)
+    pos = _positions(spec, lo, hi, "test")
+    with threadpool_limits(1):
+        for a in range(0, len(pos), spec.block_rows):
+            idx = pos[a : a + spec.block_rows]
+            U, nbytes = read_block(spec, info, spec.rows[idx])
+            out.read_bytes += nbytes
+            for s, solve_ in enumerate(spec.solves):
+                if sol.W[s] is None:
+                    continue
+                mask = solve_.test[idx]
+                if not mask.any():
+                    continue
+                X = U[mask].astype(np.float64)
+                Y = solve_.Y[idx][mask]
+                codes = solve_.codes[idx][mask]
+                W, b = sol.W[s], sol.b[s]
+                P = (X @ W.reshape(W.shape[0], -1)).reshape(len(X), W.shape[1], A) + b[None]
+                out.flops += 2.0 * X.shape[0] * X.shape[1] * W.shape[1] * A
+                _tally(out, s, solve_, P, Y, codes)
+    out.rss_peak = _rss()
+    return out
+
+
+def _tally(out: Scores, s: int, solve_: Solve, P: np.ndarray, Y: np.ndarray, codes: np.ndarray) -> None:
+    for v, var in enumerate(solve_.variants):
+        p, y = P[:, var.start : var.stop], Y[:, var.start : var.stop]
+        if var.classes is not None:
+            known = var.classes if len(var.classes) else np.zeros(1, np.int64)
+            out.hits[s][v] += (known[p.argmax(1)] == codes[:, v, None]).sum(0)
+            out.count[s][v] += len(y)
+        else:
+            out.sse[s][v] += ((p[:, 0] - y[:, 0:1]) ** 2).sum(0)
+            out.sy[s][v] += y[:, 0].sum()
+            out.syy[s][v] += (y[:, 0] ** 2).sum()
+            out.count[s][v] += len(y)
+
+
+def add_scores(a: Scores, b: Scores) -> Scores:
+    for f in ("hits", "count", "sse", "sy", "syy"):
+        for x, y in zip(getattr(a, f), getattr(b, f)):
+            x += y
+    a.flops += b.flops
+    a.read_bytes += b.read_bytes
+    a.rss_peak = max(a.rss_peak, b.rss_peak)
+    return a
+
+
+def pack(solutions: list[Solution], scores: list[Scores]) -> tuple[list[Solution], list[Scores]]:
+    """The last task of a group: gathers its layers' results for the client in one transfer."""
+    return solutions, scores
+
+
+def warm() -> bool:
+    """Worker warm-up of streamed-only plans: numpy, scipy and the store reader, never torch."""
+    import scipy.linalg  # noqa: F401
+    import zarr  # noqa: F401
+
+    import store.reader  # noqa: F401
+    from probes.features import tune_malloc
+
+    tune_malloc()
+    return True
+
+
+def _rss() -> int:
+    """This process's peak resident set so far, in bytes: Linux's VmHWM (the kernel's high-water
+    mark, so transient peaks inside a task count; reset at exec, unlike ru_maxrss, which a Dask
+    worker would inherit from the client process that spawned it). Elsewhere: current RSS."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        return 0
