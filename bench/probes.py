@@ -25,6 +25,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,15 +43,15 @@ def make_workspace(path: Path, n: int, d: int, layers: int, targets: int, seed: 
     ws = Workspace.open(path)
     with ws.writer(RunInfo(run="bench", model="synthetic", dtype="float32", chunk_samples=512)) as w:
         w.set_samples(w.register_stimuli(rows, dataset="bench"))
-        hs = [w.array(ArraySpec(tap="llm", layer=l, tokens="last", shape=(1, d))) for l in range(layers)]
+        hs = [w.array(ArraySpec(tap="llm", layer=layer, tokens="last", shape=(1, d))) for layer in range(layers)]
         feats = []
-        for l in range(layers):
-            noise = 1.0 + 3.0 * l / max(layers - 1, 1)  # later layers hold the signal less clearly
+        for layer in range(layers):
+            noise = 1.0 + 3.0 * layer / max(layers - 1, 1)  # later layers hold the signal less clearly
             x = z @ rng.standard_normal((32, d)).astype(np.float32) + rng.standard_normal((n, d)).astype(np.float32) * noise
             feats.append(x[:, None, :])
         for s in range(0, n, 512):
             e = min(s + 512, n)
-            w.write_batch(s, {h: f[s:e] for h, f in zip(hs, feats)},
+            w.write_batch(s, {h: f[s:e] for h, f in zip(hs, feats, strict=False)},
                           tokens=[TokenSpans(seq_len=8, last_prompt=7) for _ in range(s, e)])
         w.finish()
 
@@ -110,7 +111,8 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def sklearn_baseline(ws: Workspace, layers: int, targets: int, test_fraction: float) -> tuple[float, dict[tuple[int, str], tuple[float, float]]]:
+def sklearn_baseline(ws: Workspace, layers: int, targets: int,
+                     test_fraction: float) -> tuple[float, dict[tuple[int, str], tuple[float, float]]]:
     """(seconds spent fitting, {(layer, target): (score, control)}); same rows, split, scaling."""
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
@@ -209,13 +211,15 @@ def main(quick: bool) -> None:
         print(f"  farm 2 workers / 1 worker: {rep2.probes_per_s / rep1.probes_per_s:.2f}x  (goal >= 1.7x;"
               f" this machine allowed {scaling:.2f}x to 2 processes of plain matmuls just before)")
         print(f"  accuracy, farm vs sklearn per probe: mean {np.mean([v[0] for v in farm2.values()]):.4f} vs"
-              f" {np.mean([v[0] for v in sk.values()]):.4f}; |diff| mean {np.abs(diffs).mean():.4f}, max {np.abs(diffs).max():.4f}"
-              f" (goal <= 0.01); controls |diff| mean {np.abs(cdiffs).mean():.4f}, mean control {np.mean([v[1] for v in farm2.values()]):.3f}")
+              f" {np.mean([v[0] for v in sk.values()]):.4f}; |diff| mean {np.abs(diffs).mean():.4f},"
+              f" max {np.abs(diffs).max():.4f}"
+              f" (goal <= 0.01); controls |diff| mean {np.abs(cdiffs).mean():.4f},"
+              f" mean control {np.mean([v[1] for v in farm2.values()]):.3f}")
         gf2, gf1 = rep2.gflops_per_s, rep1.gflops_per_s
         print(f"  farm solver throughput: {gf2:.1f} GFLOP/s with 2 workers = {gf2 / peak2:.0%} of the 2-thread peak;"
               f" {gf1:.1f} GFLOP/s with 1 = {gf1 / peak1:.0%} of the 1-thread peak"
               f" (matmul FLOPs of the solver over the whole timed phase, reading and recording included)")
-        ridge_thousand(tmp, ws, layers, targets, plan.defaults.test_fraction, np.mean([v[0] for v in sk.values()]))
+        ridge_thousand(tmp, ws, layers, targets, plan.defaults.test_fraction, float(np.mean([v[0] for v in sk.values()])))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     real_shape(quick)
@@ -288,12 +292,13 @@ def make_real_shape(path: Path, n: int, T: int, d: int, layers: int, chunk: int 
     ws = Workspace.open(path)
     with ws.writer(RunInfo(run="real", model="synthetic", dtype="float16", chunk_samples=chunk)) as w:
         w.set_samples(w.register_stimuli(rows, dataset="real"))
-        hs = [w.array(ArraySpec(tap="llm", layer=l, tokens="image", shape=(T, d), dtype="float16")) for l in range(layers)]
+        hs = [w.array(ArraySpec(tap="llm", layer=layer, tokens="image", shape=(T, d), dtype="float16"))
+              for layer in range(layers)]
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             lab = mats[s:e].reshape(e - s, -1)[:, token_cells]                        # [m, T] colour under each token
             base = pool[rng.integers(0, len(pool), (e - s, T))]
-            batch = {h: base + (protos * (0.05 + 0.1 * l))[lab].astype(np.float16) for l, h in enumerate(hs)}
+            batch = {h: base + (protos * (0.05 + 0.1 * layer))[lab].astype(np.float16) for layer, h in enumerate(hs)}
             w.write_batch(s, batch, tokens=[TokenSpans(seq_len=T + 4, image_start=1, image_count=T, grid_h=side,
                                                        grid_w=side, last_prompt=T + 3) for _ in range(s, e)])
         w.finish()
@@ -329,20 +334,22 @@ def real_shape(quick: bool) -> None:
         seq = nbytes / secs
         print(f"  sequential numpy.fromfile of the same chunk files: {nbytes / 2**30:.2f} GiB in {secs:.1f} s ="
               f" {seq / 2**20:.0f} MiB/s; fp32 matmul peak {peak1:.1f} GFLOP/s (1 thread), {peak2:.1f} (2)")
-        plans = {
+        plans: dict[str, dict[str, Any]] = {
             "pooled (truth:dominant, mean of 256 tokens; read-bound)":
                 {"layers": "all", "targets": ["truth:dominant"], "kinds": {"ridge": {"pool": "mean", "precision": "float32"}}},
             "per token (g2m.cell_color, every token a row; XᵀX-bound), layers 0-1":
                 {"layers": [0, 1], "targets": ["g2m.cell_color"], "kinds": {"ridge": {"precision": "float32"}}},
         }
         for what, entry in plans.items():
-            plan = parse_plan({"name": "real", "memory_limit": limit, "probes": [{"runs": ["real"], "tokens": ["image"], **entry}]})
+            plan = parse_plan({"name": "real", "memory_limit": limit,
+                               "probes": [{"runs": ["real"], "tokens": ["image"], **entry}]})
             rep = run_plan(plan, tmp / "ws", workers=2, progress=False, log=lambda s: None, force=True)
             assert rep.failed == 0, rep.failures[:2]
             rate = rep.read_bytes / rep.seconds
             peaks = ", ".join(f"{v / 2**20:.0f}" for v in sorted(rep.worker_peaks.values()))
             best = Workspace.open(tmp / "ws", readonly=True).rows(
-                "SELECT round(max(score), 3), round(max(control_score), 3) FROM probes WHERE target = ?", [entry["targets"][0]])[0]
+                "SELECT round(max(score), 3), round(max(control_score), 3) FROM probes WHERE target = ?",
+                [entry["targets"][0]])[0]
             print(f"  {what}: {rep.trained} probes in {rep.seconds:.1f} s (+{rep.startup_seconds:.1f} s start);"
                   f" read {rep.read_bytes / 2**30:.2f} GiB at {rate / 2**20:.0f} MiB/s = {rate / seq:.2f}x sequential fromfile"
                   f" (goal >= 0.5x); {rep.gflops_per_s:.1f} GFLOP/s = {rep.gflops_per_s / peak2:.0%} of the 2-thread peak"

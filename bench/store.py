@@ -102,7 +102,7 @@ def main(quick: bool) -> None:
             if r < reps - 1:
                 os.remove(tmp / "x.npy")
                 shutil.rmtree(folder)
-        pairs = [a / b for a, b in zip(np_times, st_times)]
+        pairs = [a / b for a, b in zip(np_times, st_times, strict=False)]
         np_med, st_med = statistics.median(np_times), statistics.median(st_times)
         print(f"\nwrite incl. fsync, {reps} back-to-back pairs      median MB/s   best MB/s")
         print(f"  numpy.save + fsync                      {mb / np_med:8.0f}    {mb / min(np_times):8.0f}")

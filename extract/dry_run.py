@@ -403,7 +403,7 @@ def sample_layouts(lm: LoadedModel, samples: Sequence[PlanSample], images: Seque
     order = list(anchor.values()) + [k for k in first if anchor[k[:2]] != k]
     chosen = order[: max(limit, len(anchor))]
     processed = _processed_layouts(lm, [samples[first[k]] for k in chosen], [images[first[k]] for k in chosen])
-    layouts = dict(zip(chosen, processed))
+    layouts = dict(zip(chosen, processed, strict=False))
     estimated = order[len(chosen):]
     if estimated:
         for key in estimated:

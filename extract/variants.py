@@ -53,7 +53,7 @@ def run_variant(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]
                     gens = _ablate_group(lm, ws, manifest, group, rows, sites, spec)
                 else:
                     gens = [_compressed_answer(lm, manifest, s, spec, decoder, dropped) for s in group]
-                for r, g in zip(rows, gens):
+                for r, g in zip(rows, gens, strict=False):
                     w.record_generations(r, [g])
                 scored += sum(g.correct is not None for g in gens)
                 correct += sum(bool(g.correct) for g in gens)

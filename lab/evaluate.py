@@ -89,7 +89,7 @@ def generate_answers(model: Any, processor: Any, stimuli: Sequence, task: str, b
     out: list[tuple[str, str]] = []
     for i in range(0, len(stimuli), batch_size):
         chunk = stimuli[i:i + batch_size]
-        texts, images = zip(*[(request(s, task)[0], s.image) for s in chunk])
+        texts, images = zip(*[(request(s, task)[0], s.image) for s in chunk], strict=False)
         with_image = request(chunk[0], task)[1]
         inputs = processor(images=list(images) if with_image else None, text=list(texts))
         seq = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
@@ -128,7 +128,7 @@ def probe_training_set(stimuli: Sequence, feats: np.ndarray, per_class: int, see
     """Up to ``per_class`` tokens of each class per board, boards with >= 1 white stone (the study's filter)."""
     rng = np.random.default_rng(seed)
     xs, ys = [], []
-    for s, f in zip(stimuli, feats):
+    for s, f in zip(stimuli, feats, strict=False):
         labels = np.asarray(s.truth["labels"])
         if (labels == G.WHITE).sum() == 0:
             continue
@@ -161,10 +161,10 @@ def evaluate(model: Any, processor: Any, spec: EvalSpec = EvalSpec()) -> dict[st
     truth = np.array([s.truth["count"] for s in stimuli])
     generated = {task: generate_answers(model, processor, stimuli, task, spec.batch_size, spec.max_new_tokens)
                  for task in TASKS}
-    ok = {task: np.array([correct(s, task, t) for s, (t, _) in zip(stimuli, generated[task])]) for task in TASKS}
+    ok = {task: np.array([correct(s, task, t) for s, (t, _) in zip(stimuli, generated[task], strict=False)]) for task in TASKS}
     kinds = np.array([answer_kind(t, why) for t, why in generated["multimodal_num"]])
     visual = [parse_digit_string(t) if k == "digits" else None
-              for (t, _), k in zip(generated["multimodal_num"], kinds)]
+              for (t, _), k in zip(generated["multimodal_num"], kinds, strict=False)]
     n_p = np.array([-1 if v is None else v for v in visual])
 
     # Hidden-number probe: trained on separate ID boards, evaluated on every regime.

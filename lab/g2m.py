@@ -322,11 +322,11 @@ def evaluate(model: Any, processor: Any, spec: G2MEvalSpec = G2MEvalSpec(),
         test = grids(model, n, spec.per_n, spec.seed, "test", spec.num_colors)
         train = grids(model, n, spec.probe_grids, spec.probe_seed, "probe", spec.num_colors)
         texts = transcribe(model, processor, test, spec.batch_size)
-        scores = [G.score(t, s.truth["matrix"]) for t, s in zip(texts, test)]
+        scores = [G.score(t, s.truth["matrix"]) for t, s in zip(texts, test, strict=False)]
         m = G.metrics(scores)
         truth = [np.asarray(s.truth["matrix"]) for s in test]
         reads, image_mass = readout_attention(model, processor, test, spec.batch_size)
-        lenient = sum(lenient_cells(t, g) for t, g in zip(texts, truth)) / sum(g.size for g in truth)
+        lenient = sum(lenient_cells(t, g) for t, g in zip(texts, truth, strict=False)) / sum(g.size for g in truth)
         digits = float(np.mean([len([c for c in t if c.isdigit()]) for t in texts]))
 
         x_tr, y_tr = _tokens(model, processor, train, spec.batch_size), _labels(train)

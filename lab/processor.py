@@ -107,7 +107,7 @@ class ToyCounterProcessor(ProcessorMixin):
         if len(counts) != len(parts) - 1:
             raise ValueError(f"{len(parts) - 1} <|image|> placeholders but {len(counts)} token counts")
         out = parts[0]
-        for n, part in zip(counts, parts[1:]):
+        for n, part in zip(counts, parts[1:], strict=False):
             out += " ".join([T.IMAGE] * n) + part
         return out
 

@@ -128,7 +128,7 @@ class Trainer:
         recent: dict[str, float] = {}
         for i in bar:
             scale = schedule(i, steps, warmup)
-            for g, base in zip(opt.param_groups, bases):
+            for g, base in zip(opt.param_groups, bases, strict=False):
                 g["lr"] = base * scale
             for task in next(tasks):
                 loss, exact = self.step(opt, self.batch(task))

@@ -184,7 +184,8 @@ def _memory_plan(ws, plan, groups, args) -> None:
 def _summary(report, data, keys) -> None:
     from probes.farm import open_workspace
 
-    rate = f"; {report.probes_per_s:.1f} probes/s, {report.gflops_per_s:.2f} GFLOP/s on {report.workers} worker(s)" if report.trained else ""
+    rate = (f"; {report.probes_per_s:.1f} probes/s, {report.gflops_per_s:.2f} GFLOP/s on {report.workers} worker(s)"
+            if report.trained else "")
     print(f"{report.trained} trained, {report.skipped} skipped (done), {report.failed} failed{rate}")
     if not keys:
         return

@@ -15,7 +15,8 @@ A probe's key hashes everything that defines it (probes/plan.py: kind parameters
 train_where ... included) and is the ``probes`` table's primary key, so plans that differ only
 in a parameter add rows; a re-run skips the keys already there, so a killed farm resumes where
 it stopped and never writes a probe twice. Each probe's per-sample test predictions go to
-``probe_predictions`` in the same transaction. A worker that dies takes only its in-flight group with it; Dask runs that group again
+``probe_predictions`` in the same transaction. A worker that dies takes only its in-flight group
+with it; Dask runs that group again
 elsewhere, and its results reach the manifest once, because only completed groups are
 recorded.
 """
@@ -185,7 +186,8 @@ class _Preparer:
             missing = need - self.committed(group.run).get(info.zarr_path, set())
             if missing:
                 raise ProbeError(
-                    f"{info.key()}: {len(missing)} chunk(s) holding selected rows are not committed (first {sorted(missing)[:3]});"
+                    f"{info.key()}: {len(missing)} chunk(s) holding selected rows are not committed"
+                    f" (first {sorted(missing)[:3]});"
                     " the extraction is still running or was interrupted: finish it, or narrow where:"
                 )
         first = arrays[0]
@@ -200,7 +202,8 @@ class _Preparer:
         if n_tokens and any(k.uses_grid for k in kinds.values()):
             grids = {token_grid(i, n_tokens) for i in {(i.grid_h, i.grid_w): i for i in infos}.values()}
             grid = grids.pop() if len(grids) == 1 else None
-        return GroupJob(workspace=str(self.ws.path), root=self.ws.root, group=group.key, arrays=arrays, rows=rows, tasks=group.tasks,
+        return GroupJob(workspace=str(self.ws.path), root=self.ws.root, group=group.key, arrays=arrays, rows=rows,
+                        tasks=group.tasks,
                         kinds=kinds, targets=targets, folds=folds, grid=grid, plan=self.plan.name,
                         dense_tokens=dense_tokens)
 
@@ -249,7 +252,7 @@ class _Recorder:
                 raise
             return  # someone holds the manifest; keep the buffer and try at the next result
         for r in self.buffer:
-            path = self.pending.pop(str(r.params.get("key")), None)
+            path = self.pending.pop(str((r.params or {}).get("key")), None)
             if path is not None:
                 artifacts.publish(path)
         if self.on_record is not None:
@@ -428,7 +431,7 @@ def _start(scheduler: str | None, workers: int | None, n_jobs: int, limit: int |
             client.wait_for_workers(1, timeout=60)
         info = client.scheduler_info().get("workers", {})
         report.workers = len(info)
-        limits = [w.get("memory_limit") or 0 for w in info.values()]
+        limits: list[int] = [int(w.get("memory_limit") or 0) for w in info.values()]
         if limit and limits and min(limits) and min(limits) < limit:
             client.close()
             raise ProbeError(f"the cluster's workers have {min(limits) >> 20} MiB of memory limit, the plan was checked"

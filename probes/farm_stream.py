@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -66,7 +66,7 @@ def build_specs(job: GroupJob, block_rows: int | None = None) -> list[SpecGroup]
         jobs = [Job(key=t.key, target=job.targets[t.target], fold=job.folds[t.fold_id], params=t.params,
                     control=t.control == "shuffle", grid=job.grid) for t in first]
         params = RidgeProbe.check_params(jobs[0].params)
-        levels = {"token" if j.target.shape == "token" else "sample" for j in jobs}
+        levels: set[Literal["token", "sample"]] = {"token" if j.target.shape == "token" else "sample" for j in jobs}
         for level in sorted(levels):  # token and sample targets read different units: two specs
             idx = [i for i, j in enumerate(jobs) if ("token" if j.target.shape == "token" else "sample") == level]
             spec = _spec(job, [jobs[i] for i in idx], params, level, block_rows)
@@ -74,7 +74,8 @@ def build_specs(job: GroupJob, block_rows: int | None = None) -> list[SpecGroup]
     return out
 
 
-def _spec(job: GroupJob, jobs: list[Job], params: Any, level: str, block_rows: int | None) -> stream.StreamSpec:
+def _spec(job: GroupJob, jobs: list[Job], params: Any, level: Literal["token", "sample"],
+          block_rows: int | None) -> stream.StreamSpec:
     n = len(job.rows)
     designs: dict[tuple[bytes, bytes], dict[str, Any]] = {}
     for j, jb in enumerate(jobs):
@@ -95,6 +96,9 @@ def _spec(job: GroupJob, jobs: list[Job], params: Any, level: str, block_rows: i
             d = designs.setdefault((train.tobytes(), test.tobytes()), {"train": train, "test": test, "cols": [], "codes": [],
                                                                        "variants": []})
             start = sum(c.shape[-1] for c in d["cols"])
+            cols: np.ndarray
+            classes: np.ndarray | None
+            codes: np.ndarray
             if regress:
                 cols, classes, codes = np.nan_to_num(y)[..., None], None, np.full(y.shape, -1, np.int64)
             else:
@@ -249,7 +253,7 @@ def finish(job: GroupJob, specs: list[SpecGroup], sols: list[stream.Solution], s
     import socket
 
     result = GroupResult(group=job.group, worker=worker or f"{socket.gethostname()}:{os.getpid()}", started_at=time.time())
-    result.rss_peak = max([x.rss_peak for x in [*sols, *scores]] + [0])
+    result.rss_peak = max([x.rss_peak for x in sols] + [x.rss_peak for x in scores] + [0])
     result.read_bytes = sum(x.read_bytes for x in scores) + sum(x.read_bytes for x in sols)
     wanted: dict[tuple[Any, ...], dict[int, Any]] = defaultdict(dict)
     for t in job.tasks:
@@ -284,21 +288,23 @@ def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flop
                 found[var.control] = (s, v)
     s, v = found[False]
     var = sp.solves[s].variants[v]
-    if sol.W[s] is None:
+    W_all, b_all, gcv = sol.W[s], sol.b[s], sol.gcv[s]
+    if W_all is None or b_all is None or gcv is None:
         raise ProbeError(f"ridge on {job.target.name}: fewer than 2 labelled training rows; select more rows")
-    pick = gcv_pick(sol.gcv[s][var.start : var.stop])
+    pick = gcv_pick(gcv[var.start : var.stop])
     by_alpha = _test_scores(sc, s, v, var)
     ctrl = None
     if True in found:
         cs, cv = found[True]
         cvar = sp.solves[cs].variants[cv]
-        if sol.W[cs] is not None:
-            ctrl = float(_test_scores(sc, cs, cv, cvar)[gcv_pick(sol.gcv[cs][cvar.start : cvar.stop])])
+        control_gcv = sol.gcv[cs]
+        if sol.W[cs] is not None and control_gcv is not None:
+            ctrl = float(_test_scores(sc, cs, cv, cvar)[gcv_pick(control_gcv[cvar.start : cvar.stop])])
     probe = RidgeProbe.build(job, job.fold.seed)
-    W, b = sol.W[s][:, var.start : var.stop, pick], sol.b[s][var.start : var.stop, pick]
+    W, b = W_all[:, var.start : var.stop, pick], b_all[var.start : var.stop, pick]
     regress = var.classes is None
     probe.state_ = {"coef": np.ascontiguousarray(W.T), "intercept": np.ascontiguousarray(b),
-                    "classes": np.zeros(0, np.int64) if regress else var.classes}
+                    "classes": np.zeros(0, np.int64) if var.classes is None else var.classes}
     probe.meta_ = {"task": "regress" if regress else "classify", "alpha": sp.alphas[pick]}
     metrics = {"alpha": sp.alphas[pick], "alphas": list(sp.alphas), "by_alpha": [float(x) for x in by_alpha],
                "task": probe.meta_["task"], "n_train_rows": int(sol.n_train[s]), "n_test_rows": int(sc.count[s][v]),

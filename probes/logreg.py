@@ -62,9 +62,9 @@ class BatchedLogReg:
         """Class codes [G, m, P] for X [G, m, d], in the probes' order."""
         g, m = X.shape[0], X.shape[1]
         out = np.empty((g, m, len(self.order)), dtype=np.int64)
-        if self.wb is not None:
+        if self.wb is not None and self.bb is not None:
             zb = torch.baddbmm(self.bb.unsqueeze(1), X, self.wb)
-        if self.wm is not None:
+        if self.wm is not None and self.bm is not None:
             _, d, pm, k = self.wm.shape
             zm = torch.baddbmm(self.bm.reshape(g, 1, pm * k), X, self.wm.reshape(g, d, pm * k)).reshape(g, m, pm, k)
             multi = [p for p, (f, _) in enumerate(self.order) if f == "multi"]
@@ -78,8 +78,10 @@ class BatchedLogReg:
         (K' = 1 for a binary probe)."""
         family, col = self.order[p]
         if family == "binary":
+            assert self.wb is not None and self.bb is not None, "a binary probe has binary weights"
             return self.wb[g, :, col].numpy()[None, :].copy(), self.bb[g, col].numpy()[None].copy()
         k = int(self.n_classes[p])
+        assert self.wm is not None and self.bm is not None, "a multi-class probe has multi-class weights"
         return self.wm[g, :, col, :k].numpy().T.copy(), self.bm[g, col, :k].numpy().copy()
 
 
@@ -171,6 +173,7 @@ class _Preconditioner:
         if self.R is None:
             return v, b
         w = torch.bmm(self.R, v)                                               # [G, d, P]
+        assert self.mu is not None, "the whitening sets mu with R"
         return w, b - torch.bmm(self.mu, w).squeeze(1)
 
 
@@ -196,7 +199,7 @@ def _lbfgs(params: list[torch.Tensor], closure, max_iter: int, tol: float) -> So
     )
     opt.step(closure)
     state = opt.state[opt._params[0]]
-    max_grad = float(max(p.grad.abs().max() for p in params))
+    max_grad = float(max(p.grad.abs().max() for p in params if p.grad is not None))
     return SolveInfo(n_iter=int(state.get("n_iter", 0)), n_evals=int(state.get("func_evals", 0)),
                      converged=max_grad <= tol, max_grad=max_grad)
 

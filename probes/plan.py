@@ -236,7 +236,8 @@ def import_plugins(modules: Sequence[str]) -> None:
         try:
             importlib.import_module(name)
         except ImportError as err:
-            raise PlanError(f"plugin {name!r} cannot be imported ({err}): it must be a module on PYTHONPATH that registers kinds/targets") from None
+            raise PlanError(f"plugin {name!r} cannot be imported ({err}): it must be a module on PYTHONPATH that registers"
+                            " kinds/targets") from None
 
 
 def kind_params(entry: Entry, kind: str) -> dict[str, Any]:
@@ -339,7 +340,7 @@ def resolve_layers(spec: Layers, available: list[int], what: str) -> list[int]:
         if not m:
             raise PlanError(f"layers {spec!r}: expected 'all', an integer, a list, or an inclusive range like '2-7'")
         lo, hi = int(m[1]), int(m[2])
-        wanted = [l for l in available if lo <= l <= hi]
+        wanted = [layer for layer in available if lo <= layer <= hi]
         if not wanted:
             raise PlanError(f"layers {spec!r}: {what} stored layers {available}, none in that range")
         return wanted
@@ -435,5 +436,5 @@ def group_tasks(tasks: Sequence[ProbeTask], layers_per_task: int = 1) -> list[Gr
         layers = sorted(per_layer)
         for s in range(0, len(layers), layers_per_task):
             block = layers[s : s + layers_per_task]
-            groups.append(Group(run, tap, site, tok, where, block, [t for l in block for t in per_layer[l]]))
+            groups.append(Group(run, tap, site, tok, where, block, [t for layer in block for t in per_layer[layer]]))
     return groups

@@ -20,7 +20,8 @@ def pool(X: Any, how: str) -> np.ndarray:
         vals, offs = np.asarray(X.values, dtype=np.float32), np.asarray(X.offsets)
         lengths = np.diff(offs)
         if (lengths == 0).any():
-            raise ProbeError(f"{int((lengths == 0).sum())} samples have no tokens in this ragged array: select them out with where:")
+            raise ProbeError(
+                f"{int((lengths == 0).sum())} samples have no tokens in this ragged array: select them out with where:")
         if how == "mean":
             return _as_float(np.add.reduceat(vals, offs[:-1], axis=0) / lengths[:, None])
         if how == "max":

@@ -188,7 +188,7 @@ def _centre(acc: dict[str, Any], syr: Callable[..., Any]) -> Stats:
 
 def merge(a: Part, b: Part) -> Part:
     """Reduce task: b folded into a (in place; Chan et al.'s update of centred sums)."""
-    for s, (x, y) in enumerate(zip(a.stats, b.stats)):
+    for s, (x, y) in enumerate(zip(a.stats, b.stats, strict=False)):
         if y is None:
             continue
         if x is None:
@@ -242,10 +242,16 @@ def solve(spec: StreamSpec, part: Part) -> Solution:
     with threadpool_limits(1):
         for st in part.stats:
             if st is None or st.n < 2:
-                out.W.append(None), out.b.append(None), out.gcv.append(None), out.n_train.append(0 if st is None else st.n)
+                out.W.append(None)
+                out.b.append(None)
+                out.gcv.append(None)
+                out.n_train.append(0 if st is None else st.n)
                 continue
             W, b, gcv, flops = solve_stats(st, spec.alphas, spec.standardize)
-            out.W.append(W), out.b.append(b), out.gcv.append(gcv), out.n_train.append(st.n)
+            out.W.append(W)
+            out.b.append(b)
+            out.gcv.append(gcv)
+            out.n_train.append(st.n)
             out.flops += flops
     out.rss_peak = max(part.rss_peak, _rss())
     return out
@@ -335,6 +341,7 @@ def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) ->
                 Y = solve_.Y[idx][mask]
                 codes = solve_.codes[idx][mask]
                 W, b = sol.W[s], sol.b[s]
+                assert W is not None and b is not None, "a scored probe was solved"
                 P = (X @ W.reshape(W.shape[0], -1)).reshape(len(X), W.shape[1], A) + b[None]
                 out.flops += 2.0 * X.shape[0] * X.shape[1] * W.shape[1] * A
                 _tally(out, s, solve_, P, Y, codes)
@@ -358,7 +365,7 @@ def _tally(out: Scores, s: int, solve_: Solve, P: np.ndarray, Y: np.ndarray, cod
 
 def add_scores(a: Scores, b: Scores) -> Scores:
     for f in ("hits", "count", "sse", "sy", "syy"):
-        for x, y in zip(getattr(a, f), getattr(b, f)):
+        for x, y in zip(getattr(a, f), getattr(b, f), strict=False):
             x += y
     a.flops += b.flops
     a.read_bytes += b.read_bytes

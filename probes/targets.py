@@ -72,8 +72,8 @@ class TargetValues:
         if self.shape == "boxes":
             return np.array([x is not None for x in v], dtype=bool)
         if self.shape == "sample":
-            return ~np.isnan(v) if v.dtype.kind == "f" else v >= 0
-        return (v.reshape(len(v), -1) >= 0).any(1)
+            return np.asarray(~np.isnan(v) if v.dtype.kind == "f" else v >= 0)
+        return np.asarray((v.reshape(len(v), -1) >= 0).any(1))
 
     def permuted(self, perm: np.ndarray) -> TargetValues:
         """The same labels given to other samples (the shuffled-label control)."""
@@ -81,7 +81,8 @@ class TargetValues:
 
     def as_numeric(self) -> np.ndarray:
         if self.numeric is None:
-            raise ProbeError(f"target {self.name} is categorical ({self.classes[:5] if self.classes else ()} ...): it has no numeric values to regress on")
+            raise ProbeError(f"target {self.name} is categorical ({self.classes[:5] if self.classes else ()} ...): it has no"
+                             " numeric values to regress on")
         return self.numeric
 
 
@@ -98,7 +99,8 @@ class TargetSpec:
     def __call__(self, rows: Sequence[SampleInfo], n_tokens: int | None = None) -> TargetValues:
         out = self.fn(rows, n_tokens)
         if out.shape != self.shape or len(out) != len(rows):
-            raise ProbeError(f"target {self.name} returned shape {out.shape!r} for {len(out)} rows; expected {self.shape!r} for {len(rows)}")
+            raise ProbeError(f"target {self.name} returned shape {out.shape!r} for {len(out)} rows; expected {self.shape!r}"
+                             f" for {len(rows)}")
         if not out.labelled().any():
             fams = sorted({str(r.family) for r in rows})
             hint = _key_hint(self.name, rows)
@@ -154,7 +156,8 @@ def encode(name: str, raw: Sequence[Any]) -> TargetValues:
     present = [v for v in raw if v is not None]
     for v in present:
         if isinstance(v, (dict, list)):
-            raise ProbeError(f"target {name}: expected a scalar per sample, got {type(v).__name__} {str(v)[:60]}; point the path at a scalar")
+            raise ProbeError(f"target {name}: expected a scalar per sample, got {type(v).__name__} {str(v)[:60]};"
+                             " point the path at a scalar")
     numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present)
     classes = tuple(sorted(set(present), key=lambda v: (v if numeric else str(v))))
     index = {c: i for i, c in enumerate(classes)}

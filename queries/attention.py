@@ -66,7 +66,7 @@ def object_agreement(ws: Workspace, run: str, where: str | None = None) -> pa.Ta
     for layer in layers:
         rows = ws.read(run, "attn", layer, site="probs", tokens="last", where=where)
         shares, ious = [], []
-        for row, keys in zip(sel.rows.tolist(), rows):
+        for row, keys in zip(sel.rows.tolist(), rows, strict=False):
             if row not in masks:
                 continue
             start, count, mask = masks[row]

@@ -120,7 +120,7 @@ def layer_table(ws: Workspace, run: str, where: str | None = None) -> pa.Table:
     for layer in layers:
         hidden = ws.read(run, "llm", layer, tokens="image", where=where)
         ratios, attr, obj = [], [], []
-        for row, h in zip(sel.rows.tolist(), hidden):
+        for row, h in zip(sel.rows.tolist(), hidden, strict=False):
             ids = lens.top1(np.asarray(h), layer)
             ratios.append(run_length_ratio(ids))
             grid_h, grid_w, truth, params = meta[row]

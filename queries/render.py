@@ -17,8 +17,8 @@ def render_table(table: pa.Table, max_rows: int = 200) -> str:
     cols = table.column_names
     rows = [[format_cell(v) for v in r.values()] for r in table.slice(0, max_rows).to_pylist()]
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=False)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) for r in rows]
     if table.num_rows > max_rows:
         lines.append(f"... {table.num_rows - max_rows} more rows (use --format csv)")
     return "\n".join(lines)

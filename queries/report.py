@@ -392,7 +392,7 @@ def _variant_bars(ax, table: pa.Table) -> None:
         ax.set_title("Go boards in the training range (ID)", fontsize=9)
     labels = [f"{r['run']}\n({r['intervention']})" for r in rows]
     bars = ax.bar(range(len(rows)), [r["accuracy"] or 0.0 for r in rows], color="tab:blue", alpha=0.7)
-    for bar, r in zip(bars, rows):
+    for bar, r in zip(bars, rows, strict=False):
         if r["retained_ratio"] is not None:
             ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"kept {r['retained_ratio']:.0%}",
                     ha="center", va="bottom", fontsize=7)

@@ -153,7 +153,7 @@ class ArrayRoot:
         keys = [self._key(zarr_path, m[0]) for m in merged]
         got = self.fs.cat_ranges(keys, [m[1] for m in merged], [m[2] for m in merged], on_error="raise")
         out: list[bytes] = [b""] * len(ranges)
-        for (_, start, _, served), piece in zip(merged, got):
+        for (_, start, _, served), piece in zip(merged, got, strict=False):
             for i in served:
                 out[i] = piece[ranges[i][1] - start : ranges[i][2] - start]
         return out

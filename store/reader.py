@@ -31,7 +31,7 @@ def group_by_chunk(rows: np.ndarray, chunk_samples: int) -> Iterator[tuple[int, 
     ks = rows // chunk_samples
     cuts = np.flatnonzero(np.diff(ks)) + 1
     bounds = np.concatenate([[0], cuts, [len(rows)]])
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in zip(bounds[:-1], bounds[1:], strict=False):
         k = int(ks[a])
         yield k, rows[a:b] - k * chunk_samples, int(a), int(b)
 
@@ -164,7 +164,7 @@ def _fetch_rows(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray, stored: np.d
     starts, stops = np.concatenate([[0], cuts]), np.concatenate([cuts, [len(rows)]])
     ndim = len(info.shape)
     ranges = [(layout.chunk_file_key(ndim, int(ks[a])), int(rows[a] - ks[a] * info.chunk_samples) * row_bytes,
-               int(rows[b - 1] - ks[a] * info.chunk_samples + 1) * row_bytes) for a, b in zip(starts, stops)]
+               int(rows[b - 1] - ks[a] * info.chunk_samples + 1) * row_bytes) for a, b in zip(starts, stops, strict=False)]
     expected = info.chunk_samples * row_bytes
     try:
         pieces = root.read_ranges(info.zarr_path, ranges)
@@ -172,7 +172,7 @@ def _fetch_rows(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray, stored: np.d
         for k in sorted(set(ks.tolist())):  # name the missing chunk
             _check_chunk_size(root, info, k, root.size(info.zarr_path, layout.chunk_file_key(ndim, k)), expected)
         raise
-    for a, b, (name, lo, hi), piece in zip(starts, stops, ranges, pieces):
+    for a, b, (name, lo, hi), piece in zip(starts, stops, ranges, pieces, strict=False):
         if len(piece) != hi - lo:
             k = int(ks[a])
             _check_chunk_size(root, info, k, root.size(info.zarr_path, name), expected)

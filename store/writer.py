@@ -546,7 +546,7 @@ class Writer:
 
     def _check_same_samples(self, stored: list[str], keys: list[str]) -> None:
         if stored != keys:
-            first = next((i for i, (a, b) in enumerate(zip(stored, keys)) if a != b), min(len(keys), len(stored)))
+            first = next((i for i, (a, b) in enumerate(zip(stored, keys, strict=False)) if a != b), min(len(keys), len(stored)))
             raise SpecMismatchError(
                 f"run {self.run} already maps {len(stored)} rows; this call gives {len(keys)} and differs"
                 f" at row {first}. Resume with the same stimuli in the same order, or use a new run id"

@@ -55,7 +55,7 @@ def merge_runs(tokens: torch.Tensor, embeds: torch.Tensor, dropped: set[int], ke
     starts = run_starts(tokens).tolist()
     ends = starts[1:] + [int(tokens.numel())]
     out = []
-    for lo, hi in zip(starts, ends):
+    for lo, hi in zip(starts, ends, strict=False):
         if int(tokens[lo]) in dropped:
             continue
         out.append(embeds[lo] if keep == "first" else embeds[lo:hi].mean(0))

@@ -413,7 +413,7 @@ def _finish(lm: LoadedModel, rec: Recorder, on_nonfinite: str) -> tuple[dict, li
     values = rec.collect()
     tensors = {k: (v.values if isinstance(v, RaggedTokens) else v) for k, v in values.items()}
     flags = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist() if tensors else []
-    bad = [k for k, ok in zip(tensors, flags) if not ok]
+    bad = [k for k, ok in zip(tensors, flags, strict=False) if not ok]
     if bad and on_nonfinite == "raise":
         raise NonFiniteActivationError(
             f"NaN/inf in captured activations {', '.join(k.name for k in bad)} of {lm.source}"

@@ -183,7 +183,7 @@ def _append_answers(
     ids = inputs["input_ids"]
     mask = inputs["attention_mask"].bool()
     per_token = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.shape == ids.shape]
-    lengths = [int(m.sum()) + len(a) for m, a in zip(mask, answer_ids)]
+    lengths = [int(m.sum()) + len(a) for m, a in zip(mask, answer_ids, strict=False)]
     width = max(lengths)
     out = dict(inputs)
     for key in per_token:

@@ -376,7 +376,7 @@ def _line(sizes: list[float], gap: float, vertical: bool) -> Local:
 def _split_evenly(n: int, parts: int) -> list[int]:
     """Lengths of ``parts`` consecutive runs covering n items, differing by at most one."""
     bounds = [k * n // parts for k in range(parts + 1)]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+    return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _chunk_lines(sizes: list[float], gap: float, room: float) -> list[list[float]]:
@@ -475,7 +475,7 @@ def _ring(sizes: list[float], gap: float, fn: GapFn, phase: float) -> Local:
     radius = _bisect(closing, 0.0, sum(2 * r + gap for r in sizes), 40)  # perimeter-sized: closes
     thetas = place(radius)
     assert thetas is not None
-    return [(*point(radius, t), r) for t, r in zip(thetas, sizes)]
+    return [(*point(radius, t), r) for t, r in zip(thetas, sizes, strict=False)]
 
 
 def _cluster(sizes: list[float], gap: float, fn: GapFn, rng: np.random.Generator) -> Local:
@@ -689,7 +689,7 @@ def case_objects(case: Case, config: Config, seed: int, index: int,
 def object_truth(objects: list[Obj], mask: np.ndarray, config: Config) -> list[dict[str, Any]]:
     gaps = nearest_gaps(objects, gap_fn(config.shape))
     out = []
-    for k, (o, gap) in enumerate(zip(objects, gaps)):
+    for k, (o, gap) in enumerate(zip(objects, gaps, strict=False)):
         ids, pixels = patch_ids(mask, k + 1, config)
         out.append({
             "index": k,

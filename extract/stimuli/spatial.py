@@ -158,7 +158,7 @@ def _article(noun: str) -> str:
 
 
 def build_prompt(options: list[str], style: str) -> str:
-    lines = "".join(f" {letter}: {text}\n" for letter, text in zip(LETTERS, options))
+    lines = "".join(f" {letter}: {text}\n" for letter, text in zip(LETTERS, options, strict=False))
     return PROMPT_HEAD + lines + SUFFIXES[style]
 
 

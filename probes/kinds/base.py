@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -211,7 +211,7 @@ class Probe:
     # ------------------------------------------------------------------ the farm's entry point
 
     @classmethod
-    def build(cls, job: Job, seed: int) -> Probe:
+    def build(cls, job: Job, seed: int) -> Self:
         params = dict(job.params)
         if cls.uses_grid and params.get("grid") is None and job.grid is not None:
             params["grid"] = tuple(job.grid)

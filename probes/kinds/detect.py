@@ -60,9 +60,11 @@ class DetectHead(torch.nn.Module):
             width = p.hidden
         self.body = torch.nn.Sequential(*blocks)
         self.head = torch.nn.Conv2d(p.hidden, 5 + p.n_classes, 1)
+        bias = self.head.bias
+        assert bias is not None  # Conv2d(..., bias=True)
         with torch.no_grad():  # the study's priors: few cells hold an object
-            self.head.bias[4] = -1.0
-            self.head.bias[5:] = -2.19
+            bias[4] = -1.0
+            bias[5:] = -2.19
         if not p.train_bottleneck:
             for q in self.neck.parameters():
                 q.requires_grad_(False)
@@ -150,7 +152,7 @@ def ap50(preds: list[tuple[np.ndarray, np.ndarray]], truths: list[np.ndarray], t
         return float("nan")
     records = []
     for img, (boxes, scores) in enumerate(preds):
-        records += [(float(s), img, b) for b, s in zip(boxes, scores)]
+        records += [(float(s), img, b) for b, s in zip(boxes, scores, strict=False)]
     records.sort(key=lambda r: -r[0])
     used = [np.zeros(len(t), dtype=bool) for t in truths]
     tp = np.zeros(len(records))
@@ -228,7 +230,8 @@ class DetectProbe(Probe):
         xs = torch.from_numpy((X - self.state_["mean"]) / self.state_["scale"])
         out: list[tuple[np.ndarray, np.ndarray]] = []
         with torch.no_grad():
-            raw = torch.cat([self.model_(xs[i : i + 256]) for i in range(0, len(xs), 256)]) if len(xs) else None
+            chunks = [self.model_(xs[i : i + 256]) for i in range(0, len(xs), 256)]
+            raw = torch.cat(chunks) if chunks else torch.empty(0)
             for i in range(len(xs)):
                 o = raw[i]
                 boxes = decode(o[None])[0].reshape(-1, 4)
@@ -255,7 +258,8 @@ class DetectProbe(Probe):
         preds = self.predict(X)
         n_gt = sum(len(np.asarray(b).reshape(-1, 4)) for b in y)
         return {"n_pred": int(sum(len(p[0]) for p in preds)), "n_true": int(n_gt),
-                "count_exact": float(np.mean([len(p[0]) == len(np.asarray(b).reshape(-1, 4)) for p, b in zip(preds, y)]))}
+                "count_exact": float(np.mean([len(p[0]) == len(np.asarray(b).reshape(-1, 4))
+                                             for p, b in zip(preds, y, strict=False)]))}
 
 
 def _dense(X: Any) -> np.ndarray:

@@ -11,7 +11,7 @@ every control, and several layers when the plan packs them — are one L-BFGS pr
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, PerSample, Probe, ProbeParams, params_json, register_kind
 from probes.logreg import SolveInfo, fit_logistic
 from probes.splits import control_permutation
+from probes.targets import Shape
 
 
 class LinearParams(ProbeParams):
@@ -51,8 +52,8 @@ def _as_float(X: Any) -> np.ndarray:
 class LinearProbe(Probe):
     """Per-token logistic regression: ``X [n, T, d]``, ``y [n, T]`` class codes (-1 = no label)."""
 
-    Params = LinearParams
-    accepts = ("token",)
+    Params: ClassVar[type[ProbeParams]] = LinearParams
+    accepts: ClassVar[tuple[Shape, ...]] = ("token",)
     metric = "accuracy"
 
     # What one sample contributes: rows [n, R, d] and labels [n, R]. pooled overrides these.
@@ -60,14 +61,16 @@ class LinearProbe(Probe):
     def sample_rows(cls, X: Any, params: Any) -> np.ndarray:
         X = np.asarray(X) if not hasattr(X, "offsets") else X
         if getattr(X, "ndim", 0) != 3:
-            raise ProbeError(f"kind {cls.name} reads dense token arrays X [n, T, d]; got {type(X).__name__} {getattr(X, 'shape', '')}")
+            raise ProbeError(
+                f"kind {cls.name} reads dense token arrays X [n, T, d]; got {type(X).__name__} {getattr(X, 'shape', '')}")
         return _as_float(X)
 
     @classmethod
     def sample_labels(cls, y: np.ndarray, n_rows: int) -> np.ndarray:
         y = np.asarray(y)
         if y.ndim != 2 or y.shape[1] != n_rows:
-            raise ProbeError(f"kind {cls.name} needs per-token labels y [n, {n_rows}] (a token target such as go.intersection), got shape {y.shape}")
+            raise ProbeError(f"kind {cls.name} needs per-token labels y [n, {n_rows}] (a token target such as"
+                             f" go.intersection), got shape {y.shape}")
         return y.astype(np.int64)
 
     # ------------------------------------------------------------------ sklearn-like surface
@@ -133,6 +136,7 @@ class _Solved:
         out = []
         for col, classes in enumerate(self.classes):
             if col in self.solvable:
+                assert codes is not None, "a solvable column was fitted"
                 out.append(classes[codes[:, :, self.solvable[col]]])
             else:
                 out.append(np.full((G, m), classes[0] if len(classes) else -1, dtype=np.int64))

@@ -84,7 +84,8 @@ class RidgeProbe(Probe):
         if y.ndim == 2:
             X = np.asarray(X)
             if X.ndim != 3 or X.shape[:2] != y.shape:
-                raise ProbeError(f"ridge on a token target needs X [n, T, d] matching y {y.shape}, got {getattr(X, 'shape', '?')}")
+                raise ProbeError(
+                    f"ridge on a token target needs X [n, T, d] matching y {y.shape}, got {getattr(X, 'shape', '?')}")
             F, y = X.reshape(-1, X.shape[-1]), y.reshape(-1)
         else:
             F = pool(X, self.params.pool)
@@ -140,7 +141,8 @@ class RidgeProbe(Probe):
         raise ProbeError("kind ridge trains from streamed statistics; the farm runs it through probes/stream.py")
 
 
-def closed_form(F: np.ndarray, Y: np.ndarray, alphas: list[float], standardize: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+def closed_form(F: np.ndarray, Y: np.ndarray, alphas: list[float],
+                standardize: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """Ridge in memory: (W [d, c], b [c], GCV [A], chosen alpha), every alpha from one eigh."""
     mx, my = F.mean(0), Y.mean(0)
     Xc, Yc = F - mx, Y - my

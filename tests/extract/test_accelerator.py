@@ -157,7 +157,7 @@ def check_case(case: str, model: Path | str, stimuli: Path, task: str, max_new: 
 
     gen = ws.rows("SELECT array_row, text, n_tokens FROM generations WHERE run = 'accel' ORDER BY array_row")
     ref_gen = ref.rows("SELECT array_row, text, n_tokens FROM generations WHERE run = 'accel' ORDER BY array_row")
-    same = [a[1:] == b[1:] for a, b in zip(gen, ref_gen)]
+    same = [a[1:] == b[1:] for a, b in zip(gen, ref_gen, strict=False)]
     assert len(same) == n
 
     worst: dict[str, float] = {}

@@ -50,14 +50,14 @@ def test_answers_end_at_eos_not_at_a_generated_pad(tiny_dir, tiny_lm, spatial_se
     pad = lm.model.generation_config.pad_token_id
     ends = [next((i for i, t in enumerate(ids) if t in eos), len(ids)) for ids in new]
     # the case this test is about: a pad id generated before the row's end
-    assert any(pad in ids[:end] for ids, end in zip(new, ends)), new
+    assert any(pad in ids[:end] for ids, end in zip(new, ends, strict=False)), new
 
     ws = Workspace.open(tmp_path / "ws", readonly=True)
     got = ws.rows("SELECT g.text, g.n_tokens, g.stop_reason, s.answer_count FROM generations g JOIN samples s"
                   " ON s.run = g.run AND s.stimulus = g.stimulus ORDER BY g.array_row")
     n_fed = len(new[0]) - 1  # the last generated token is never fed back, so it has no activation row
     want = [(lm.tokenizer.decode(ids[:end], skip_special_tokens=True), end, "eos" if end < len(ids) else "cap",
-             min(end, n_fed)) for ids, end in zip(new, ends)]
+             min(end, n_fed)) for ids, end in zip(new, ends, strict=False)]
     assert got == want
     answers = ws.read("stop", "llm", 0, tokens="answer")
     assert [len(answers[i]) for i in range(len(want))] == [w[3] for w in want]

@@ -94,7 +94,7 @@ def test_one_forward_per_head_covers_a_batch(toy):
         got = [r for r in rows if r["sample"] == b]
         assert [(r["layer"], r["head"], r["flip_mask"], r["n_positions"]) for r in got] == \
                [(r["layer"], r["head"], r["flip_mask"], r["n_positions"]) for r in expected]
-        for g, e in zip(got, expected):
+        for g, e in zip(got, expected, strict=False):
             assert g["logit_drop"] == pytest.approx(e["logit_drop"], abs=1e-3)
 
 

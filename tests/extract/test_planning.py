@@ -124,7 +124,7 @@ def test_qwen_7b_plan_equals_a_hand_computation(g2m_512):
     assert plan.time.prefill_flops == pytest.approx(prefill)
     assert plan.time.write_seconds == pytest.approx((plan.raw_bytes + plan.lens_bytes) / (hw.disk_mbps * 1e6))
     # KV cache: keys + values x 28 layers x 4 KV heads x 128 dims x 2 bytes = 57,344 B per token, batch 4
-    assert plan.kv_bytes == 2 * layers * 4 * 128 * 2 * max(s + b for s, b in zip(seqs, budgets)) * 4
+    assert plan.kv_bytes == 2 * layers * 4 * 128 * 2 * max(s + b for s, b in zip(seqs, budgets, strict=False)) * 4
     assert plan.lens_bytes == 2 * (vocab * hidden + hidden)
 
 
@@ -140,7 +140,7 @@ def test_answers_and_attention_rows_count_each_bound(g2m_512, batch_size, answer
     assert answer.values == sum(answers) * 3584 and answer.ragged and answer.basis == "upper bound"
     seqs = [324 + math.ceil(len(g2m.prompt(g, g, 3)) / CHARS_PER_TOKEN) + TEMPLATE_TOKENS for g in (3, 3, 3, 6, 6, 6)]
     assert arrays[("attn.0.probs", "last")].values == 28 * sum(seqs)
-    assert arrays[("attn.0.probs", "answer")].values == 28 * sum(a * (s + a) for a, s in zip(answers, seqs))
+    assert arrays[("attn.0.probs", "answer")].values == 28 * sum(a * (s + a) for a, s in zip(answers, seqs, strict=False))
     # no tokenizer: prompt lengths are estimates, and the plan says so
     assert arrays[("attn.0.probs", "last")].basis == arrays[("attn.0.probs", "answer")].basis == "estimate"
     assert not plan.exact_tokens and "prompt lengths estimated" in plan.render()

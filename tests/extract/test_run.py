@@ -87,7 +87,7 @@ def test_stored_values_match_transformers_outputs(extracted):
     image_acts = {layer: ws.read("r1", "llm", layer, tokens="image") for layer in range(n_layers)}
     last_acts = ws.read("r1", "llm", n_layers - 1, tokens="last")
     attn_last = ws.read("r1", "attn", n_layers - 1, site="probs", tokens="last")
-    for (row, set_path, image, prompt, i0, n_img, last, n_ans, gh, gw), (_, n_tok) in zip(rows, gens):
+    for (row, set_path, image, prompt, i0, n_img, last, n_ans, gh, gw), (_, n_tok) in zip(rows, gens, strict=False):
         assert gh * gw == n_img
         batch = prepare_batch(lm, [f"{set_path}/{image}"], [prompt])
         ids = batch.inputs["input_ids"][0]

@@ -14,7 +14,7 @@ def test_clean_render_is_goboard_pixel_exact():
     labels = r.labels(torch.tensor([0, 30, 80, 120]), gen)
     assert (labels == G.BLACK).sum(1).tolist() == [0, 30, 80, 120]
     imgs = r.render(labels, torch.zeros(4, dtype=torch.long), Style.of(("none",)), gen)
-    for lab, img in zip(labels, imgs):
+    for lab, img in zip(labels, imgs, strict=False):
         ref, _ = G.render_clean(r.plan, lab.numpy().astype(np.int8))
         assert torch.equal(torch.from_numpy(np.array(ref)).permute(2, 0, 1).float(), img)
 
@@ -55,7 +55,7 @@ def test_batch_tokens_match_processor():
     for task in ("text_only_num", "text_only_tf", "multimodal_num", "multimodal_tf"):
         batch = maker.make(task, torch.tensor([7, 104]), gen)
         tok = proc.tokenizer
-        for row, lab, n in zip(batch.input_ids, batch.labels, batch.counts.tolist()):
+        for row, lab, n in zip(batch.input_ids, batch.labels, batch.counts.tolist(), strict=False):
             text = tok.decode(row[row != tok.pad_token_id])
             words = text.split()
             strings = []

@@ -29,10 +29,10 @@ def test_visual_answers_record_how_they_ended(committed):
     counts = [s.truth["count"] for s in stimuli]
     kinds = [answer_kind(t, why) for t, why in got]
     # in range the model answers a number and stops
-    assert all(k == "digits" and why == "eos" for c, k, (_, why) in zip(counts, kinds, got) if c < 50)
+    assert all(k == "digits" and why == "eos" for c, k, (_, why) in zip(counts, kinds, got, strict=False) if c < 50)
     # past it some answers are the word False (not empty), and some never end within the cap
-    assert any(t == "False" and k == "word" for (t, _), k in zip(got, kinds))
-    runaway = [t for (t, why), k in zip(got, kinds) if k == "runaway" and why == "cap"]
+    assert any(t == "False" and k == "word" for (t, _), k in zip(got, kinds, strict=False))
+    runaway = [t for (t, why), k in zip(got, kinds, strict=False) if k == "runaway" and why == "cap"]
     assert runaway and all(len(t.split()) == MAX_NEW_TOKENS for t in runaway)  # one digit token per step
     assert "empty" not in kinds
     # with the cap of the old card (6) the same answers are cut sooner: more of them run away

@@ -150,7 +150,7 @@ def test_end_to_end_matches_model_card(committed, card, n):
     spec = G2MEvalSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in card["spec"].items()})
     test = grids(model, n, 16, spec.seed, "test", spec.num_colors)
     texts = transcribe(model, processor, test, 16)
-    m = G.metrics([G.score(t, s.truth["matrix"]) for t, s in zip(texts, test)])
+    m = G.metrics([G.score(t, s.truth["matrix"]) for t, s in zip(texts, test, strict=False)])
     assert abs(m.cell_accuracy - row["cell_accuracy"]) <= 0.10
     if row["trained"]:
         assert m.cell_accuracy >= 0.9
@@ -176,7 +176,7 @@ def test_eval_grids_are_the_g2m_family_stimuli(committed):
     model, _ = committed
     ours = grids(model, 5, 3, 30000, "test", 3)
     ref = list(G.generate(G.Config(grid_sizes=(5,), colors=(3,), image_size=40), 3, 30000, "test"))
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=False):
         assert (a.id, a.seed, a.prompts, a.answers, a.truth, a.params) == (b.id, b.seed, b.prompts, b.answers,
                                                                             b.truth, b.params)
         assert np.array_equal(np.asarray(a.image), np.asarray(b.image))

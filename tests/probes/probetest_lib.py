@@ -48,7 +48,8 @@ def go_family(n: int, seed: int = 0, board: int = 10) -> tuple[list[dict[str, An
         labels[i] = lab
         rows.append({"id": f"go_{i:04d}", "family": "go", "split": "train" if i % 5 else "test", "seed": i,
                      "params": {"board_size": board, "preset": "test"},
-                     "truth": {"count": count, "labels": lab.tolist(), "regime": "ID" if count <= 49 else "VE" if count <= 99 else "FE"}})
+                     "truth": {"count": count, "labels": lab.tolist(),
+                               "regime": "ID" if count <= 49 else "VE" if count <= 99 else "FE"}})
     return rows, labels
 
 
@@ -126,20 +127,20 @@ def build_spatial_layers(path: Path, n: int = 96, layers: int = 8) -> Workspace:
     """One run, many layers (odd ones informative): many small groups for the Dask tests."""
     ws = Workspace.open(path)
     rows, rel, latent = spatial_family(n)
-    write_run(ws, "spatial", rows, [spatial_features(rel, latent, l) for l in range(layers)], (2, 2))
+    write_run(ws, "spatial", rows, [spatial_features(rel, latent, layer) for layer in range(layers)], (2, 2))
     return ws
 
 
 def write_run(ws: Workspace, run: str, rows: list[dict[str, Any]], feats: list[np.ndarray], grid: tuple[int, int],
               chunk: int = 32, dataset: str | None = None) -> None:
-    n, t = feats[0].shape[0], feats[0].shape[1]
+    t = feats[0].shape[1]
     with ws.writer(RunInfo(run=run, model="synthetic", dtype="float32", chunk_samples=chunk)) as w:
         w.set_samples(w.register_stimuli(rows, dataset=dataset or run))
         handles = [w.array(ArraySpec(tap="vision", layer=layer, tokens="image", shape=(t, D))) for layer in range(len(feats))]
         for rng in w.todo():
             for s in range(rng.start, rng.stop, chunk):
                 e = min(s + chunk, rng.stop)
-                w.write_batch(s, {h: f[s:e] for h, f in zip(handles, feats)},
+                w.write_batch(s, {h: f[s:e] for h, f in zip(handles, feats, strict=False)},
                               tokens=[TokenSpans(seq_len=t + 4, image_start=1, image_count=t, grid_h=grid[0], grid_w=grid[1],
                                                  last_prompt=t + 3) for _ in range(s, e)])
         w.finish()
@@ -149,16 +150,16 @@ def build_workspace(path: Path, n: int = 160, families: tuple[str, ...] = ("go",
     ws = Workspace.open(path)
     if "go" in families:
         rows, labels = go_family(n)
-        write_run(ws, "go", rows, [go_features(labels, l) for l in (0, 1)], (10, 10))
+        write_run(ws, "go", rows, [go_features(labels, layer) for layer in (0, 1)], (10, 10))
     if "g2m" in families:
         rows, mats = g2m_family(n)
-        write_run(ws, "g2m", rows, [g2m_features(mats, l) for l in (0, 1)], (8, 8))
+        write_run(ws, "g2m", rows, [g2m_features(mats, layer) for layer in (0, 1)], (8, 8))
     if "count" in families:
         rows, cells = count_family(n)
-        write_run(ws, "count", rows, [count_features(cells, l) for l in (0, 1)], (6, 6))
+        write_run(ws, "count", rows, [count_features(cells, layer) for layer in (0, 1)], (6, 6))
     if "spatial" in families:
         rows, rel, latent = spatial_family(n)
-        write_run(ws, "spatial", rows, [spatial_features(rel, latent, l) for l in (0, 1)], (2, 2))
+        write_run(ws, "spatial", rows, [spatial_features(rel, latent, layer) for layer in (0, 1)], (2, 2))
     return ws
 
 

@@ -114,7 +114,7 @@ def test_hidden_number_stores_n_h_per_test_board_and_the_gap_query_reads_it(farm
     assert len(pred["array_row"]) == len(pred["value"]) == row["n_test"]
     # N_H re-derived from the recorded per-board values agrees with the recorded exact match
     counts = dict(ws.rows("SELECT array_row, (truth->>'count')::INT FROM v_samples WHERE run = 'go'"))
-    exact = np.mean([v == counts[r] for r, v in zip(pred["array_row"], pred["value"])])
+    exact = np.mean([v == counts[r] for r, v in zip(pred["array_row"], pred["value"], strict=False)])
     assert exact == pytest.approx(row["score"])
     assert pred["truth"] == [counts[r] for r in pred["array_row"]]
     from queries.named import run as run_query

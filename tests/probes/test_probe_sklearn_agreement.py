@@ -34,7 +34,8 @@ def test_pooled_batched_matches_sklearn_per_probe_and_control():
     layers = [(z @ rng.standard_normal((8, d)) + rng.standard_normal((n, d)) * s).astype(np.float32) for s in (1.0, 3.0)]
     binary = (z @ rng.standard_normal((8, k)) + rng.standard_normal((n, k)) > 0).astype(int)
     four = np.digitize(z @ rng.standard_normal((8, 3)) + rng.standard_normal((n, 3)), [-1.0, 0.0, 1.0])
-    targets = [encode(f"b{j}", binary[:, j].tolist()) for j in range(k)] + [encode(f"m{j}", four[:, j].tolist()) for j in range(3)]
+    targets = ([encode(f"b{j}", binary[:, j].tolist()) for j in range(k)]
+               + [encode(f"m{j}", four[:, j].tolist()) for j in range(3)])
     stimuli = [f"set/s{i:05d}" for i in range(n)]
     fold = hash_fold(stimuli, seed=3, test_fraction=0.25)
     jobs = [Job(key=t.name, target=t, fold=fold, params={}, control=True) for t in targets]

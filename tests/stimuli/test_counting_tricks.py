@@ -69,12 +69,12 @@ def test_same_seed_same_bytes_other_seed_differs() -> None:
     cfg = dict(cases=("1D", "11B", "12A"), count_min=3, count_max=6)
     a, b = _make(2, seed=7, **cfg), _make(2, seed=7, **cfg)
     assert [s.id for s in a] == [s.id for s in b]
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         assert _png(x.image) == _png(y.image)
         assert _png(x.extra_images["masks"]) == _png(y.extra_images["masks"])
         assert x.truth == y.truth and x.prompts == y.prompts
     c = _make(2, seed=8, **cfg)
-    assert any(_png(x.image) != _png(z.image) for x, z in zip(a, c))
+    assert any(_png(x.image) != _png(z.image) for x, z in zip(a, c, strict=False))
 
 
 def test_sample_does_not_depend_on_n_or_other_cases() -> None:
@@ -110,7 +110,7 @@ def test_grid_cases_put_centres_where_the_case_says(patch: int) -> None:
         case = CASES[stim.truth["case"]]
         for o in _objects(stim):
             seen += 1
-            for axis, want in zip("xy", ON_GRID[case.id[0]]):
+            for axis, want in zip("xy", ON_GRID[case.id[0]], strict=False):
                 a = o[f"anchor_{axis}"]
                 assert a % patch == (patch // 2 if want == "c" else 0), (stim.id, axis, a)
                 v = o[axis]

@@ -235,7 +235,7 @@ def covered_mean(px: np.ndarray, x: float, y: float, rho: float) -> np.ndarray:
 def test_variation_keeps_labels_true(variation: str, preset: str) -> None:
     stims = make(n=2, preset=preset, variation=variation, counts="5,60,110")
     clean = make(n=2, preset=preset, counts="5,60,110")
-    for stim, plain in zip(stims, clean):
+    for stim, plain in zip(stims, clean, strict=False):
         assert stim.truth["labels"] == plain.truth["labels"]  # variation changes pixels only
         assert not np.array_equal(np.asarray(stim.image), np.asarray(plain.image))
         px = np.asarray(stim.image).astype(int)
@@ -314,7 +314,7 @@ def test_set_round_trip(tmp_path) -> None:
     assert stimset.family == "go" and len(stimset) == 6
     rows = stimset.rows()
     expected = list(generate(config, n=2, seed=1, split="train"))
-    for row, stim in zip(rows, expected):
+    for row, stim in zip(rows, expected, strict=False):
         assert row["id"] == stim.id and row["seed"] == stim.seed and row["split"] == "train"
         assert row["answer"] == stim.answer and row["prompts"] == stim.prompts
         assert row["truth"]["labels"] == stim.truth["labels"]

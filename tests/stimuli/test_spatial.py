@@ -102,7 +102,7 @@ def test_options_prompt_and_answer(relation_set: str) -> None:
         assert t["options"][t["correct_index"]] == t["caption"]
         assert stim.answer == "ABCD"[t["correct_index"]]
         assert parse_choice_letter(stim.answer) == stim.answer
-        lines = "".join(f" {letter}: {opt}\n" for letter, opt in zip("ABCD", t["options"]))
+        lines = "".join(f" {letter}: {opt}\n" for letter, opt in zip("ABCD", t["options"], strict=False))
         assert stim.prompt == HEAD + lines + "Please answer with A, B, C or D.\nYour answer is:"
     # Shuffled per sample: the correct caption lands on several letters.
     assert len({s.answer for s in stims}) >= 3
@@ -178,7 +178,7 @@ def test_set_round_trip(tmp_path) -> None:
     stimset = read_set(out)
     assert stimset.family == "spatial" and len(stimset) == 8
     expected = make(n=8, seed=2, relation_set="depth")
-    for row, stim in zip(stimset.rows(), expected):
+    for row, stim in zip(stimset.rows(), expected, strict=False):
         assert row["id"] == stim.id and row["answer"] == stim.answer and row["prompt"] == stim.prompt
         assert row["truth"] == stim.truth and row["params"] == stim.params
         assert np.array_equal(np.asarray(stimset.image(row)), np.asarray(stim.image))

@@ -68,7 +68,7 @@ def test_shards_interleaved_in_one_process(tmp_path):
         arrays.append(w.array(ArraySpec(tap="llm", layer=0, tokens="image", shape=(6, 8))))
     todos = [w.todo() for w in writers]
     assert [[(r.start, r.stop) for r in t] for t in todos] == [[(0, 4), (8, 12)], [(4, 8), (12, 16)]]
-    for w, h, t in zip(writers, arrays, todos):
+    for w, h, t in zip(writers, arrays, todos, strict=False):
         w.write(h, t[0].start, dense_values(t[0]))
         w.flush()
     for i in (1, 0):  # shard 1 ends first: the run is finished by shard 0's last chunk
