@@ -20,6 +20,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save as save_bytes
 
+from store.lock import pid_alive
+
 META_KEY = "agnosia_probe"
 FOLDER = "probes"
 
@@ -79,15 +81,7 @@ def recover(workspace: str | os.PathLike[str], recorded: set[str]) -> tuple[int,
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid == os.getpid() or pid_alive(pid)
 
 
 def dumps(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> bytes:

@@ -41,7 +41,7 @@ class Holder:
         return f"pid {self.pid} on host {self.host}{run}{shard}, since {when}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -59,7 +59,7 @@ def live_holder(path: Path) -> Holder | None:
     holder = read_holder(path)
     if holder is None:
         return None
-    if holder.host == socket.gethostname() and not _pid_alive(holder.pid):
+    if holder.host == socket.gethostname() and not pid_alive(holder.pid):
         return None
     return holder
 
@@ -151,7 +151,7 @@ class WriterLock:
         # The holder writes its name just after taking the flock. Caught in between, the file is
         # empty or still names the dead writer being taken over: wait that moment out, so the
         # message names the live holder (found by the fault suite's two simultaneous writers).
-        while (holder is None or (holder.host == socket.gethostname() and not _pid_alive(holder.pid))) and (
+        while (holder is None or (holder.host == socket.gethostname() and not pid_alive(holder.pid))) and (
             time.monotonic() < deadline and not (self.path.name == "writer.lock" and live_shards(self.path.parent))
         ):
             time.sleep(0.01)
@@ -166,7 +166,7 @@ class WriterLock:
                     " write to another workspace (--data / AGNOSIA_DATA)"
                 )
         who = holder.describe() if holder else "a process that has not written its name yet"
-        alive = "" if holder is None or holder.host != socket.gethostname() or _pid_alive(holder.pid) else (
+        alive = "" if holder is None or holder.host != socket.gethostname() or pid_alive(holder.pid) else (
             " (that pid is gone on this host, yet the lock is held: a child process inherited it?)"
         )
         if self.shard is not None and self.path.name != "writer.lock":

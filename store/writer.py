@@ -73,7 +73,7 @@ from store.errors import (
     disk_full_error,
     is_disk_full,
 )
-from store.lock import Holder, WriterLock, _pid_alive, live_shards, shard_lock_path
+from store.lock import Holder, WriterLock, live_shards, pid_alive, shard_lock_path
 from store.records import (
     ArrayInfo,
     ArraySpec,
@@ -322,7 +322,7 @@ class Writer:
             if sharing:
                 token = leftover.name.rsplit(".", 2)[-2] if leftover.name.count(".") >= 2 else ""
                 pid = int(token) if token.isdigit() and len(token) <= 10 else None
-                if pid is None or pid == os.getpid() or _pid_alive(pid):
+                if pid is None or pid == os.getpid() or pid_alive(pid):
                     continue
             leftover.unlink(missing_ok=True)
 
