@@ -84,6 +84,7 @@ def chromium() -> str:
     return path
 
 
+@pytest.mark.browser
 def test_report_loads_in_headless_chromium(workspace, tmp_path):
     index = write_report(workspace.path, tmp_path / "report")
     pngs = sorted(p.name for p in index.parent.glob("*.png"))
