@@ -57,7 +57,7 @@ def _table(ws: Workspace, table: str, run: str) -> list[tuple]:
     return ws.rows(f"SELECT * EXCLUDE (run, recorded_at) FROM {table} WHERE run = ? ORDER BY array_row", [run])
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava", "gemma3", "paligemma"])
 def test_forward_path_stores_what_generate_stores(arch, tiny_dir, g2m_set, tmp_path):
     model = tiny_dir(arch)
     data = tmp_path / "data"
