@@ -112,6 +112,9 @@ class AttentionSpec(_Strict):
 class GenerationSpec(_Strict):
     max_new_tokens: int | Literal["from_stimulus"] = 16
     do_sample: Literal[False] = False
+    # "auto": one forward and no generate when every answer is one token (same values, half the work);
+    # "generate": always generate (to compare the two, or to rule the shortcut out)
+    path: Literal["auto", "generate"] = "auto"
 
     @field_validator("max_new_tokens", mode="before")
     @classmethod

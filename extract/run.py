@@ -45,7 +45,9 @@ from extract.models import (
     LoadedModel,
     RaggedTokens,
     capture,
+    capture_first_token,
     capture_generate,
+    forward_answer_blockers,
     load_model,
     plan,
     prepare_batch,
@@ -335,10 +337,13 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
                       arrays=arrays, new_accuracy=accuracy, scored=scored)
 
 
-def run_info(lm: LoadedModel, manifest: Manifest, lens: Any) -> RunInfo:
+def run_info(lm: LoadedModel, manifest: Manifest, lens: Any, path: tuple[str, str] | None = None) -> RunInfo:
     """The run's provenance: model, adapter, dtype, versions, the manifest and its intervention
-    (or the one a model folder made by an intervention records, e.g. MAS fine-tuning)."""
+    (or the one a model folder made by an intervention records, e.g. MAS fine-tuning), and which
+    capture ``path`` ran, with why (see :func:`capture_path`)."""
     config = manifest.model_dump(exclude={"workspace", "shard"})  # shards of one run share its identity
+    if path is not None:
+        config["capture"] = {"path": path[0], "why": path[1]}
     if lens is not None:
         config["logit_lens"] = {"norm": lens.norm.kind, "eps": lens.norm.eps, "weight_offset": lens.norm.weight_offset,
                                 "logit_softcap": lens.logit_softcap, "norm_module": lens.norm.module_path,
@@ -364,7 +369,8 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
     dense_images = len(sizes) == 1 and len(with_images) == len(samples)
     check_image_sizes(lm, sizes)
     lens = readout(lm) if manifest.logit_lens else None
-    info = run_info(lm, manifest, lens)
+    route = capture_path(lm, manifest, samples)
+    info = run_info(lm, manifest, lens, route)
     dtype = str(lm.dtype).removeprefix("torch.")
     ws = Workspace.open(where)  # only now: a bad manifest leaves no workspace behind
     stop = _stop_ids(lm)
@@ -390,7 +396,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
             for start in range(rows.start, rows.stop, manifest.batch_size):
                 batch_samples = samples[start : min(start + manifest.batch_size, rows.stop)]
                 for offset, group in _by_modality(batch_samples):
-                    gens, spans, values = _run_batch(lm, group, request, specs, manifest, stop)
+                    gens, spans, values = _run_batch(lm, group, request, specs, manifest, stop, route[0])
                     w.write_batch(start + offset, {handles[k]: v for k, v in values.items()}, tokens=spans,
                                   generations=gens)
                     scored += sum(g.correct is not None for g in gens)
@@ -422,16 +428,42 @@ def _by_modality(batch: list[Sample]) -> list[tuple[int, list[Sample]]]:
     return groups
 
 
+def capture_path(lm: LoadedModel, manifest: Manifest, samples: list[Sample]) -> tuple[str, str]:
+    """("forward" | "generate", why) for the whole run.
+
+    With greedy decoding and one new token, ``generate`` is a single prompt forward whose answer is the
+    argmax of its last logits: nothing is fed back, so there are no ``answer`` rows. One forward with the
+    same hooks stores the same values at half the cost, unless the model's generation config adds a logits
+    processor (repetition penalty, suppressed or forced tokens, ...) that could move that token.
+    """
+    g = manifest.generation
+    if g.path == "generate":
+        return "generate", "the manifest asks for it (generation.path: generate)"
+    if g.max_new_tokens == "from_stimulus":
+        budgets = {int(s.params.get("max_new_tokens", 32)) for s in samples}
+    else:
+        budgets = {g.max_new_tokens}
+    if budgets != {1}:
+        return "generate", f"answers of up to {max(budgets)} tokens need decode steps"
+    blockers = forward_answer_blockers(lm)
+    if blockers:
+        return "generate", f"the model's generation config adds logits processors ({', '.join(blockers)})"
+    return "forward", "one new token, greedy: the argmax of the prompt forward's last logits"
+
+
 def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, list[str]],
-               specs: dict[CaptureKey, ArraySpec], manifest: Manifest, stop: set[int]):
+               specs: dict[CaptureKey, ArraySpec], manifest: Manifest, stop: set[int], path: str = "generate"):
     batch = prepare_batch(lm, [s.image for s in batch_samples], [s.prompt for s in batch_samples],
                           strings=[s.strings for s in batch_samples], padding_side="left")
     text_only = batch_samples[0].image is None
     max_new = manifest.generation.max_new_tokens
     if max_new == "from_stimulus":
         max_new = max(int(s.params.get("max_new_tokens", 32)) for s in batch_samples)
-    res = capture_generate(lm, batch, request, tokens=("image", "last", "answer"), max_new_tokens=max_new,
-                           on_nonfinite="raise")
+    if path == "forward":
+        res = capture_first_token(lm, batch, request, tokens=("image", "last", "answer"), on_nonfinite="raise")
+    else:
+        res = capture_generate(lm, batch, request, tokens=("image", "last", "answer"), max_new_tokens=max_new,
+                               on_nonfinite="raise")
     n_fed = max(res.generated.shape[1] - 1, 0)
     pad_len = batch.seq_len
     gens, spans, values = [], [], {k: [] for k in specs}
@@ -444,8 +476,9 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, 
         lay = res.layouts[b]
         spans.append(token_spans(lay, pad_len, n_keep))
         for key, spec in specs.items():
-            if text_only and key.tap in IMAGE_ONLY:
-                values[key].append(torch.zeros((0, *spec.shape), dtype=lm.dtype))  # no image, no tokens
+            if (text_only and key.tap in IMAGE_ONLY) or (key.kind == "answer" and key not in res):
+                # no image, no image tokens; one new token, nothing fed back: no answer rows
+                values[key].append(torch.zeros((0, *spec.shape), dtype=lm.dtype))
                 continue
             values[key].append(sample_values(key, res[key], b, lay.first_position, pad_len, n_keep))
     out = {k: (v if specs[k].ragged else torch.stack(v)) for k, v in values.items()}

@@ -16,7 +16,17 @@ See docs/adapters.md for the tap vocabulary and how to add an architecture famil
 """
 
 from .adapters import Adapter, adapter_class, adapter_for, register, supported
-from .capture import CaptureResult, RaggedTokens, capture, capture_generate, hook_points, plan, resolve_tap
+from .capture import (
+    CaptureResult,
+    RaggedTokens,
+    capture,
+    capture_first_token,
+    capture_generate,
+    forward_answer_blockers,
+    hook_points,
+    plan,
+    resolve_tap,
+)
 from .errors import (
     InputError,
     ModelError,
@@ -37,6 +47,7 @@ __all__ = [
     "Adapter", "Batch", "CaptureKey", "CaptureResult", "FinalNorm", "GridSegment", "ImageGeometry", "InputError",
     "LoadedModel", "ModelError", "ModelNotFoundError", "NonFiniteActivationError", "PlanningError", "RaggedTokens", "Readout",
     "SITES", "SampleLayout", "TAPS", "TOKEN_KINDS", "TapError", "TapSpec", "UnknownArchitectureError", "UntrustedCodeError",
-    "adapter_class", "adapter_for", "capture", "capture_generate", "hook_points", "load_model", "open_image", "plan",
+    "adapter_class", "adapter_for", "capture", "capture_first_token", "capture_generate", "forward_answer_blockers",
+    "hook_points", "load_model", "open_image", "plan",
     "prepare_batch", "readout", "register", "resolve_tap", "supported",
 ]

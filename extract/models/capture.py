@@ -493,13 +493,7 @@ def capture_generate(
     """
     points = plan(lm, taps, tokens)
     _check_request(batch, points, generating=True)
-    for p in points:
-        if p.spec.tap == "logits" and "image" in p.kinds:
-            # generate() asks the model for the last position's logits only (logits_to_keep=1)
-            raise TapError(
-                "during generate, logits exist only for the last prompt token and the answer tokens (the model"
-                " computes the last position's logits only): request tokens=('last', 'answer') for the logits tap"
-            )
+    _check_generate_logits(points)
     gen = dict(do_sample=False, max_new_tokens=max_new_tokens)
     gen.update(generate_kwargs)
     with _attention_mode(lm, points) as mode, Recorder(lm, batch, points, mode.base) as rec, torch.inference_mode():
@@ -507,8 +501,14 @@ def capture_generate(
     values, bad = _finish(lm, rec, on_nonfinite)
     generated = sequences[:, batch.seq_len :].cpu()
     texts = lm.processor.tokenizer.batch_decode(generated, skip_special_tokens=True)
-    n_fed = max(generated.shape[1] - 1, 0)
-    layouts = [
+    paths = {_key(p, k): p.path for p in points for k in p.kinds}
+    layouts = _fed_layouts(batch, max(generated.shape[1] - 1, 0))
+    return CaptureResult(values, layouts, paths, bad, sequences.cpu(), generated, texts)
+
+
+def _fed_layouts(batch: Batch, n_fed: int) -> list[SampleLayout]:
+    """The batch's layouts with the ``n_fed`` generated tokens that were fed back as answer positions."""
+    return [
         SampleLayout(
             geometry=lay.geometry,
             image_positions=lay.image_positions,
@@ -519,9 +519,79 @@ def capture_generate(
         )
         for lay in batch.layouts
     ]
-    paths = {_key(p, k): p.path for p in points for k in p.kinds}
-    return CaptureResult(values, layouts, paths, bad, sequences.cpu(), generated, texts)
 
 
 def _key(point: Point, kind: str) -> CaptureKey:
     return point.spec.key(kind)
+
+
+# ------------------------------------------------------------------------------------------------
+# prompt-only generation: the one new token of a greedy generate, from a single forward
+# ------------------------------------------------------------------------------------------------
+# Settings of a generation config that make greedy generate's first token something other than the
+# argmax of the prompt's last logits (each adds a logits processor, or a decoding mode, that can move it),
+# with the value at which it is inert.
+_INERT: dict[str, Any] = {
+    "guidance_scale": (None, 1, 1.0), "sequence_bias": (None,), "encoder_repetition_penalty": (None, 1.0),
+    "repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,), "min_length": (None, 0), "min_new_tokens": (None, 0),
+    "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "remove_invalid_values": (None, False),
+    "exponential_decay_length_penalty": (None,), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
+    "watermarking_config": (None,), "num_beams": (None, 1), "penalty_alpha": (None,), "assistant_model": (None,),
+    "prompt_lookup_num_tokens": (None,),
+}
+
+
+def forward_answer_blockers(lm: LoadedModel) -> list[str]:
+    """Why one forward's argmax would not be greedy ``generate``'s first token for this model: the
+    generation-config settings that add a logits processor or change the decoding mode (empty: none)."""
+    config = getattr(lm.model, "generation_config", None)
+    if config is None:
+        return []
+    out = []
+    for name, inert in _INERT.items():
+        value = getattr(config, name, None)
+        if not any(value is v or (v is not None and value == v) for v in inert):
+            out.append(f"generation_config.{name}={value!r}")
+    return out
+
+
+def _check_generate_logits(points: list[Point]) -> None:
+    for p in points:
+        if p.spec.tap == "logits" and "image" in p.kinds:
+            # generate() asks the model for the last position's logits only (logits_to_keep=1)
+            raise TapError(
+                "during generate, logits exist only for the last prompt token and the answer tokens (the model"
+                " computes the last position's logits only): request tokens=('last', 'answer') for the logits tap"
+            )
+
+
+def capture_first_token(
+    lm: LoadedModel,
+    batch: Batch,
+    taps: Taps,
+    tokens: Sequence[str] = ("image", "last", "answer"),
+    *,
+    on_nonfinite: Literal["raise", "flag"] = "raise",
+) -> CaptureResult:
+    """What :func:`capture_generate` with ``max_new_tokens=1`` returns, from one forward and no ``generate``.
+
+    The one new token is the argmax of the prompt's last logits (greedy, as generate picks it, in float32);
+    no token is fed back, so ``answer`` rows are empty (absent, as after such a generate). Only valid when
+    :func:`forward_answer_blockers` is empty: callers check it.
+    """
+    points = plan(lm, taps, tokens)
+    _check_request(batch, points, generating=True)
+    _check_generate_logits(points)
+    kwargs: dict[str, Any] = dict(batch.inputs, use_cache=False)
+    if _accepts(lm.model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = 1
+    with _attention_mode(lm, points) as mode, Recorder(lm, batch, points, mode.base) as rec, torch.inference_mode():
+        out = lm.model(**kwargs)
+        generated = torch.argmax(out.logits[:, -1, :].float(), dim=-1, keepdim=True)
+    values, bad = _finish(lm, rec, on_nonfinite)
+    generated = generated.cpu()
+    sequences = torch.cat([batch.inputs["input_ids"].cpu(), generated], dim=1)
+    texts = lm.processor.tokenizer.batch_decode(generated, skip_special_tokens=True)
+    paths = {_key(p, k): p.path for p in points for k in p.kinds}
+    return CaptureResult(values, _fed_layouts(batch, 0), paths, bad, sequences, generated, texts)
