@@ -456,23 +456,26 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, 
     batch = prepare_batch(lm, [s.image for s in batch_samples], [s.prompt for s in batch_samples],
                           strings=[s.strings for s in batch_samples], padding_side="left")
     text_only = batch_samples[0].image is None
-    max_new = manifest.generation.max_new_tokens
-    if max_new == "from_stimulus":
-        max_new = max(int(s.params.get("max_new_tokens", 32)) for s in batch_samples)
+    budget = manifest.generation.max_new_tokens
+    max_new = (max(int(s.params.get("max_new_tokens", 32)) for s in batch_samples) if budget == "from_stimulus"
+               else int(budget))
     if path == "forward":
         res = capture_first_token(lm, batch, request, tokens=("image", "last", "answer"), on_nonfinite="raise")
     else:
         res = capture_generate(lm, batch, request, tokens=("image", "last", "answer"), max_new_tokens=max_new,
                                on_nonfinite="raise")
-    n_fed = max(res.generated.shape[1] - 1, 0)
+    generated = res.generated
+    assert generated is not None, "both capture paths return the generated ids"
+    n_fed = max(generated.shape[1] - 1, 0)
     pad_len = batch.seq_len
-    gens, spans, values = [], [], {k: [] for k in specs}
+    gens, spans = [], []
+    values: dict[CaptureKey, list[Any]] = {k: [] for k in specs}
     for b, s in enumerate(batch_samples):
-        n_keep, n_text = answer_length(res.generated[b], stop, n_fed)
-        ids = res.generated[b][:n_text]
+        n_keep, n_text = answer_length(generated[b], stop, n_fed)
+        ids = generated[b][:n_text]
         text = lm.tokenizer.decode(ids, skip_special_tokens=True)
         g = score_answer(s.family, s.task, text, s.answer, s.truth, n_tokens=n_text)
-        gens.append(dataclasses.replace(g, stop_reason=stop_reason(res.generated[b], n_text)))
+        gens.append(dataclasses.replace(g, stop_reason=stop_reason(generated[b], n_text)))
         lay = res.layouts[b]
         spans.append(token_spans(lay, pad_len, n_keep))
         for key, spec in specs.items():
