@@ -36,6 +36,7 @@ GPU, NET, SLOW, SYNOPSIS = "needs a GPU", "needs the network or a cluster", "tak
 NOT_RUN: dict[tuple[str, str], str] = {
     ("README.md", "make demo"): f"{SLOW}: the whole pipeline; this test runs a reduced demo",
     ("README.md", "make test"): f"{SLOW}: the whole test suite, this test included",
+    ("docs/reproductions.md", "make demo"): f"{SLOW}: the whole pipeline; this test runs a reduced demo",
     ("docs/adapters.md", "from extract.models import"): f"{GPU}: loads a 2B model on CUDA",
     ("docs/adapters.md", "from collections.abc import"): f"{SYNOPSIS}: a template module for extract/models/",
     ("docs/interventions.md", "python -m lab.mas"): f"{SLOW}: fine-tunes the toy model (and rewrites its checkpoint)",
