@@ -98,7 +98,13 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
                 rep.problems.append(f"run {run_id}: {stats[0] - stats[3]} sample rows point at unregistered stimuli")
         if status == "running" and run_id not in writing:
             rep.warnings.append(f"run {run_id} is marked running but no writer holds it: it was interrupted; resume it")
-        for info in ws.arrays(run_id):
+        infos = ws.arrays(run_id)
+        if status == "failed":  # its chunks may all check out, and it still is not a whole run
+            done = sum(len(by_array.get((run_id, i.zarr_path), [])) for i in infos)
+            rep.warnings.append(
+                f"run {run_id} failed: {done} of {sum(i.n_chunks for i in infos)} chunk(s) committed; resume it"
+                f" (run its manifest again) or drop it (python -m store drop-run {run_id})")
+        for info in infos:
             rep.arrays += 1
             _check_array(ws, info, status, by_array.get((run_id, info.zarr_path), []), checksums, rep)
     for run_id, name, path, _stored, crc in tensors:

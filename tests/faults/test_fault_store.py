@@ -461,3 +461,21 @@ def test_the_faults_covered_elsewhere_are_still_tested(path):
     text = (REPO / path).read_text()
     for name in COVERED_ELSEWHERE[path]:
         assert f"def {name}(" in text, (path, name)
+
+
+def test_verify_reports_a_failed_run_as_incomplete(tmp_path):
+    """Injects (issue 21, item 8): a run left `failed` (a crash, Ctrl-C). Asserts: verify still
+    checks its chunks and passes them, and says, as a warning, that the run is incomplete, how many
+    of its chunks are committed and how to resume or drop it (before: a silent "ok")."""
+    ws = Workspace.open(tmp_path / "ws")
+    write_run(ws, n=16, chunk=8)
+    import duckdb
+
+    con = duckdb.connect(str(ws.manifest_path))
+    con.execute("UPDATE runs SET status = 'failed'")
+    n = con.execute("SELECT count(*) FROM chunks").fetchone()[0]
+    con.close()
+    rep = Workspace.open(ws.path, readonly=True).verify()
+    assert rep.ok, rep.problems
+    assert (f"run r1 failed: {n} of {n} chunk(s) committed; resume it (run its manifest again) or drop it"
+            " (python -m store drop-run r1)") in rep.warnings
