@@ -369,10 +369,13 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
     dense_images = len(sizes) == 1 and len(with_images) == len(samples)
     check_image_sizes(lm, sizes)
     lens = readout(lm) if manifest.logit_lens else None
-    route = capture_path(lm, manifest, samples)
-    info = run_info(lm, manifest, lens, route)
+    route: tuple[str, str] | None = capture_path(lm, manifest, samples)
     dtype = str(lm.dtype).removeprefix("torch.")
     ws = Workspace.open(where)  # only now: a bad manifest leaves no workspace behind
+    stored = ws.rows("SELECT config FROM runs WHERE run = ?", [manifest.run])
+    if stored and "capture" not in json.loads(stored[0][0] or "{}"):
+        route = None  # a run stored before capture paths were recorded ran generate: resume it as it was
+    info = run_info(lm, manifest, lens, route)
     stop = _stop_ids(lm)
     computed, correct, scored = 0, 0, 0
     with ws.writer(info, shard=manifest.shard) as w:
@@ -396,7 +399,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
             for start in range(rows.start, rows.stop, manifest.batch_size):
                 batch_samples = samples[start : min(start + manifest.batch_size, rows.stop)]
                 for offset, group in _by_modality(batch_samples):
-                    gens, spans, values = _run_batch(lm, group, request, specs, manifest, stop, route[0])
+                    gens, spans, values = _run_batch(lm, group, request, specs, manifest, stop, route[0] if route else "generate")
                     w.write_batch(start + offset, {handles[k]: v for k, v in values.items()}, tokens=spans,
                                   generations=gens)
                     scored += sum(g.correct is not None for g in gens)

@@ -121,3 +121,22 @@ def test_generate_when_the_generation_config_moves_the_token(setting, tiny_lm, t
 def test_path_is_validated(tiny_dir, g2m_set):
     with pytest.raises(ManifestError, match="generation.path"):
         manifest_for(tiny_dir("llava"), g2m_set, "r", path="forward_please")
+
+
+def test_a_run_stored_before_capture_paths_resumes_on_generate(tiny_dir, g2m_set, tmp_path):
+    """A run whose config predates the recorded capture path (it ran ``generate``) is resumed, not
+    refused as a settings change, and goes on as it was: on ``generate``, with no path recorded."""
+    import duckdb
+
+    model = tiny_dir("qwen2_vl")
+    data = tmp_path / "data"
+    run_extraction(manifest_for(model, g2m_set, "old"), workspace=data, progress=False)
+    con = duckdb.connect(str(Workspace.open(data, readonly=True).manifest_path))
+    # what an older agnosia left: no capture key, stopped after its first chunk (2 samples)
+    con.execute("""UPDATE runs SET config = json_merge_patch(config, '{"capture": null}'), status = 'failed'""")
+    con.execute("DELETE FROM chunks WHERE chunk > 0")
+    con.close()
+    summary = run_extraction(manifest_for(model, g2m_set, "old"), workspace=data, progress=False)
+    assert summary.computed == N_SAMPLES - 2
+    ws = Workspace.open(data, readonly=True)
+    assert ws.rows("SELECT status, config->'$.capture' FROM runs") == [("finished", None)]
