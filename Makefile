@@ -61,9 +61,8 @@ extract: setup ## run (or resume) an extraction manifest into $(DATA): make extr
 probes: setup ## train a probe plan's probes on Dask from the stored activations: make probes PLAN=manifests/x.yaml
 	$(PY) -m probes $(PLAN) --data $(DATA)
 
-info: setup ## what the workspace $(DATA) holds: runs, arrays, sizes
+info: setup ## what the workspace $(DATA) holds: runs, arrays, sizes (read only; `make report` writes the report)
 	$(PY) -m store info --data $(DATA)
-	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
 verify: setup ## check every committed chunk of $(DATA) against the manifest (exit 1 on problems)
 	$(PY) -m store verify --data $(DATA)

@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         from store.workspace import resolve_path
 
         check_workspace_target(resolve_path(args.data or manifest.workspace))
+        if args.no_progress:  # no bar at all: transformers' weight-loading bar too
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         print(run_extraction(manifest, workspace=args.data, progress=not args.no_progress, codec=args.codec))
     except (ManifestError, ModelError, StimulusError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
