@@ -57,3 +57,9 @@ def tune_malloc() -> None:
         libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: nothing to undo
+
+
+def as_float32(X: Any) -> np.ndarray:
+    """X as float32, C-ordered and aligned: what every kind computes on."""
+    # Dask may hand over misaligned buffers (docs/design.md#blas-threads-and-dask-buffers); an aligned C copy is cheap.
+    return np.require(np.asarray(X, dtype=np.float32), requirements=["C", "A"])

@@ -22,6 +22,7 @@ Two things make it several times faster than one sklearn fit per probe on one co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -296,3 +297,58 @@ def fit_ridge(X: torch.Tensor, Y: np.ndarray, *, mask: np.ndarray | None = None,
         W[:, :, cols] = w.float()
         B[:, cols] = (ym - torch.bmm(mu, w).squeeze(1)).float()
     return W, B
+
+
+def standardization_stats(X: torch.Tensor, standardize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-feature mean and scale over rows of X [G, m, d] (population std, like StandardScaler)."""
+    if not standardize or X.shape[1] == 0:
+        return torch.zeros(X.shape[0], 1, X.shape[2]), torch.ones(X.shape[0], 1, X.shape[2])
+    mean = X.mean(1, keepdim=True, dtype=torch.float64)
+    var = (X.double() - mean).pow(2).mean(1, keepdim=True)
+    scale = var.sqrt()
+    scale[scale < 1e-8] = 1.0  # constant features stay at zero instead of dividing by ~0
+    return mean.float(), scale.float()
+
+
+class Solved:
+    """Solver output for columns of labels: weights in standardised space, classes per column."""
+
+    def __init__(self, mean, scale, classes, fit, solvable, info):
+        self.mean, self.scale, self.classes, self.fit, self.solvable, self.info = mean, scale, classes, fit, solvable, info
+
+    def weights(self, g: int, col: int) -> tuple[np.ndarray, np.ndarray]:
+        if col in self.solvable:
+            return self.fit.weights(g, self.solvable[col])
+        d = self.mean.shape[-1]
+        return np.zeros((1, d), np.float32), np.zeros(1, np.float32)
+
+    def predict(self, Xs: torch.Tensor) -> list[np.ndarray]:
+        """Original class codes per column, [G, m] each."""
+        G, m = Xs.shape[0], Xs.shape[1]
+        codes = self.fit.predict(Xs) if self.fit is not None else None
+        out = []
+        for col, classes in enumerate(self.classes):
+            if col in self.solvable:
+                assert codes is not None, "a solvable column was fitted"
+                out.append(classes[codes[:, :, self.solvable[col]]])
+            else:
+                out.append(np.full((G, m), classes[0] if len(classes) else -1, dtype=np.int64))
+        return out
+
+
+def solve_columns(Xtr: torch.Tensor, labels: list[np.ndarray], params: Any) -> Solved:
+    """Standardise X [G, m, d] and fit one logistic regression per label column ([m] codes)."""
+    mean, scale = standardization_stats(Xtr, params.standardize)
+    Xs = (Xtr - mean) / scale
+    classes = [np.unique(y[y >= 0]) for y in labels]
+    solvable = {c: i for i, c in enumerate(c for c in range(len(labels)) if len(classes[c]) >= 2)}
+    fit = None
+    info = SolveInfo()
+    if solvable:
+        cols = list(solvable)
+        Y = np.stack([np.searchsorted(classes[c], np.where(labels[c] >= 0, labels[c], classes[c][0])) for c in cols], 1)
+        Y[np.stack([labels[c] < 0 for c in cols], 1)] = -1
+        fit = fit_logistic(Xs, Y, [len(classes[c]) for c in cols], C=params.C, max_iter=params.max_iter,
+                           tol=params.tol, precondition=params.precondition)
+        info = fit.info
+    return Solved(mean, scale, classes, fit, solvable, info)

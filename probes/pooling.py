@@ -7,11 +7,7 @@ from typing import Any
 import numpy as np
 
 from probes.errors import ProbeError
-
-
-def _as_float(X: Any) -> np.ndarray:
-    # Dask may hand over misaligned buffers; an aligned C copy is cheap.
-    return np.require(np.asarray(X, dtype=np.float32), requirements=["C", "A"])
+from probes.features import as_float32
 
 
 def pool(X: Any, how: str) -> np.ndarray:
@@ -23,17 +19,17 @@ def pool(X: Any, how: str) -> np.ndarray:
             raise ProbeError(
                 f"{int((lengths == 0).sum())} samples have no tokens in this ragged array: select them out with where:")
         if how == "mean":
-            return _as_float(np.add.reduceat(vals, offs[:-1], axis=0) / lengths[:, None])
+            return as_float32(np.add.reduceat(vals, offs[:-1], axis=0) / lengths[:, None])
         if how == "max":
-            return _as_float(np.maximum.reduceat(vals, offs[:-1], axis=0))
-        return _as_float(vals[offs[:-1]] if how == "first" else vals[offs[1:] - 1])
+            return as_float32(np.maximum.reduceat(vals, offs[:-1], axis=0))
+        return as_float32(vals[offs[:-1]] if how == "first" else vals[offs[1:] - 1])
     X = np.asarray(X)
     if X.ndim == 2:
-        return _as_float(X)
+        return as_float32(X)
     if X.ndim != 3:
         raise ProbeError(f"pooled reads X [n, T, d] or a Ragged array, got shape {X.shape}")
     if how == "mean":
-        return _as_float(X.mean(1, dtype=np.float32))  # float32 accumulate: fp16 sums overflow
+        return as_float32(X.mean(1, dtype=np.float32))  # float32 accumulate: fp16 sums overflow
     if how == "max":
-        return _as_float(X.max(1))
-    return _as_float(X[:, 0] if how == "first" else X[:, -1])
+        return as_float32(X.max(1))
+    return as_float32(X[:, 0] if how == "first" else X[:, -1])

@@ -22,7 +22,8 @@ from pydantic import Field
 
 from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, PerSample, register_kind
-from probes.kinds.linear import LinearParams, LinearProbe, _solve
+from probes.kinds.linear import LinearParams, LinearProbe
+from probes.logreg import solve_columns
 from probes.splits import control_permutation
 
 REGIMES = ((49, "ID"), (99, "VE"), (None, "FE"))
@@ -59,7 +60,7 @@ class HiddenNumberProbe(LinearProbe):
         Y = self.sample_labels(y, F.shape[1])
         keep = self._train_tokens(Y)
         labels = np.where(keep, Y, -1).reshape(-1)
-        fitted = _solve(torch.from_numpy(F.reshape(1, -1, F.shape[-1])), [labels], self.params)
+        fitted = solve_columns(torch.from_numpy(F.reshape(1, -1, F.shape[-1])), [labels], self.params)
         self._set_state(fitted, 0, 0)
         return self
 

@@ -18,8 +18,9 @@ import torch
 from pydantic import Field
 
 from probes.errors import ProbeError
+from probes.features import as_float32
 from probes.kinds.base import Job, Outcome, PerSample, Probe, ProbeParams, params_json, register_kind
-from probes.logreg import SolveInfo, fit_logistic
+from probes.logreg import Solved, solve_columns
 from probes.splits import control_permutation
 from probes.targets import Shape
 
@@ -30,22 +31,6 @@ class LinearParams(ProbeParams):
     tol: float = Field(1e-4, gt=0, description="stop when every gradient entry is below this")
     standardize: bool = Field(True, description="z-score features with the training rows' statistics")
     precondition: bool = Field(True, description="solve in whitened coordinates (same optimum, fewer iterations)")
-
-
-def _stats(X: torch.Tensor, standardize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-feature mean and scale over rows of X [G, m, d] (population std, like StandardScaler)."""
-    if not standardize or X.shape[1] == 0:
-        return torch.zeros(X.shape[0], 1, X.shape[2]), torch.ones(X.shape[0], 1, X.shape[2])
-    mean = X.mean(1, keepdim=True, dtype=torch.float64)
-    var = (X.double() - mean).pow(2).mean(1, keepdim=True)
-    scale = var.sqrt()
-    scale[scale < 1e-8] = 1.0  # constant features stay at zero instead of dividing by ~0
-    return mean.float(), scale.float()
-
-
-def _as_float(X: Any) -> np.ndarray:
-    # Dask may hand over misaligned buffers (docs/design.md#blas-threads-and-dask-buffers); an aligned C copy is cheap.
-    return np.require(np.asarray(X, dtype=np.float32), requirements=["C", "A"])
 
 
 @register_kind("linear")
@@ -63,7 +48,7 @@ class LinearProbe(Probe):
         if getattr(X, "ndim", 0) != 3:
             raise ProbeError(
                 f"kind {cls.name} reads dense token arrays X [n, T, d]; got {type(X).__name__} {getattr(X, 'shape', '')}")
-        return _as_float(X)
+        return as_float32(X)
 
     @classmethod
     def sample_labels(cls, y: np.ndarray, n_rows: int) -> np.ndarray:
@@ -78,11 +63,11 @@ class LinearProbe(Probe):
     def fit(self, X: Any, y: Any) -> LinearProbe:
         F = self.sample_rows(X, self.params)
         Y = self.sample_labels(y, F.shape[1])
-        fitted = _solve(torch.from_numpy(F.reshape(1, -1, F.shape[-1])), [Y.reshape(-1)], self.params)
+        fitted = solve_columns(torch.from_numpy(F.reshape(1, -1, F.shape[-1])), [Y.reshape(-1)], self.params)
         self._set_state(fitted, 0, 0)
         return self
 
-    def _set_state(self, fitted: _Solved, g: int, col: int) -> None:
+    def _set_state(self, fitted: Solved, g: int, col: int) -> None:
         coef, intercept = fitted.weights(g, col)
         self.state_ = {"mean": fitted.mean[g, 0].numpy(), "scale": fitted.scale[g, 0].numpy(), "coef": coef,
                        "intercept": intercept, "classes": fitted.classes[col]}
@@ -117,50 +102,6 @@ class LinearProbe(Probe):
         return evaluate_batched(cls, Xs, jobs)
 
 
-class _Solved:
-    """Solver output for columns of labels: weights in standardised space, classes per column."""
-
-    def __init__(self, mean, scale, classes, fit, solvable, info):
-        self.mean, self.scale, self.classes, self.fit, self.solvable, self.info = mean, scale, classes, fit, solvable, info
-
-    def weights(self, g: int, col: int) -> tuple[np.ndarray, np.ndarray]:
-        if col in self.solvable:
-            return self.fit.weights(g, self.solvable[col])
-        d = self.mean.shape[-1]
-        return np.zeros((1, d), np.float32), np.zeros(1, np.float32)
-
-    def predict(self, Xs: torch.Tensor) -> list[np.ndarray]:
-        """Original class codes per column, [G, m] each."""
-        G, m = Xs.shape[0], Xs.shape[1]
-        codes = self.fit.predict(Xs) if self.fit is not None else None
-        out = []
-        for col, classes in enumerate(self.classes):
-            if col in self.solvable:
-                assert codes is not None, "a solvable column was fitted"
-                out.append(classes[codes[:, :, self.solvable[col]]])
-            else:
-                out.append(np.full((G, m), classes[0] if len(classes) else -1, dtype=np.int64))
-        return out
-
-
-def _solve(Xtr: torch.Tensor, labels: list[np.ndarray], params: Any) -> _Solved:
-    """Standardise X [G, m, d] and fit one logistic regression per label column ([m] codes)."""
-    mean, scale = _stats(Xtr, params.standardize)
-    Xs = (Xtr - mean) / scale
-    classes = [np.unique(y[y >= 0]) for y in labels]
-    solvable = {c: i for i, c in enumerate(c for c in range(len(labels)) if len(classes[c]) >= 2)}
-    fit = None
-    info = SolveInfo()
-    if solvable:
-        cols = list(solvable)
-        Y = np.stack([np.searchsorted(classes[c], np.where(labels[c] >= 0, labels[c], classes[c][0])) for c in cols], 1)
-        Y[np.stack([labels[c] < 0 for c in cols], 1)] = -1
-        fit = fit_logistic(Xs, Y, [len(classes[c]) for c in cols], C=params.C, max_iter=params.max_iter,
-                           tol=params.tol, precondition=params.precondition)
-        info = fit.info
-    return _Solved(mean, scale, classes, fit, solvable, info)
-
-
 def evaluate_batched(cls: type[LinearProbe], Xs: list[Any], jobs: list[Job]) -> list[list[Outcome]]:
     """Jobs with the same params and split become one solve over all feature sets at once."""
     out: list[list[Outcome | None]] = [[None] * len(jobs) for _ in Xs]
@@ -192,7 +133,7 @@ def evaluate_batched(cls: type[LinearProbe], Xs: list[Any], jobs: list[Job]) -> 
                 cols.append((j, is_control))
                 ytr.append(Y[tr].reshape(-1))
                 yte.append(Y[te].reshape(-1))
-        solved = _solve(Xtr, ytr, params)
+        solved = solve_columns(Xtr, ytr, params)
         preds = solved.predict((Xte - solved.mean) / solved.scale)
         share = solved.info.flops / max(G * len(idx), 1)
         for g in range(G):

@@ -16,8 +16,8 @@ from pydantic import Field
 
 from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, PerSample, register_kind
-from probes.kinds.linear import LinearParams, LinearProbe, _stats, evaluate_batched
-from probes.logreg import fit_ridge
+from probes.kinds.linear import LinearParams, LinearProbe, evaluate_batched
+from probes.logreg import fit_ridge, standardization_stats
 from probes.pooling import pool
 from probes.splits import control_permutation
 
@@ -79,7 +79,7 @@ class PooledProbe(LinearProbe):
         return self
 
     def _fit_ridge(self, Xtr: torch.Tensor, ys: list[np.ndarray], g: int, col: int) -> tuple[Any, Any, Any, Any]:
-        mean, scale = _stats(Xtr, self.params.standardize)
+        mean, scale = standardization_stats(Xtr, self.params.standardize)
         W, B = fit_ridge((Xtr - mean) / scale, np.stack(ys, 1), alpha=self.params.alpha)
         self.state_ = {"mean": mean[g, 0].numpy(), "scale": scale[g, 0].numpy(), "coef": W[g, :, col].numpy()[None],
                        "intercept": B[g, col].numpy()[None], "classes": np.zeros(0, np.int64)}
