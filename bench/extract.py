@@ -23,7 +23,8 @@ print(json.dumps({"seconds": time.perf_counter() - t, "samples": s.samples,
                   "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
-BARE_SNIPPET = """
+# A bare loop over the same samples and batches: no hooks, no store; {step} is one batch's model call.
+_BARE_LOOP = """
 import json, resource, sys, time, torch
 from extract.models import load_model, prepare_batch
 from extract.run import collect_samples
@@ -37,31 +38,14 @@ with torch.inference_mode():
     for i in range(0, len(samples), bs):
         chunk = samples[i:i + bs]
         batch = prepare_batch(lm, [s.image for s in chunk], [s.prompt for s in chunk], padding_side="left")
-        lm.model.generate(**batch.inputs, do_sample=False, max_new_tokens=manifest.generation.max_new_tokens)
-print(json.dumps({"seconds": time.perf_counter() - t, "samples": len(samples),
-                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        {step}
+print(json.dumps({{"seconds": time.perf_counter() - t, "samples": len(samples),
+                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
 """
-
-
-BARE_FORWARD_SNIPPET = """
-import json, resource, sys, time, torch
-from extract.models import load_model, prepare_batch
-from extract.run import collect_samples
-from extract.manifest import parse_manifest
-manifest = parse_manifest(json.loads(sys.argv[1]))
-t = time.perf_counter()
-_, samples = collect_samples(manifest)
-lm = load_model(manifest.model.path, dtype=manifest.model.dtype, device="cpu")
-bs = manifest.batch_size
-with torch.inference_mode():
-    for i in range(0, len(samples), bs):
-        chunk = samples[i:i + bs]
-        batch = prepare_batch(lm, [s.image for s in chunk], [s.prompt for s in chunk], padding_side="left")
-        out = lm.model(**batch.inputs, use_cache=False, logits_to_keep=1)
-        out.logits[:, -1].float().argmax(-1).tolist()
-print(json.dumps({"seconds": time.perf_counter() - t, "samples": len(samples),
-                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-"""
+BARE_SNIPPET = _BARE_LOOP.format(
+    step="lm.model.generate(**batch.inputs, do_sample=False, max_new_tokens=manifest.generation.max_new_tokens)")
+BARE_FORWARD_SNIPPET = _BARE_LOOP.format(
+    step="lm.model(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float().argmax(-1).tolist()")
 
 
 def _python(snippet: str, *args: str) -> dict:
