@@ -424,9 +424,12 @@ def _start(scheduler: str | None, workers: int | None, n_jobs: int, limit: int |
 
     from dask.distributed import Client, LocalCluster
 
+    # Not the process's default client: the farm names its client in every call, and a default
+    # one rewrites dask's global scheduler setting, which a caller's own client (or a farm run in a
+    # thread beside it) then restores out of order, leaving later dask work asking for a closed client.
     cluster = None
     if scheduler:
-        client = Client(scheduler, timeout="30s")
+        client = Client(scheduler, timeout="30s", set_as_default=False)
         if not client.scheduler_info().get("workers"):
             client.wait_for_workers(1, timeout=60)
         info = client.scheduler_info().get("workers", {})
@@ -440,7 +443,7 @@ def _start(scheduler: str | None, workers: int | None, n_jobs: int, limit: int |
         n = workers or max(1, min(os.cpu_count() or 1, n_jobs))
         cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0",
                                silence_logs=logging.ERROR, memory_limit=limit if limit else "auto")
-        client = Client(cluster)
+        client = Client(cluster, set_as_default=False)
         report.workers = n
     return client, cluster
 
@@ -474,7 +477,7 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
         limit = window or max(3 * max(report.workers, 1), 4)
         pending = iter([job for job, specs, _ in work if specs is None])
         by_key: dict[str, GroupJob] = {}
-        ac = as_completed()
+        ac = as_completed(loop=client.loop)  # the farm's client is not the default one
 
         def submit_next() -> bool:
             job = next(pending, None)

@@ -220,8 +220,6 @@ def layers_in_flight(specs: list[SpecGroup], job: GroupJob, limit: int | None) -
 def run_dask(client: Any, job: GroupJob, specs: list[SpecGroup], parts: int, limit: int | None = None) -> GroupResult:
     """Each layer: maps on every worker, merges, one solve, then the score maps; a bounded number
     of layers in flight (:func:`layers_in_flight`). Specs travel to the workers once (scatter)."""
-    from dask.distributed import wait
-
     t0 = time.perf_counter()
 
     def call(fn: Callable[..., Any], *args: Any) -> Any:
@@ -235,7 +233,7 @@ def run_dask(client: Any, job: GroupJob, specs: list[SpecGroup], parts: int, lim
     for i, (spec, info) in enumerate(todo[:k]):
         sols[i] = fit_layer(call, spec, info, parts, job.rows)
     for i, (spec, info) in enumerate(todo):
-        wait([sols[i]])
+        sols[i].exception()  # blocks until layer i is solved (or failed: gather raises it below)
         if i + k < len(todo):
             nspec, ninfo = todo[i + k]
             sols[i + k] = fit_layer(call, nspec, ninfo, parts, job.rows)
