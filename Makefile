@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.agnosia-installed
 DATA   ?= data
-STIMULI ?= stimuli
+STIMULI ?= sets
 # Stimulus sets written by `make stimuli` (small: seconds on 2 cores).
 STIMULI_ARGS ?= --seed 0
 
@@ -52,8 +52,8 @@ test-fast: setup ## the quick loop: every test not marked slow or browser
 faults: setup ## the fault-injection suite alone (kill -9, full disk, dead Dask workers, damaged files; docs/reliability.md)
 	$(PY) -m pytest -q tests/faults
 
-stimuli: setup ## write a small set of each stimulus family to $(STIMULI)/ (manifests' stimuli/... sets are read from there)
-	$(PY) -m extract.stimuli all --out $(STIMULI) $(STIMULI_ARGS)
+stimuli: setup ## write a small set of each stimulus family to $(STIMULI)/ (the manifests' sets/... are read from there)
+	$(PY) -m stimuli all --out $(STIMULI) $(STIMULI_ARGS)
 
 extract: setup ## run (or resume) an extraction manifest into $(DATA): make extract MANIFEST=manifests/x.yaml
 	$(PY) -m extract $(MANIFEST) --data $(DATA) --stimuli-root $(STIMULI)
@@ -88,7 +88,7 @@ variants: setup ## the interventions on the toy model as variant runs into $(DAT
 	$(PY) -m queries head_overlap --data $(DATA) --param a=toy-heads-visual --param b=toy-heads-text
 
 g2m: setup ## the G2M toy over grids of N = 6 (trained), 8 and 10 into $(DATA): extraction, spatial probes, the gap
-	for n in 6 8 10; do $(PY) -m extract.stimuli g2m --out $(STIMULI)/g2m-toy-n$$n --n 16 --grid-sizes $$n \
+	for n in 6 8 10; do $(PY) -m stimuli g2m --out $(STIMULI)/g2m-toy-n$$n --n 16 --grid-sizes $$n \
 	  --colors 3 --image-size $$((8 * n)) --seed 30000 --overwrite || exit 1; done
 	$(PY) -m extract manifests/demo-g2m.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
 	$(PY) -m probes manifests/probes-demo-g2m.yaml --data $(DATA) --no-progress
@@ -98,8 +98,8 @@ report: setup ## write the HTML report of $(DATA) to $(REPORT)/index.html
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
 demo: setup ## the whole pipeline on the committed toy model: stimuli, extraction, probes, queries, report
-	$(PY) -m extract.stimuli all --out $(STIMULI) $(STIMULI_ARGS)
-	$(PY) -m extract.stimuli go --preset small --variation mild --n 4 --seed 1 --out $(STIMULI)/go-toy --overwrite
+	$(PY) -m stimuli all --out $(STIMULI) $(STIMULI_ARGS)
+	$(PY) -m stimuli go --preset small --variation mild --n 4 --seed 1 --out $(STIMULI)/go-toy --overwrite
 	$(PY) -m extract manifests/demo.yaml --data $(DATA) --stimuli-root $(STIMULI)
 	$(PY) -m probes manifests/probes-demo.yaml --data $(DATA) --no-progress
 	$(PY) -m queries counting_regimes --data $(DATA)

@@ -55,8 +55,8 @@ def _python(snippet: str, *args: str) -> dict:
 
 def main(quick: bool = False) -> None:
     from extract.models import tiny
-    from extract.stimuli import get_family
-    from extract.stimuli.io import write_set
+    from stimuli import get_family
+    from stimuli.io import write_set
 
     n = 16 if quick else 64
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,8 +113,8 @@ def prompt_only(quick: bool = False, rounds: int = 3) -> None:
     from statistics import median
 
     from extract.models import tiny
-    from extract.stimuli import get_family
-    from extract.stimuli.io import write_set
+    from stimuli import get_family
+    from stimuli.io import write_set
 
     n = 8 if quick else 32
     with tempfile.TemporaryDirectory() as tmp:

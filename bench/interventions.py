@@ -19,8 +19,8 @@ TOY = Path(__file__).resolve().parents[1] / "lab" / "checkpoints" / "toy-counter
 def main(quick: bool) -> None:
     from extract.interventions.heads import ablate, head_site
     from extract.models import load_model, prepare_batch
-    from extract.stimuli import get_family
-    from extract.stimuli.io import read_set, write_set
+    from stimuli import get_family
+    from stimuli.io import read_set, write_set
 
     torch.set_num_threads(1)
     n, batch = (16, 8) if quick else (64, 32)

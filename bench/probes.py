@@ -372,10 +372,10 @@ def demo_store(tmp: Path) -> Path:
         return tmp / "demo"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     sets = tmp / "stimuli"
-    subprocess.run([sys.executable, "-m", "extract.stimuli", "go", "--preset", "small", "--variation", "mild", "--n", "4",
+    subprocess.run([sys.executable, "-m", "stimuli", "go", "--preset", "small", "--variation", "mild", "--n", "4",
                     "--seed", "1", "--out", str(sets / "go-toy"), "--overwrite"], check=True, env=env, cwd=REPO,
                    capture_output=True)
-    manifest = (REPO / "manifests" / "demo.yaml").read_text().replace("stimuli/go-toy", str(sets / "go-toy"))
+    manifest = (REPO / "manifests" / "demo.yaml").read_text().replace("sets/go-toy", str(sets / "go-toy"))
     (tmp / "demo.yaml").write_text(manifest)
     subprocess.run([sys.executable, "-m", "extract", str(tmp / "demo.yaml"), "--data", str(tmp / "demo")], check=True,
                    env=env, cwd=REPO, capture_output=True)

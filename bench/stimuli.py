@@ -6,9 +6,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from extract.stimuli import get_family
-from extract.stimuli.g2m import PAPER_GRID_SIZES
-from extract.stimuli.io import write_set
+from stimuli import get_family
+from stimuli.g2m import PAPER_GRID_SIZES
+from stimuli.io import write_set
 
 
 def main(quick: bool = False) -> None:

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                         " CUDA_VISIBLE_DEVICES=I): together they write the run once, into one workspace")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--stimuli-root", default=None, metavar="DIR",
-                        help="read the manifest's stimuli/... sets from DIR instead (where `make stimuli STIMULI=DIR`"
+                        help="read the manifest's sets/... folders from DIR instead (where `make stimuli STIMULI=DIR`"
                         " wrote them); other set paths are kept")
     from extract.dry_run import Hardware
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--disk-mbps", type=float, default=hw.disk_mbps, help=f"store write rate, MB/s (default {hw.disk_mbps:g})")
     args = parser.parse_args(argv)
     from extract.models.errors import ModelError
-    from extract.stimuli.base import StimulusError
+    from stimuli.base import StimulusError
     from store import StoreError
 
     try:

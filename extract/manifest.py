@@ -7,7 +7,7 @@ model:
   dtype: float32                  # float32 | float16 | bfloat16
   device: cpu
 stimuli:
-  - set: stimuli/g2m              # a folder written by `python -m extract.stimuli`
+  - set: sets/g2m              # a folder written by `python -m stimuli`
     task: transcribe              # which of the set's prompts to ask (default: the first)
 taps:
   - {tap: vision, layers: all, tokens: [image]}
@@ -311,11 +311,11 @@ def load_manifest(path: str | Path) -> Manifest:
     return parse_manifest(data, str(path))
 
 
-STIMULI_DIR = "stimuli"  # the folder `make stimuli` writes and the repository's manifests name
+STIMULI_DIR = "sets"  # the folder `make stimuli` writes and the repository's manifests name
 
 
 def with_stimuli_root(manifest: Manifest, root: str | Path) -> Manifest:
-    """The manifest with each relative set path under ``stimuli/`` read from ``root`` instead
+    """The manifest with each relative set path under ``sets/`` read from ``root`` instead
     (``python -m extract M --stimuli-root DIR``, ``make demo STIMULI=DIR``); other paths unchanged.
     Stimulus keys are ``<set folder name>/<id>``, so the run's rows keep their keys."""
     moved = []

@@ -56,8 +56,8 @@ from extract.models import (
 from extract.models.errors import InputError
 from extract.models.layout import Grid, SampleLayout
 from extract.scoring import score_answer
-from extract.stimuli import get_family
-from extract.stimuli.io import read_set
+from stimuli import get_family
+from stimuli.io import read_set
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
 IMAGE_ONLY = ("vision", "projector")
@@ -148,7 +148,7 @@ def image_sizes(samples: list[Sample]) -> dict[tuple[int, int], Sample]:
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:  # missing, unparsable, a bomb
             raise InputError(
                 f"image {str(s.image)!r} of stimulus {s.key} cannot be read ({type(err).__name__}: {err}):"
-                " regenerate the set (`python -m extract.stimuli ... --overwrite`) or replace the file, then"
+                " regenerate the set (`python -m stimuli ... --overwrite`) or replace the file, then"
                 " re-run the same command"
             ) from err
     return sizes

@@ -4,7 +4,7 @@ Plans the full Grid2Matrix sweep (the study's N = 3..64 by C = 3..10, 100 grids 
 6,400 stimuli) for the committed config-only model folders in ``manifests/configs/`` with the same
 code as ``python -m extract MANIFEST --dry-run`` (:func:`extract.dry_run.plan_run`), without
 writing the 6,400 images: each stimulus's image size, prompt and answer budget come from
-``extract.stimuli.g2m`` exactly as its generator makes them (tested against a written set).
+``stimuli.g2m`` exactly as its generator makes them (tested against a written set).
 
     python -m extract.scale_table [--n 100] [--batch-size 8] [--gpu-tflops 400] [--gpu-bandwidth-gbs 3000]
                                   [--step-ms-per-layer 1.0] [--disk-mbps 1000]
@@ -20,7 +20,7 @@ from typing import Any
 
 from extract.dry_run import Hardware, PlanSample, RunPlan, meta_model, plan_run
 from extract.manifest import Manifest, parse_manifest
-from extract.stimuli import g2m
+from stimuli import g2m
 from store.plan import human
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +70,7 @@ def variants(n_llm: int) -> list[Variant]:
 def manifest(model: Path, variant: Variant, batch_size: int, chunk_samples: int = 64) -> Manifest:
     data: dict[str, Any] = {
         "run": "scale", "model": {"path": str(model), "dtype": "bfloat16", "device": "cuda"},
-        "stimuli": [{"set": "stimuli/g2m-sweep"}], "taps": variant.taps,
+        "stimuli": [{"set": "sets/g2m-sweep"}], "taps": variant.taps,
         "generation": {"max_new_tokens": "from_stimulus"}, "batch_size": batch_size, "chunk_samples": chunk_samples,
     }
     if variant.attention:

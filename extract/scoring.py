@@ -1,11 +1,11 @@
 """Parse and score a generated answer against a stimulus' truth, the way each study does.
 
 One entry point, :func:`score_answer`: it looks the family up in the registry
-(:mod:`extract.stimuli`), reads the truth through the family's :class:`~extract.stimuli.Truth`
+(:mod:`stimuli`), reads the truth through the family's :class:`~stimuli.Truth`
 schema and calls the family's ``score``. The parsers live with their families: each family
 module's ``score_answer`` says which parser it uses and when an answer is right (e.g. g2m: the
 ``parse_grid`` cascade, right when the whole grid matches; go ``*_num``: the joined digits equal
-the count); the shared parsers are in :mod:`extract.stimuli.answers`.
+the count); the shared parsers are in :mod:`stimuli.answers`.
 
 A family without a ``score`` of its own is scored by exact match of the stripped text, which
 its ``Family`` declares (``exact_match``, the default); an unregistered family fails loudly.
@@ -19,8 +19,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from extract.stimuli import Score, get_family
-from extract.stimuli.answers import parse_bool
+from stimuli import Score, get_family
+from stimuli.answers import parse_bool
 from store import Generation
 
 __all__ = ["parse_bool", "score_answer"]
@@ -33,7 +33,7 @@ def score_answer(family: str, task: str, text: str, answer: str, truth: dict[str
     A scorer that raises anyway (a bug) does not abort the run: the answer is recorded as
     unparsable, with ``metrics["parse_error"]`` naming the exception, and a RuntimeWarning says
     so. The family and its truth are read outside that guard, so an unknown family or a truth
-    without a key the family's schema declares still fails loudly (:class:`~extract.stimuli.TruthError`).
+    without a key the family's schema declares still fails loudly (:class:`~stimuli.TruthError`).
     """
     fam = get_family(family)
     typed = fam.read_truth(truth)

@@ -68,7 +68,7 @@ def render(checkpoint: Path, result: dict[str, Any], commands: list[str], notes:
         "",
         f"`python -m lab.evaluate {checkpoint.name and 'lab/checkpoints/' + checkpoint.name}"
         f" --per-count {spec['per_count']} --variation {spec['variation']}`: fresh boards from"
-        f" `extract.stimuli.goboard` (preset small, variation `{spec['variation']}`, seed {spec['seed']},"
+        f" `stimuli.goboard` (preset small, variation `{spec['variation']}`, seed {spec['seed']},"
         f" {spec['per_count']} boards per count 0..120), greedy decoding through `generate`, {cap_note(spec)}.",
         "",
         markdown(result),
@@ -104,7 +104,7 @@ def render_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | N
         "",
         "The counting lab's architecture (`model_type: toy_counter`, `import lab` registers the Auto",
         "classes) trained to transcribe N x N grids of the project's G2M stimuli",
-        "(`extract.stimuli.g2m`: palette, matrix rule, outline, the study's prompt) for small N only,",
+        "(`stimuli.g2m`: palette, matrix rule, outline, the study's prompt) for small N only,",
         "then evaluated on larger N. See `docs/toy-lab.md` (section G2M) for the recipe.",
         "",
         f"- parameters: {train['parameters']:,}; `model.safetensors` {size / 1024:.0f} KiB",
@@ -135,7 +135,7 @@ def render_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | N
         "## Evaluation",
         "",
         f"`python -m lab.g2m evaluate lab/checkpoints/{checkpoint.name} --per-n {spec['per_n']}`: per N,"
-        f" {spec['per_n']} fresh grids from `extract.stimuli.g2m` (seeds {spec['seed']}..), greedy decoding"
+        f" {spec['per_n']} fresh grids from `stimuli.g2m` (seeds {spec['seed']}..), greedy decoding"
         " through `generate` (budget N² + 8 tokens), scored by `g2m.score`. The probe is a per-token"
         " linear classifier (StandardScaler + LogisticRegression) on the ViT output tokens (`vision.norm`,"
         f" the projector input), trained per N on {spec['probe_grids']} other grids (seeds"

@@ -1,6 +1,6 @@
 """Training batches for the decoupled curriculum, drawn fresh every step.
 
-Boards follow the Go-board family (``extract.stimuli.goboard``): the same label rule (exact black
+Boards follow the Go-board family (``stimuli.goboard``): the same label rule (exact black
 count, white count ``min(U[max(0,n-R), n+R], cells-n)``, black placed first on a random
 permutation) and the same appearance styles (``goboard.VARIATIONS``). Rendering is vectorised in
 torch because drawing 128 PIL boards per step would cost more than the model's own step on two
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from extract.stimuli import goboard as G
+from stimuli import goboard as G
 
 from . import tokenizer as T
 from .processor import ToyCounterProcessor, answer_suffix, prompt

@@ -1,6 +1,6 @@
 """Evaluate a toy-counter checkpoint the way the model card reports it: ``python -m lab.evaluate CKPT``.
 
-On fresh Go boards from ``extract.stimuli.goboard`` (never the training renderer) it measures, per
+On fresh Go boards from ``stimuli.goboard`` (never the training renderer) it measures, per
 regime (ID 0-49, VE 50-99, FE 100-120):
 
 - greedy accuracy of the four tasks: visual count, text count, visual-vs-text "same number?"
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from extract.run import answer_length, eos_ids, stop_reason
-from extract.stimuli import goboard as G
-from extract.stimuli.answers import parse_digit_string
+from stimuli import goboard as G
+from stimuli.answers import parse_digit_string
 from store.records import ANSWER_KINDS, answer_kind
 
 from .processor import prompt

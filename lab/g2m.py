@@ -4,7 +4,7 @@ The toy VLM of ``lab/`` (same architecture, same word-level tokenizer plus the w
 prompt) learns to transcribe N x N grids of C colours for small N only (``lab/toy-g2m.yaml``:
 N = 3..6, C = 3) and is evaluated on larger N:
 
-- stimuli are the project's own G2M grids (``extract.stimuli.g2m``: matrix rule, palette,
+- stimuli are the project's own G2M grids (``stimuli.g2m``: matrix rule, palette,
   outline, the study's prompt), drawn at ``N * patch`` px so that one ViT token covers one cell;
 - the answer is the N**2 colour indices in raster order, one digit token each (``"0 2 1 ..."``),
   which the study's parser (``g2m.parse_grid``, step 3: all integers, exactly H*W) reads as the
@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from extract.stimuli import g2m as G
-from extract.stimuli.base import Stimulus
+from stimuli import g2m as G
+from stimuli.base import Stimulus
 
 from . import DEFAULT_CHECKPOINT
 from . import tokenizer as T

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import string
 
-from extract.stimuli.goboard import QUESTIONS
+from stimuli.goboard import QUESTIONS
 
 BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
 USER_START, USER_END = "<|user_start|>", "<|user_end|>"
@@ -49,12 +49,12 @@ def _pre_tokenizer():
 
 
 def g2m_words() -> list[str]:
-    """Pieces of the G2M study prompt (``extract.stimuli.g2m.prompt``) for every C, first-seen order.
+    """Pieces of the G2M study prompt (``stimuli.g2m.prompt``) for every C, first-seen order.
 
     Added after the counting vocabulary (``build_tokenizer(extra_words=g2m_words())``), so the toy
     reads the study's own prompt word by word; grid sizes and colour indices are digits already.
     """
-    from extract.stimuli import g2m
+    from stimuli import g2m
 
     seen: list[str] = []
     for colors in range(g2m.MIN_COLORS, g2m.MAX_COLORS + 1):

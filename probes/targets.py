@@ -258,7 +258,7 @@ def _uniform_grid(name: str, rows: Sequence[SampleInfo], grid_of: Callable[[Samp
 
 # ----------------------------------------------------------------------------- built-in targets
 
-GO_CLASSES = ("black", "white", "empty")  # extract/stimuli/goboard.py: BLACK, WHITE, EMPTY = 0, 1, 2
+GO_CLASSES = ("black", "white", "empty")  # stimuli/goboard.py: BLACK, WHITE, EMPTY = 0, 1, 2
 
 
 def typed_truth(row: SampleInfo, family: str) -> Any | None:
@@ -266,7 +266,7 @@ def typed_truth(row: SampleInfo, family: str) -> Any | None:
     if row.family != family:
         return None
     # Imported here, not at the top: importing probes must not load the extraction package.
-    from extract.stimuli import StimulusError, get_family
+    from stimuli import StimulusError, get_family
 
     try:
         return get_family(family).read_truth(row.truth, row.stimulus)

@@ -5,7 +5,7 @@ Write (the extraction stage)::
     from store import Workspace, RunInfo, ArraySpec, TokenSpans, Generation
     ws = Workspace.open("data")
     with ws.writer(RunInfo(run="r1", model="Qwen/Qwen2-VL-2B-Instruct", dtype="bfloat16")) as w:
-        w.set_samples(w.register_stimulus_set("stimuli/g2m"))
+        w.set_samples(w.register_stimulus_set("sets/g2m"))
         a = w.array(ArraySpec(tap="llm", layer=12, tokens="image", shape=(64, 1536), dtype="bfloat16"))
         for rows in w.todo():
             ...

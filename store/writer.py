@@ -3,7 +3,7 @@
 Life of a run (what the extraction stage calls)::
 
     with ws.writer(RunInfo(run="qwen2vl-g2m", model=..., ...)) as w:    # takes the workspace lock
-        keys = w.register_stimulus_set("stimuli/g2m")                   # idempotent
+        keys = w.register_stimulus_set("sets/g2m")                   # idempotent
         w.set_samples(keys)                                              # row i of every array = keys[i]
         img = w.array(ArraySpec(tap="llm", layer=12, tokens="image", shape=(64, 1536), dtype="bfloat16"))
         for rows in w.todo():                                            # only what is not committed yet
@@ -503,7 +503,7 @@ class Writer:
         truth = folder / "truth.parquet"
         if not truth.is_file():
             raise StoreError(
-                f"{folder} is not a stimulus set (expected {truth}): write one with `python -m extract.stimuli`"
+                f"{folder} is not a stimulus set (expected {truth}): write one with `python -m stimuli`"
             )
         rows = pq.read_table(truth).to_pylist()
         return self.register_stimuli(rows, dataset=dataset or folder.name, set_path=folder.resolve())

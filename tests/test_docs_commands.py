@@ -4,7 +4,7 @@ demo workspace, so the docs cannot go stale again.
 The workspace is a reduced `make demo` (the same manifests over 31 Go boards, counts 0, 4, ..,
 120, instead of 484; of the variant runs only the two head ablations, and no G2M toy: no
 documented command reads the others), built once per session in a
-folder laid out like a checkout: `data/`, `stimuli/`, `manifests/` and `lab/` (linked to the
+folder laid out like a checkout: `data/`, `sets/`, `manifests/` and `lab/` (linked to the
 repository's), `.venv/bin/python` and `python` on PATH (this interpreter). Commands run there in
 document order, each in its own process.
 
@@ -46,7 +46,7 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/probes.md", "DASK_SCHEDULER_ADDRESS="): f"{NET}: a Dask scheduler on another host",
     ("docs/scale.md", "python -m extract MANIFEST"): f"{SYNOPSIS}: MANIFEST stands for a manifest",
     ("docs/scale.md", "python -m extract.dry_run MANIFEST"): f"{SYNOPSIS}: MANIFEST and [options]",
-    ("docs/scale.md", "python -m extract.stimuli g2m --out stimuli/g2m-sweep"): f"{SLOW}: 6400 grids up to 64 x 64",
+    ("docs/scale.md", "python -m stimuli g2m --out sets/g2m-sweep"): f"{SLOW}: 6400 grids up to 64 x 64",
     ("docs/scale.md", "dask scheduler"): f"{NET}: a Dask cluster on other hosts",
     ("docs/scale.md", "dask worker"): f"{NET}: a Dask cluster on other hosts",
     ("docs/scale.md", "python -m probes manifests/probes-g2m.yaml --data /shared"): f"{NET}: a Dask cluster",
@@ -63,7 +63,7 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/toy-lab.md", "python -m lab.evaluate"): f"{SLOW}: evaluates the checkpoint over every count",
     ("docs/toy-lab.md", "python -m lab.g2m evaluate [CHECKPOINT]"): f"{SYNOPSIS}: [CHECKPOINT] and [options]",
     ("docs/toy-lab.md", "python -m lab.g2m card CHECKPOINT"): f"{SYNOPSIS}: CHECKPOINT stands for a folder",
-    ("docs/stimuli/counting-tricks.md", "python -m extract.stimuli counting --out stimuli/counting --n 200"):
+    ("docs/stimuli/counting-tricks.md", "python -m stimuli counting --out sets/counting --n 200"):
         f"{SLOW}: 6400 scenes",
 }
 STALE: dict[tuple[str, str], str] = {
@@ -157,9 +157,9 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     env.update(PATH=f"{root / 'bin'}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(REPO), TQDM_DISABLE="1")
     counts = ",".join(str(c) for c in range(0, 121, 4))
     steps = [
-        "python -m extract.stimuli all --out stimuli --seed 0",
-        f"python -m extract.stimuli go --preset small --variation mild --counts {counts} --n 1 --seed 1"
-        " --out stimuli/go-toy",
+        "python -m stimuli all --out sets --seed 0",
+        f"python -m stimuli go --preset small --variation mild --counts {counts} --n 1 --seed 1"
+        " --out sets/go-toy",
         "python -m extract manifests/demo.yaml --data data --no-progress",
         "python -m probes manifests/probes-demo.yaml --data data --no-progress",
         *(f"python -m extract manifests/demo-{m}.yaml --data data --no-progress"

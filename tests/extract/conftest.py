@@ -56,8 +56,8 @@ def spatial_run(tiny_dir, tmp_path_factory):
 
     from extract.manifest import parse_manifest
     from extract.run import run_extraction
-    from extract.stimuli import get_family
-    from extract.stimuli.io import write_set
+    from stimuli import get_family
+    from stimuli.io import write_set
 
     family = get_family("spatial")
     stimuli = write_set(family, family.config(image_size=112), n=4, seed=0, split="test",

@@ -37,8 +37,8 @@ import torch
 
 from extract.manifest import parse_manifest
 from extract.run import run_extraction
-from extract.stimuli import get_family
-from extract.stimuli.io import write_set
+from stimuli import get_family
+from stimuli.io import write_set
 from store import Workspace
 
 DEVICE = os.environ.get("AGNOSIA_ACCEL_DEVICE", "cuda")

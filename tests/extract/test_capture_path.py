@@ -13,8 +13,8 @@ from devices import REDUCED, allclose, model_config
 
 from extract.manifest import ManifestError, parse_manifest
 from extract.run import capture_path, collect_samples, run_extraction
-from extract.stimuli import get_family
-from extract.stimuli.io import write_set
+from stimuli import get_family
+from stimuli.io import write_set
 from store import Workspace
 
 N_SAMPLES = 6  # batches of 4 and 2: left padding inside a batch, and a short last batch

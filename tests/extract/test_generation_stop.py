@@ -13,8 +13,8 @@ from devices import model_config
 from extract.manifest import parse_manifest
 from extract.models import prepare_batch
 from extract.run import collect_samples, run_extraction
-from extract.stimuli import get_family
-from extract.stimuli.io import write_set
+from stimuli import get_family
+from stimuli.io import write_set
 from store import Workspace
 
 STEPS = 8

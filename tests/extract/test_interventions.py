@@ -14,8 +14,8 @@ from extract.manifest import ManifestError, RopeScalingSpec, parse_manifest
 from extract.models import capture, prepare_batch
 from extract.models.errors import ModelError
 from extract.run import _stop_ids, run_extraction
-from extract.stimuli import get_family
-from extract.stimuli.io import write_set
+from stimuli import get_family
+from stimuli.io import write_set
 from store import Workspace
 
 TOY = "lab/checkpoints/toy-counter"

@@ -6,7 +6,7 @@ import pytest
 
 from extract.manifest import ManifestError, expand_layers, load_manifest, parse_manifest
 
-BASE = {"run": "demo", "model": {"path": "models/tiny"}, "stimuli": [{"set": "stimuli/g2m"}]}
+BASE = {"run": "demo", "model": {"path": "models/tiny"}, "stimuli": [{"set": "sets/g2m"}]}
 
 
 def with_(**changes):

@@ -10,10 +10,10 @@ import textwrap
 
 from devices import model_config
 
-import extract.stimuli as stimuli
+import stimuli as stimuli
 from extract.manifest import parse_manifest
 from extract.run import run_extraction
-from extract.stimuli.cli import main as stimuli_cli
+from stimuli.cli import main as stimuli_cli
 from probes.targets import SampleInfo, get_target, typed_truth
 from store import Workspace
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from extract.stimuli.base import Family, Score, Stimulus, Truth, option
+from stimuli.base import Family, Score, Stimulus, Truth, option
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from extract.dry_run import (
 from extract.manifest import parse_manifest
 from extract.models import PlanningError, prepare_batch
 from extract.scale_table import MODELS, g2m_sweep
-from extract.stimuli import g2m, get_family
-from extract.stimuli.io import read_set, write_set
+from stimuli import g2m, get_family
+from stimuli.io import read_set, write_set
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "manifests" / "configs"

@@ -14,8 +14,8 @@ from devices import allclose, load, model_config, numpy
 from extract.manifest import ManifestError, parse_manifest
 from extract.models import prepare_batch
 from extract.run import run_extraction
-from extract.stimuli import get_family
-from extract.stimuli.io import write_set
+from stimuli import get_family
+from stimuli.io import write_set
 from store import Workspace
 
 N_SAMPLES = 6

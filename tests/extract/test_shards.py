@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
-from extract.stimuli import get_family
-from extract.stimuli.io import write_set
+from stimuli import get_family
+from stimuli.io import write_set
 from store import Workspace
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
-"""`make demo STIMULI=/elsewhere`: the demo manifests name `stimuli/...` sets, and
+"""`make demo STIMULI=/elsewhere`: the demo manifests name `sets/...` sets, and
 `python -m extract M --stimuli-root DIR` reads them from DIR (issue: the variable did nothing but
-break the demo, whose manifests hard-code `stimuli/`)."""
+break the demo, whose manifests hard-code `sets/`)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ import sys
 from pathlib import Path
 
 from extract.manifest import load_manifest, parse_manifest, with_stimuli_root
-from extract.stimuli import get_family
-from extract.stimuli.io import write_set
+from stimuli import get_family
+from stimuli.io import write_set
 from store import Workspace
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_only_sets_under_stimuli_move():
+def test_only_sets_under_the_sets_folder_move():
     m = parse_manifest({"run": "r", "model": {"path": "m"}, "stimuli": [
-        {"set": "stimuli/go-toy"}, {"set": "/abs/stimuli/g2m"}, {"set": "other/set"}, {"set": "stimuli"}]})
+        {"set": "sets/go-toy"}, {"set": "/abs/sets/g2m"}, {"set": "other/set"}, {"set": "sets"}]})
     moved = [s.set for s in with_stimuli_root(m, "/elsewhere").stimuli]
-    assert moved == ["/elsewhere/go-toy", "/abs/stimuli/g2m", "other/set", "stimuli"]
-    assert [s.set for s in with_stimuli_root(m, "stimuli").stimuli] == [s.set for s in m.stimuli]  # the default
+    assert moved == ["/elsewhere/go-toy", "/abs/sets/g2m", "other/set", "sets"]
+    assert [s.set for s in with_stimuli_root(m, "sets").stimuli] == [s.set for s in m.stimuli]  # the default
 
 
 def test_make_passes_stimuli_to_every_extraction_of_the_demo():
@@ -36,8 +36,8 @@ def test_make_passes_stimuli_to_every_extraction_of_the_demo():
     for line in calls:
         assert "--stimuli-root /elsewhere" in line, line
         manifest = load_manifest(REPO / re.search(r"manifests/\S+\.yaml", line).group(0))
-        assert all(s.set.startswith("stimuli/") for s in manifest.stimuli), line  # so the root applies
-    writes = [line for line in out.stdout.splitlines() if "-m extract.stimuli" in line]
+        assert all(s.set.startswith("sets/") for s in manifest.stimuli), line  # so the root applies
+    writes = [line for line in out.stdout.splitlines() if "-m stimuli" in line]
     assert writes and all("--out /elsewhere" in line for line in writes)
 
 

@@ -12,9 +12,9 @@ from extract.manifest import ManifestError, parse_manifest
 from extract.models import capture, prepare_batch
 from extract.models.errors import InputError
 from extract.run import run_extraction
-from extract.stimuli import get_family
-from extract.stimuli.goboard import task_inputs
-from extract.stimuli.io import write_set
+from stimuli import get_family
+from stimuli.goboard import task_inputs
+from stimuli.io import write_set
 from store import Workspace
 
 TOY = "lab/checkpoints/toy-counter"

@@ -72,7 +72,7 @@ def wait_for(predicate: Any, timeout: float = 60, step: float = 0.02) -> Any:
 
 def go_set(out: Path, counts: str, seed: int = 1) -> Path:
     """Small Go boards (11x11, 88 px) through the real CLI: one board per count."""
-    got = python("-m", "extract.stimuli", "go", "--out", str(out), "--preset", "small", "--variation", "mild",
+    got = python("-m", "stimuli", "go", "--out", str(out), "--preset", "small", "--variation", "mild",
                  "--counts", counts, "--n", "1", "--seed", str(seed))
     assert got.returncode == 0, got.stderr
     return out

@@ -18,7 +18,7 @@ from store import Workspace
 GOOD = {
     "run": "toy",
     "model": {"path": str(TOY_MODEL), "dtype": "float32", "device": "cpu"},
-    "stimuli": [{"set": "stimuli/go-toy", "task": "multimodal_num"}],
+    "stimuli": [{"set": "sets/go-toy", "task": "multimodal_num"}],
     "taps": [{"tap": "llm", "layers": [-1], "tokens": ["image", "last"]}],
     "batch_size": 2,
 }
@@ -36,8 +36,8 @@ CASES = {
     "not a mapping": ("- run: toy\n", ["expected a YAML mapping at the top level, got list"]),
     "truncated file": (GOOD_TEXT[: GOOD_TEXT.index("stimuli:")], ["stimuli: required key is missing"]),
     "empty file": ("", ["expected a YAML mapping at the top level, got NoneType"]),
-    "set listed twice": (GOOD_TEXT.replace("stimuli:\n", "stimuli:\n- set: stimuli/go-toy\n"),
-                         ["stimuli.1: set stimuli/go-toy is already listed as stimuli.0", "list the set once"]),
+    "set listed twice": (GOOD_TEXT.replace("stimuli:\n", "stimuli:\n- set: sets/go-toy\n"),
+                         ["stimuli.1: set sets/go-toy is already listed as stimuli.0", "list the set once"]),
     "two sets of one name": (GOOD_TEXT.replace("stimuli:\n", "stimuli:\n- set: elsewhere/go-toy\n"),
                              ["are both named 'go-toy'", "rename one folder"]),
 }
@@ -80,15 +80,15 @@ def test_malformed_manifest_through_the_real_command(tmp_path):
 def test_manifest_naming_a_missing_stimulus_set(tmp_path):
     """Injects: a manifest whose stimulus set folder does not exist, run by a real `python -m
     extract`. Asserts: exit code 2 with `error: ... is not a stimulus set ... write one with
-    python -m extract.stimuli`, no traceback (before the fix: a StimulusError traceback), no
+    python -m stimuli`, no traceback (before the fix: a StimulusError traceback), no
     workspace folder."""
     manifest = tmp_path / "m.yaml"
-    manifest.write_text(GOOD_TEXT.replace("stimuli/go-toy", str(tmp_path / "no-such-set")))
+    manifest.write_text(GOOD_TEXT.replace("sets/go-toy", str(tmp_path / "no-such-set")))
     data = tmp_path / "ws"
     got = python("-m", "extract", str(manifest), "--data", str(data), "--no-progress")
     assert got.returncode == 2, got.stderr
     assert f"error: {tmp_path / 'no-such-set'} is not a stimulus set" in got.stderr, got.stderr
-    assert "python -m extract.stimuli" in got.stderr and "Traceback" not in got.stderr
+    assert "python -m stimuli" in got.stderr and "Traceback" not in got.stderr
     assert not data.exists()
 
 

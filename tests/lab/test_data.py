@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from extract.stimuli import goboard as G
+from stimuli import goboard as G
 from lab.data import BatchMaker, BoardRenderer, Style, _disc_coverage
 from lab.processor import answer_suffix, build_processor, prompt
 

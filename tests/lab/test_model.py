@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 import lab  # noqa: F401
-from extract.stimuli import goboard as G
+from stimuli import goboard as G
 from lab.processor import prompt
 from lab.train import Trainer
 

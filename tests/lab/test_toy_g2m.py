@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 import lab
-from extract.stimuli import g2m as G
+from stimuli import g2m as G
 from lab import tokenizer as T
 from lab.config import G2MTrainConfig, TrainConfig
 from lab.g2m import (

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from extract.stimuli import get_family
-from extract.stimuli.io import write_set
+from stimuli import get_family
+from stimuli.io import write_set
 from queries import run
 from store import ProbeResult, RunInfo, Workspace
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from extract.scoring import score_answer
-from extract.stimuli import get_family
-from extract.stimuli.io import read_set, write_set
+from stimuli import get_family
+from stimuli.io import read_set, write_set
 from queries import QueryError, available, run
 from store import RunInfo, Workspace
 

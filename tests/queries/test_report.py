@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from extract.scoring import score_answer
-from extract.stimuli import get_family
-from extract.stimuli.io import read_set, write_set
+from stimuli import get_family
+from stimuli.io import read_set, write_set
 from queries.report import modality_attention_share, write_report
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 

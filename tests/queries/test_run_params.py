@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from extract.scoring import score_answer
-from extract.stimuli import get_family
-from extract.stimuli.io import read_set, write_set
+from stimuli import get_family
+from stimuli.io import read_set, write_set
 from queries import QueryError, run
 from store import RunInfo, Workspace
 

@@ -42,7 +42,7 @@ def _ok(proc: subprocess.Popen[str], timeout: float = 300) -> str:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    _ok(_python("-m", "extract.stimuli", "go", "--out", str(root / "go"), "--preset", "small", "--variation", "mild",
+    _ok(_python("-m", "stimuli", "go", "--out", str(root / "go"), "--preset", "small", "--variation", "mild",
                 "--counts", "0-23", "--n", "1", "--seed", "4", env=_env({})))
     manifest = root / "extract.yaml"
     manifest.write_text(yaml.safe_dump({

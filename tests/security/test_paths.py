@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from extract.manifest import ManifestError, parse_manifest
-from extract.stimuli import get_family
-from extract.stimuli.base import StimulusError
-from extract.stimuli.io import read_set, write_set
+from stimuli import get_family
+from stimuli.base import StimulusError
+from stimuli.io import read_set, write_set
 from probes import load_probe
 from probes.errors import ProbeError
 from store import ArraySpec, RunInfo, StoreError, Workspace

@@ -50,8 +50,8 @@ def test_a_model_shipping_code_is_refused_before_its_code_runs(tmp_path):
 
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_the_extraction_cli_refuses_it_with_a_clear_error(tmp_path, capsys, dry_run):
-    from extract.stimuli import get_family
-    from extract.stimuli.io import write_set
+    from stimuli import get_family
+    from stimuli.io import write_set
 
     marker = tmp_path / "ran"
     folder = code_shipping_model(tmp_path / "custom", marker)

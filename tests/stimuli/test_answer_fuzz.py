@@ -15,15 +15,15 @@ import warnings
 import pytest
 
 from extract.scoring import score_answer
-from extract.stimuli import StimulusError
-from extract.stimuli.answers import (
+from stimuli import StimulusError
+from stimuli.answers import (
     parse_bool,
     parse_choice_letter,
     parse_digit_string,
     parse_number,
 )
-from extract.stimuli.base import exact_match
-from extract.stimuli.g2m import parse_grid
+from stimuli.base import exact_match
+from stimuli.g2m import parse_grid
 
 HUGE = "1" * 20  # >= 2**63
 OVER_INT_LIMIT = "7" * 5000  # more digits than Python's int() reads from a string

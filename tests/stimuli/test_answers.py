@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extract.stimuli.answers import parse_number
+from stimuli.answers import parse_number
 
 
 @pytest.mark.parametrize(

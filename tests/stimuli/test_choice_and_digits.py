@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extract.stimuli.answers import parse_choice_letter, parse_digit_string
+from stimuli.answers import parse_choice_letter, parse_digit_string
 
 
 @pytest.mark.parametrize(

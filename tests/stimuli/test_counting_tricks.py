@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from extract.stimuli import get_family
-from extract.stimuli.answers import parse_number
-from extract.stimuli.base import Stimulus, StimulusError
-from extract.stimuli.cli import add_config_options, config_from_args
-from extract.stimuli.counting_tricks import (
+from stimuli import get_family
+from stimuli.answers import parse_number
+from stimuli.base import Stimulus, StimulusError
+from stimuli.cli import add_config_options, config_from_args
+from stimuli.counting_tricks import (
     ALL_CASES,
     CASES,
     FAMILY,
@@ -28,7 +28,7 @@ from extract.stimuli.counting_tricks import (
     prompts,
     requested_count,
 )
-from extract.stimuli.io import read_set, write_set
+from stimuli.io import read_set, write_set
 
 RED = (255, 0, 0)
 

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from extract.stimuli import StimulusError, get_family
-from extract.stimuli.g2m import (
+from stimuli import StimulusError, get_family
+from stimuli.g2m import (
     OUTLINE,
     PALETTE,
     Config,

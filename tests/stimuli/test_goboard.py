@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from extract.stimuli import get_family
-from extract.stimuli.answers import parse_digit_string
-from extract.stimuli.base import Stimulus, StimulusError
-from extract.stimuli.cli import add_config_options, config_from_args
-from extract.stimuli.goboard import (
+from stimuli import get_family
+from stimuli.answers import parse_digit_string
+from stimuli.base import Stimulus, StimulusError
+from stimuli.cli import add_config_options, config_from_args
+from stimuli.goboard import (
     BOARD_RGB,
     FAMILY,
     QUESTIONS,
@@ -30,7 +30,7 @@ from extract.stimuli.goboard import (
     reliable_limit,
     white_counts,
 )
-from extract.stimuli.io import read_set, write_set
+from stimuli.io import read_set, write_set
 
 SMALL = dict(preset="small", counts="0,1,7,49,50,99,100,120")
 
@@ -186,7 +186,7 @@ def test_a_count_at_its_distinct_limit_is_refused_up_front(tmp_path) -> None:
     # Count 120 on 11x11 has 121 boards (one white stone) and 242 strings: drawing all of them
     # at random starved at board 117. The refusal names how many draw reliably, before drawing.
     out = tmp_path / "go"
-    got = subprocess.run([sys.executable, "-m", "extract.stimuli", "go", "--preset", "small", "--counts", "120",
+    got = subprocess.run([sys.executable, "-m", "stimuli", "go", "--preset", "small", "--counts", "120",
                           "--n", "121", "--out", str(out)], capture_output=True, text=True, timeout=120, check=False)
     assert got.returncode == 2
     assert got.stderr.strip().splitlines() == [(

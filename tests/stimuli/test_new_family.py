@@ -1,7 +1,7 @@
 """A stimulus family is one module plus one registration line, end to end.
 
 A dummy family is written as a module in a temporary folder and registered with one call (the
-repository's families are one line each in ``extract.stimuli.FAMILIES``); nothing else names it.
+repository's families are one line each in ``stimuli.FAMILIES``); nothing else names it.
 It then goes through the CLI (its own small-set size), the extraction's sample collection,
 scoring (its own parser) and the probe targets (its truth schema and ``truth:<path>``). A
 renamed truth key fails loudly, naming the key, at generation, scoring and probe time alike.
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-import extract.stimuli as stimuli
+import stimuli as stimuli
 from extract.manifest import parse_manifest
 from extract.scoring import score_answer
-from extract.stimuli import StimulusError, TruthError, get_family, register_family
-from extract.stimuli.cli import main as stimuli_cli
-from extract.stimuli.io import read_set, write_set
+from stimuli import StimulusError, TruthError, get_family, register_family
+from stimuli.cli import main as stimuli_cli
+from stimuli.io import read_set, write_set
 from probes.errors import ProbeError
 from probes.targets import SampleInfo, get_target, typed_truth
 
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from extract.stimuli.answers import parse_number
-from extract.stimuli.base import Family, Score, Stimulus, Truth, compare, derive_seed, option
+from stimuli.answers import parse_number
+from stimuli.base import Family, Score, Stimulus, Truth, compare, derive_seed, option
 
 TRUTH_KEY = "dots"
 
@@ -204,7 +204,7 @@ from extract.manifest import parse_manifest
 from extract.run import collect_samples
 from extract.scoring import score_answer
 families = ("g2m", "goboard", "counting_tricks", "spatial")
-loaded = lambda: sorted(f for f in families if "extract.stimuli." + f in sys.modules)
+loaded = lambda: sorted(f for f in families if "stimuli." + f in sys.modules)
 assert loaded() == [], loaded()
 _, samples = collect_samples(parse_manifest({"run": "r", "model": {"path": "m"}, "stimuli": [{"set": sys.argv[1]}]}))
 s = samples[0]

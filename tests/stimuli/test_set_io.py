@@ -9,8 +9,8 @@ import duckdb
 import numpy as np
 import pytest
 
-from extract.stimuli import StimulusError, get_family
-from extract.stimuli.io import read_set, write_set
+from stimuli import StimulusError, get_family
+from stimuli.io import read_set, write_set
 
 G2M = get_family("g2m")
 
@@ -62,7 +62,7 @@ def test_a_failing_generator_leaves_no_partial_set(tmp_path):
 
 
 def test_reading_what_is_not_a_set_names_the_fix(tmp_path):
-    with pytest.raises(StimulusError, match="python -m extract.stimuli"):
+    with pytest.raises(StimulusError, match="python -m stimuli"):
         read_set(tmp_path)
 
 
@@ -76,7 +76,7 @@ def test_a_corrupted_image_gives_a_clear_error(tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "extract.stimuli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "stimuli", *args], capture_output=True, text=True)
 
 
 def test_cli_writes_a_set_and_refuses_bad_values(tmp_path):

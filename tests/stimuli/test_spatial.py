@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from extract.stimuli import get_family
-from extract.stimuli.answers import parse_choice_letter
-from extract.stimuli.base import Stimulus, StimulusError
-from extract.stimuli.cli import add_config_options, config_from_args
-from extract.stimuli.io import read_set, write_set
-from extract.stimuli.spatial import COLOURS, FAMILY, Config, generate
+from stimuli import get_family
+from stimuli.answers import parse_choice_letter
+from stimuli.base import Stimulus, StimulusError
+from stimuli.cli import add_config_options, config_from_args
+from stimuli.io import read_set, write_set
+from stimuli.spatial import COLOURS, FAMILY, Config, generate
 
 PHRASE = {
     "left": "is to the left of", "right": "is to the right of", "above": "is above",

@@ -22,7 +22,7 @@ TOKENS, DIM = 6, 8
 
 
 def stimulus_rows(n: int) -> list[dict[str, Any]]:
-    """Rows in the truth.parquet format of extract/stimuli/io.py."""
+    """Rows in the truth.parquet format of stimuli/io.py."""
     fam = ("g2m", "count")
     return [
         {

@@ -1,4 +1,4 @@
-"""``python -m extract.stimuli FAMILY [options]``: write a stimulus set.
+"""``python -m stimuli FAMILY [options]``: write a stimulus set.
 
 Every family's options come from its ``Config`` dataclass, so ``--help`` is always complete
 and a new config field is a new option with no CLI code.
@@ -14,9 +14,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from extract.stimuli import family_names, get_family
-from extract.stimuli.base import Family, StimulusError
-from extract.stimuli.io import write_set
+from stimuli import family_names, get_family
+from stimuli.base import Family, StimulusError
+from stimuli.io import write_set
 
 
 def _flag(name: str) -> str:
@@ -65,7 +65,7 @@ def _add_run_options(parser: argparse.ArgumentParser, *, out_help: str, default_
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m extract.stimuli",
+        prog="python -m stimuli",
         description="Write a stimulus set (PNG images + truth.parquet + set.json) for one family, or all.",
     )
     sub = parser.add_subparsers(dest="family", required=True, metavar="FAMILY")

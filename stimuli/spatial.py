@@ -12,7 +12,7 @@ other three relations of the set:
 
 The prompt is the study's (vlm_interp ``Controlled_Images_collate_function``), including its
 "decription" typo, with the options shuffled per sample from the sample's own seed; answers
-are one letter, read back with :func:`extract.stimuli.answers.parse_choice_letter`. Relations
+are one letter, read back with :func:`stimuli.answers.parse_choice_letter`. Relations
 cycle through the set by sample index, so any ``n`` divisible by 4 is exactly balanced.
 Objects are drawn without anti-aliasing: every pixel of an object is exactly its colour.
 """
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from extract.stimuli.answers import parse_choice_letter
-from extract.stimuli.base import (
+from stimuli.answers import parse_choice_letter
+from stimuli.base import (
     Family,
     Score,
     Stimulus,

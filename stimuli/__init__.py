@@ -1,7 +1,7 @@
 """Procedurally generated stimuli with exact ground truth: the inputs of every later stage.
 
-The families and what each draws: ``python -m extract.stimuli --help``, and docs/stimuli/.
-Each family is one module exposing ``FAMILY`` (a :class:`~extract.stimuli.base.Family`: its
+The families and what each draws: ``python -m stimuli --help``, and docs/stimuli/.
+Each family is one module exposing ``FAMILY`` (a :class:`~stimuli.base.Family`: its
 generator, truth schema, answer scorer and small-set size), listed once in ``FAMILIES`` below.
 Nothing else names a family: the CLI, the scorer and the probe targets look it up here.
 """
@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import importlib
 
-from extract.stimuli.base import Family, Score, Stimulus, StimulusError, TaskInputs, Truth, TruthError
+from stimuli.base import Family, Score, Stimulus, StimulusError, TaskInputs, Truth, TruthError
 
 # The one list of families: name -> module exposing FAMILY. A module is imported the first time
 # its family is asked for, so reading a set of one family never pays for the others' imports.
 FAMILIES = {
-    "g2m": "extract.stimuli.g2m",
-    "go": "extract.stimuli.goboard",
-    "counting": "extract.stimuli.counting_tricks",
-    "spatial": "extract.stimuli.spatial",
+    "g2m": "stimuli.g2m",
+    "go": "stimuli.goboard",
+    "counting": "stimuli.counting_tricks",
+    "spatial": "stimuli.spatial",
 }
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from extract.stimuli.base import (
+from stimuli.base import (
     Family,
     Score,
     Stimulus,

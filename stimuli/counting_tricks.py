@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageColor
 
-from extract.stimuli.answers import parse_number
-from extract.stimuli.base import (
+from stimuli.answers import parse_number
+from stimuli.base import (
     Family,
     Score,
     Stimulus,

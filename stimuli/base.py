@@ -3,7 +3,7 @@
 A family is one module exposing ``FAMILY`` (a :class:`Family`): a ``Config`` dataclass, a
 ``generate(config, n, seed, split)`` iterator of :class:`Stimulus`, the :class:`Truth` schema
 its truth follows, its ``score(task, text, answer, truth)`` and the size of its small set.
-``Config`` fields become command-line options automatically (see :mod:`extract.stimuli.cli`):
+``Config`` fields become command-line options automatically (see :mod:`stimuli.cli`):
 each field's ``metadata["help"]`` is its help text, so a family never writes argparse code of
 its own. docs/stimuli/new-family.md walks through adding one.
 """
@@ -57,7 +57,7 @@ class Truth:
             if name not in truth:
                 raise TruthError(
                     f"{where} has no key {name!r} (it has {sorted(truth)[:12]}), which {cls.__name__} declares:"
-                    f" regenerate the set with `python -m extract.stimuli`, or rename the key back"
+                    f" regenerate the set with `python -m stimuli`, or rename the key back"
                 )
             value = truth[name]
             if not _is_instance(value, kinds):
@@ -186,7 +186,7 @@ class Family:
     - ``score(task, text, answer, truth)``: parse and score one answer (``truth`` typed); it must
       return on any text (the caller records a raising scorer as unparsable, and warns). Default:
       :func:`exact_match`.
-    - ``small_set_n``: the ``--n`` of its small set (``python -m extract.stimuli all``); ``n``
+    - ``small_set_n``: the ``--n`` of its small set (``python -m stimuli all``); ``n``
       counts per sweep cell where the family sweeps, so each family picks its own.
     - ``task_inputs(truth, task)``: what a task shows besides its question (default: the image,
       no strings); families with text-only tasks or strings to read override it.

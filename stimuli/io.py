@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from extract.stimuli.base import Family, Stimulus, StimulusError, config_dict
+from stimuli.base import Family, Stimulus, StimulusError, config_dict
 
 SET_FORMAT_VERSION = 1
 TRUTH_FILE = "truth.parquet"
@@ -141,7 +141,7 @@ def check_member(rel: object, folder: Path, what: str) -> str:
     if not parts or text.startswith(("/", "~")) or "\\" in text or ".." in parts or ":" in parts[0]:
         raise StimulusError(
             f"{what} is {rel!r}: image paths in a stimulus set are relative to its folder {folder} and stay inside"
-            " it (e.g. 'images/<id>.png'); the set was edited or is not from `python -m extract.stimuli`. Regenerate it"
+            " it (e.g. 'images/<id>.png'); the set was edited or is not from `python -m stimuli`. Regenerate it"
         )
     return text
 
@@ -177,7 +177,7 @@ class StimulusSet:
         except (OSError, SyntaxError, Image.DecompressionBombError) as err:
             raise StimulusError(
                 f"cannot read {column} of stimulus {row['id']} at {path}: {err}."
-                " Regenerate the set with `python -m extract.stimuli`."
+                " Regenerate the set with `python -m stimuli`."
             ) from err
 
 
@@ -188,7 +188,7 @@ def read_set(path: str | os.PathLike[str]) -> StimulusSet:
     if not meta_file.is_file() or not truth_file.is_file():
         raise StimulusError(
             f"{path} is not a stimulus set (expected {SET_FILE} and {TRUTH_FILE}):"
-            " write one with `python -m extract.stimuli FAMILY --out PATH`"
+            " write one with `python -m stimuli FAMILY --out PATH`"
         )
     meta = _read_meta(meta_file)
     table = _read_truth(truth_file)
@@ -206,7 +206,7 @@ def read_set(path: str | os.PathLike[str]) -> StimulusSet:
 
 # Columns every reader of a set relies on (extraction builds its samples from them).
 REQUIRED_COLUMNS = ("id", "family", "image", "prompts", "answers", "params", "truth")
-_REGENERATE = "regenerate the set with `python -m extract.stimuli FAMILY --out PATH --overwrite`"
+_REGENERATE = "regenerate the set with `python -m stimuli FAMILY --out PATH --overwrite`"
 
 
 def _read_meta(meta_file: Path) -> dict[str, Any]:
@@ -230,7 +230,7 @@ def _read_truth(truth_file: Path) -> pa.Table:
     if missing:
         raise StimulusError(
             f"{truth_file} has no column {', '.join(map(repr, missing))} (it has {', '.join(table.column_names)}):"
-            f" it was edited or is not from `python -m extract.stimuli`; {_REGENERATE}"
+            f" it was edited or is not from `python -m stimuli`; {_REGENERATE}"
         )
     if table.num_rows == 0:
         raise StimulusError(f"{truth_file} holds no stimuli (0 rows): {_REGENERATE} with --n of at least 1")

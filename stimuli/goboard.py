@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from extract.stimuli.answers import parse_bool, parse_digit_string
-from extract.stimuli.base import (
+from stimuli.answers import parse_bool, parse_digit_string
+from stimuli.base import (
     Family,
     Score,
     Stimulus,

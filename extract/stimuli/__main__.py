@@ -1,5 +1,0 @@
-import sys
-
-from extract.stimuli.cli import main
-
-sys.exit(main())

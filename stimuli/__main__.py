@@ -1,0 +1,5 @@
+import sys
+
+from stimuli.cli import main
+
+sys.exit(main())
