@@ -13,8 +13,8 @@ from devices import model_config
 import stimuli as stimuli
 from extract.manifest import parse_manifest
 from extract.run import run_extraction
-from stimuli.cli import main as stimuli_cli
 from probes.targets import SampleInfo, get_target, typed_truth
+from stimuli.cli import main as stimuli_cli
 from store import Workspace
 
 SHADE = '''

@@ -3,9 +3,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from stimuli import goboard as G
 from lab.data import BatchMaker, BoardRenderer, Style, _disc_coverage
 from lab.processor import answer_suffix, build_processor, prompt
+from stimuli import goboard as G
 
 
 def test_clean_render_is_goboard_pixel_exact():

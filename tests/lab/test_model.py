@@ -4,9 +4,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 import lab  # noqa: F401
-from stimuli import goboard as G
 from lab.processor import prompt
 from lab.train import Trainer
+from stimuli import goboard as G
 
 
 def _inputs(model, processor, count=3, seed=0):

@@ -10,7 +10,6 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 import lab
-from stimuli import g2m as G
 from lab import tokenizer as T
 from lab.config import G2MTrainConfig, TrainConfig
 from lab.g2m import (
@@ -27,6 +26,7 @@ from lab.g2m import (
 )
 from lab.processor import answer_suffix, build_processor, prompt
 from lab.train import build_model
+from stimuli import g2m as G
 
 CKPT = G2M_CHECKPOINT
 

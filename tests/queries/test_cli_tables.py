@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
+from queries import run
 from stimuli import get_family
 from stimuli.io import write_set
-from queries import run
 from store import ProbeResult, RunInfo, Workspace
 
 LONG = "toy-counter-go-resumed-on-a-second-machine"

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from extract.scoring import score_answer
+from queries import QueryError, available, run
 from stimuli import get_family
 from stimuli.io import read_set, write_set
-from queries import QueryError, available, run
 from store import RunInfo, Workspace
 
 

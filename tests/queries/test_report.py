@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from extract.scoring import score_answer
+from queries.report import modality_attention_share, write_report
 from stimuli import get_family
 from stimuli.io import read_set, write_set
-from queries.report import modality_attention_share, write_report
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
 SEQ, IMAGE_START, IMAGE_COUNT, HEADS = 10, 2, 4, 2

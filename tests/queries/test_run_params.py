@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from extract.scoring import score_answer
+from queries import QueryError, run
 from stimuli import get_family
 from stimuli.io import read_set, write_set
-from queries import QueryError, run
 from store import RunInfo, Workspace
 
 

@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from extract.manifest import ManifestError, parse_manifest
+from probes import load_probe
+from probes.errors import ProbeError
 from stimuli import get_family
 from stimuli.base import StimulusError
 from stimuli.io import read_set, write_set
-from probes import load_probe
-from probes.errors import ProbeError
 from store import ArraySpec, RunInfo, StoreError, Workspace
 from store.cli import main as store_cli
 

@@ -20,11 +20,11 @@ import pytest
 import stimuli as stimuli
 from extract.manifest import parse_manifest
 from extract.scoring import score_answer
+from probes.errors import ProbeError
+from probes.targets import SampleInfo, get_target, typed_truth
 from stimuli import StimulusError, TruthError, get_family, register_family
 from stimuli.cli import main as stimuli_cli
 from stimuli.io import read_set, write_set
-from probes.errors import ProbeError
-from probes.targets import SampleInfo, get_target, typed_truth
 
 REPO = Path(__file__).resolve().parents[2]
 
