@@ -17,9 +17,10 @@ layer counts, hidden sizes and parameter counts come from the real module tree. 
 Answer tokens are what generation fed back: at most the batch's token budget minus one
 (``max_new_tokens``, or the largest ``from_stimulus`` budget of the batch; the last generated
 token is never fed back). Arrays that hold answer tokens are planned at that bound, and every
-array says whether its figure is exact, an upper bound or an estimate. Values are stored at 2
-bytes (the store's float16 default), divided by the codec's measured ratio; dense arrays pad their
-last chunk (docs/store.md).
+array says whether its figure is exact, an upper bound or an estimate. Whether an array is dense or
+ragged is :func:`store.vocab.array_layout`, the rule the run stores by; values take the bytes of the
+store's dtype policy (:func:`store.dtypes.stored_bytes`: float16 for every model dtype by default),
+divided by the codec's measured ratio; dense arrays pad their last chunk (docs/store.md).
 
 Time (:func:`estimate_time`, docs/scale.md): prefill costs 2·params·tokens FLOPs per sample (vision
 blocks x vision tokens, projector x its output tokens, LLM layers x prompt tokens) at
@@ -54,9 +55,11 @@ from extract.models.capture import hook_module
 from extract.models.layout import ImageGeometry, SampleLayout, extent
 from extract.models.loading import LoadedModel, load_config, load_processor, resolve_source
 from extract.run import collect_samples, tap_request
-from store.plan import CODEC_RATIO, human
+from store import RunInfo
+from store.dtypes import default_stored, stored_bytes, tensor_stored
+from store.plan import CODEC_RATIO, array_bytes, human
+from store.vocab import array_layout
 
-STORED_BYTES = 2  # float16, the store's default for float32/float16/bfloat16 sources
 CHARS_PER_TOKEN = 4  # text-token estimate without a tokenizer (English BPE: 3.5-4.5 characters per token)
 TEMPLATE_TOKENS = 32  # chat template turns, system prompt, image start/end markers (estimate)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -159,6 +162,7 @@ class RunPlan:
     chunk_samples: int
     codec: str
     dtype: str
+    stored_dtype: str  # what the store writes the arrays as (its dtype policy for ``dtype``)
     exact_tokens: bool
     token_source: str
     first_seq: int
@@ -167,6 +171,7 @@ class RunPlan:
     params: Params
     arrays: list[PlannedArray]
     lens_values: int  # unembedding + final norm (run tensors for the logit lens); 0 when off
+    lens_bytes: int  # those values as the store writes run tensors
     kv_bytes: int  # KV cache of one full batch at its longest prompt + answer (bf16/fp16 cache)
     hardware: Hardware
     time: TimeEstimate
@@ -179,10 +184,6 @@ class RunPlan:
     @property
     def bytes(self) -> int:
         return int(self.raw_bytes / CODEC_RATIO.get(self.codec, 1.0))
-
-    @property
-    def lens_bytes(self) -> int:
-        return self.lens_values * STORED_BYTES
 
     @property
     def chunk_files(self) -> int:
@@ -200,7 +201,7 @@ class RunPlan:
         out = asdict(self)
         out["arrays"] = [{**asdict(a), "chunk_files": a.chunk_files, "files": a.files} for a in self.arrays]
         out["time"] = {**asdict(self.time), "gpu_seconds": self.time.gpu_seconds, "seconds": self.time.seconds}
-        out.update(raw_bytes=self.raw_bytes, bytes=self.bytes, lens_bytes=self.lens_bytes, chunk_files=self.chunk_files,
+        out.update(raw_bytes=self.raw_bytes, bytes=self.bytes, chunk_files=self.chunk_files,
                    files=self.files, weight_bytes=self.weight_bytes)
         return out
 
@@ -229,7 +230,7 @@ class RunPlan:
             size = human(a.bytes)
             lines.append(f"{a.name:<28} {a.kind:<7} {a.values_per_sample:>14,} {size:>12}  {a.basis}")
         lens = f"; plus the unembedding and final norm for the logit lens ({human(self.lens_bytes)})" if self.lens_values else ""
-        lines += ["", f"{len(self.arrays)} arrays, {human(self.raw_bytes)} as float16 ({human(self.bytes)} with codec"
+        lines += ["", f"{len(self.arrays)} arrays, {human(self.raw_bytes)} as {self.stored_dtype} ({human(self.bytes)} with codec"
                       f" {self.codec}), {self.chunk_files:,} chunk files ({self.files:,} files with Zarr metadata,"
                       f" chunks of {self.chunk_samples} samples){lens}"]
         return "\n".join(lines)
@@ -521,24 +522,15 @@ def estimate_time(lm: LoadedModel, params: Params, layouts: Sequence[SampleLayou
                         decode_bound=max(full, key=lambda name: full[name]))
 
 
-def plan_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[PlanSample], *, n_sets: int = 1,
-             images: Sequence[Path | None] | None = None, codec: str = "none", hardware: Hardware = Hardware()
-             ) -> RunPlan:
-    """The arrays, bytes, files and time of ``manifest`` over ``samples`` with the (meta) model ``lm``."""
-    if not samples:
-        from extract.manifest import ManifestError
-
-        raise ManifestError("the stimulus sets hold no samples (check limit)")
-    request = tap_request(lm, manifest)
-    layouts, exact, source = sample_layouts(lm, samples, images)
+def planned_arrays(lm: LoadedModel, request: dict[str, list[str]], samples: Sequence[PlanSample],
+                   layouts: Sequence[SampleLayout], answers: np.ndarray, exact: bool, chunk_samples: int,
+                   value_bytes: int) -> list[PlannedArray]:
+    """One PlannedArray per requested (hook point, token kind), laid out as the run lays it out."""
     heads = lm.model.config.get_text_config().num_attention_heads
     n = len(samples)
-    cs = min(manifest.chunk_samples, n)  # the store never makes a chunk larger than the array
-    n_chunks = -(-n // cs)
+    n_chunks = -(-n // chunk_samples)
     # image tokens are dense when every sample has an image and all have one size (as the run decides)
     uniform = all(s.has_image for s in samples) and len({(s.width, s.height) for s in samples}) == 1
-    budgets = np.array([s.answer_budget for s in samples], dtype=np.int64)
-    answers = answer_bounds(samples, manifest.batch_size)
     seqs = np.array([lay.length for lay in layouts], dtype=np.int64)
     prompt_basis = EXACT if exact else ESTIMATE
     arrays = []
@@ -547,36 +539,55 @@ def plan_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[PlanSample],
         spec = TapSpec(spec.tap, spec.layer % lm.adapter.n_layers(spec.tap), spec.site)
         dim = 0 if spec.tap == "attn" else hidden_size(lm, spec)  # attention rows have no hidden width
         for kind in kinds:
+            layout = array_layout(spec.tap, kind, same_size_images=uniform)
             if spec.tap == "attn":  # one [heads] row per key of the prompt (last) or per answer query x key
-                ragged = True
                 per = heads * (seqs if kind == "last" else answers * (seqs + answers))
                 basis = prompt_basis if kind == "last" else (BOUND if exact else ESTIMATE)
             elif kind == "image":  # its size decides an image's tokens: the processor's or plan_geometry's
                 per = np.array([(extent(g) if (g := lay.grid(spec.tap, spec.site_name)) else len(lay.image_positions))
                                 for lay in layouts], dtype=np.int64) * dim
-                ragged, basis = not uniform, EXACT
+                basis = EXACT
             elif kind == "last":
-                per, ragged, basis = np.full(n, dim, dtype=np.int64), False, EXACT
+                per, basis = np.full(n, dim, dtype=np.int64), EXACT
             else:  # answer: one row per answer token
-                per, ragged, basis = answers * dim, True, BOUND
-            total = int(per.sum())
-            stored = total * STORED_BYTES if ragged else n_chunks * cs * int(per.max()) * STORED_BYTES
-            arrays.append(PlannedArray(spec.name, kind, int(per.max()), total, ragged, n_chunks, stored, basis))
+                per, basis = answers * dim, BOUND
+            stored = array_bytes([int(v) for v in per], ragged=layout.ragged, chunk_samples=chunk_samples,
+                                 value_bytes=value_bytes)
+            arrays.append(PlannedArray(spec.name, kind, int(per.max()), int(per.sum()), layout.ragged, n_chunks,
+                                       stored, basis))
+    return arrays
+
+
+def plan_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[PlanSample], *, n_sets: int = 1,
+             images: Sequence[Path | None] | None = None, codec: str = "none", hardware: Hardware = Hardware()
+             ) -> RunPlan:
+    """The arrays, bytes, files and time of ``manifest`` over ``samples`` with the (meta) model ``lm``."""
+    if not samples:
+        raise ManifestError("the stimulus sets hold no samples (check limit)")
+    request = tap_request(lm, manifest)
+    layouts, exact, source = sample_layouts(lm, samples, images)
+    n = len(samples)
+    cs = min(manifest.chunk_samples, n)  # the store never makes a chunk larger than the array
+    dtype = manifest.model.dtype
+    stored = default_stored(dtype, RunInfo.bf16)  # the run's arrays take the store's policy for its dtype
+    budgets = np.array([s.answer_budget for s in samples], dtype=np.int64)
+    seqs = np.array([lay.length for lay in layouts], dtype=np.int64)
+    arrays = planned_arrays(lm, request, samples, layouts, answer_bounds(samples, manifest.batch_size), exact, cs,
+                            stored_bytes(dtype, stored=stored))
     lens = 0
     if manifest.logit_lens:
         a = lm.adapter
         lens = _numel(a.module(a.lm_head)) + _numel(a.module(a.final_norm))
     params = count_params(lm)
-    dtype = manifest.model.dtype
     plan = RunPlan(
         run=manifest.run, model=lm.source, model_type=lm.model_type, adapter=type(lm.adapter).__name__,
         n_samples=n, n_sets=n_sets, batch_size=manifest.batch_size, chunk_samples=cs, codec=codec, dtype=dtype,
-        exact_tokens=exact, token_source=source, first_seq=int(layouts[0].length),
+        stored_dtype=stored, exact_tokens=exact, token_source=source, first_seq=int(layouts[0].length),
         first_image_tokens=len(layouts[0].image_positions), max_answer=int(budgets.max()), params=params,
-        arrays=arrays, lens_values=lens, kv_bytes=kv_cache_bytes(lm, int((seqs + budgets).max()),
-                                                               min(manifest.batch_size, n), dtype),
-        hardware=hardware,
-        time=TimeEstimate(0.0, 0, 0.0, 0.0, 0.0, ""),
+        arrays=arrays, lens_values=lens,
+        lens_bytes=lens * stored_bytes(dtype, stored=tensor_stored(dtype, RunInfo.bf16)),
+        kv_bytes=kv_cache_bytes(lm, int((seqs + budgets).max()), min(manifest.batch_size, n), dtype),
+        hardware=hardware, time=TimeEstimate(0.0, 0, 0.0, 0.0, 0.0, ""),
     )
     plan.time = estimate_time(lm, params, layouts, samples, manifest.batch_size, dtype, plan.bytes + plan.lens_bytes,
                               hardware)

@@ -26,16 +26,15 @@ from __future__ import annotations
 import difflib
 import re
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-TAPS = ("vision", "projector", "llm")
-TOKEN_KINDS = ("image", "last", "answer")
-QUERY_KINDS = ("last", "answer")
-DTYPES = ("float32", "float16", "bfloat16")
+from store.errors import StoreError
+from store.vocab import array_layout, check_tap
 
 
 class ManifestError(ValueError):
@@ -90,23 +89,59 @@ class StimulusSpec(_Strict):
     limit: int | None = Field(default=None, ge=1)
 
 
-class TapSpec(_Strict):
-    tap: Literal["vision", "projector", "llm"]
+class TapRequest(_Strict):
+    """One ``taps:`` entry: a tap word, its layers, a site and the token kinds to keep (the words of
+    store/vocab.py; an unknown one fails here, with a did-you-mean)."""
+
+    tap: str
     layers: Layers = "all"
     site: str | None = None  # the tap's default: resid_post (vision, llm), out (projector)
-    tokens: list[Literal["image", "last", "answer"]] = ["image"]
+    tokens: list[str] = ["image"]
+
+    @field_validator("tap")
+    @classmethod
+    def _known_tap(cls, v: str) -> str:
+        _vocab(check_tap, v, listed=True)
+        return v
+
+    @field_validator("site")
+    @classmethod
+    def _known_site(cls, v: str | None, info: ValidationInfo) -> str | None:
+        tap = info.data.get("tap")
+        if v is not None and tap is not None:
+            _vocab(check_tap, tap, v)
+        return v
 
     @field_validator("tokens")
     @classmethod
-    def _tokens_unique(cls, v: list[str]) -> list[str]:
+    def _known_tokens(cls, v: list[str], info: ValidationInfo) -> list[str]:
         if not v:
             raise ValueError("tokens is empty: keep at least one of image, last, answer")
+        tap = info.data.get("tap")
+        for kind in v:  # the layout rule knows every (tap, kind) pair a run can store
+            if tap is not None:
+                _vocab(array_layout, tap, kind, same_size_images=True)
         return list(dict.fromkeys(v))
+
+
+def _vocab(check: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+    """Run one of store/vocab.py's checks; its StoreError becomes the ValueError pydantic files under the key."""
+    try:
+        check(*args, **kwargs)
+    except StoreError as err:
+        raise ValueError(str(err)) from None
 
 
 class AttentionSpec(_Strict):
     layers: Layers = "all"
-    queries: list[Literal["last", "answer"]] = ["last"]
+    queries: list[str] = ["last"]
+
+    @field_validator("queries")
+    @classmethod
+    def _known_queries(cls, v: list[str]) -> list[str]:
+        for kind in v:
+            _vocab(array_layout, "attn", kind, same_size_images=True)
+        return v
 
 
 class GenerationSpec(_Strict):
@@ -168,7 +203,7 @@ class Manifest(_Strict):
     run: str
     model: ModelSpec
     stimuli: list[StimulusSpec]
-    taps: list[TapSpec] = []
+    taps: list[TapRequest] = []
     attention: AttentionSpec | None = None
     generation: GenerationSpec = GenerationSpec()
     batch_size: int = Field(default=8, ge=1)

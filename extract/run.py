@@ -59,8 +59,7 @@ from extract.scoring import score_answer
 from stimuli import get_family
 from stimuli.io import read_set
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
-
-IMAGE_ONLY = ("vision", "projector")
+from store.vocab import IMAGE_ONLY_TAPS, array_layout, kinds_for
 
 
 @dataclass(frozen=True)
@@ -178,7 +177,7 @@ def tap_request(lm: LoadedModel, manifest: Manifest, with_images: bool = True) -
     request: dict[str, list[str]] = {}
     if not with_images:
         for i, t in enumerate(manifest.taps):
-            if t.tap in IMAGE_ONLY or "image" in t.tokens:
+            if t.tap in IMAGE_ONLY_TAPS or "image" in t.tokens:
                 raise ManifestError(
                     f"taps.{i} ({t.tap}, tokens {t.tokens}): every task of this run is text-only, so there are no"
                     " image tokens to keep; drop the vision/projector taps and the 'image' token kind"
@@ -188,7 +187,7 @@ def tap_request(lm: LoadedModel, manifest: Manifest, with_images: bool = True) -
             layers = expand_layers(t.layers, lm.adapter.n_layers(t.tap))
         except ManifestError as err:
             raise ManifestError(f"taps.{i} ({t.tap}): {err}") from None
-        kinds = ["image"] if t.tap in IMAGE_ONLY else list(t.tokens)
+        kinds = kinds_for(t.tap, t.tokens)
         site = f".{t.site}" if t.site else ""
         for layer in layers:
             wanted = request.setdefault(f"{t.tap}.{layer}{site}", [])
@@ -212,21 +211,22 @@ def array_specs(lm: LoadedModel, request: dict[str, list[str]], first: Sample, d
     batch = prepare_batch(lm, [first.image], [first.prompt], answers=[first.answer or "0"], strings=[first.strings])
     res = capture(lm, batch, request, tokens=("image", "last", "answer"))
     specs = {}
-    shape: tuple[int, ...]
-    dims: tuple[str, ...] | None
     for key in res.keys():
         value = res[key]
         row = value.row(0) if isinstance(value, RaggedTokens) else value[0]
+        layout = array_layout(key.tap, key.kind, same_size_images=dense_images)
+        shape: tuple[int, ...]
         if key.tap == "attn":
-            shape, ragged, dims = (int(row.shape[0]),), True, None  # one [heads] row per key (or query x key)
-        elif key.kind == "image" and dense_images:
-            shape, ragged, dims = tuple(int(s) for s in row.shape), False, ("token", "dim")
+            shape = (int(row.shape[0]),)  # captured [heads, queries, keys]: rows are [heads] wide
+        elif layout.ragged:
+            shape = (int(row.shape[-1]),)
         elif key.kind == "last":
-            shape, ragged, dims = (1, int(row.shape[-1])), False, ("token", "dim")
+            shape = (1, int(row.shape[-1]))
         else:
-            shape, ragged, dims = (int(row.shape[-1]),), True, None  # one row per token
+            shape = tuple(int(s) for s in row.shape)
         specs[key] = ArraySpec(tap=key.tap, layer=key.layer, site=key.site, tokens=key.kind, shape=shape,
-                               ragged=ragged, dims=dims, dtype=dtype, codec=codec, module=res.module_paths[key])
+                               ragged=layout.ragged, dims=layout.dims, dtype=dtype, codec=codec,
+                               module=res.module_paths[key])
     return specs
 
 
@@ -482,7 +482,7 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, 
         lay = res.layouts[b]
         spans.append(token_spans(lay, pad_len, n_keep))
         for key, spec in specs.items():
-            if (text_only and key.tap in IMAGE_ONLY) or (key.kind == "answer" and key not in res):
+            if (text_only and key.tap in IMAGE_ONLY_TAPS) or (key.kind == "answer" and key not in res):
                 # no image, no image tokens; one new token, nothing fed back: no answer rows
                 values[key].append(torch.zeros((0, *spec.shape), dtype=lm.dtype))
                 continue

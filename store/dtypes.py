@@ -47,6 +47,18 @@ def default_stored(source: str, bf16: str) -> str:
     return "float16"
 
 
+def tensor_stored(source: str, bf16: str) -> str:
+    """Run tensors (an unembedding, a norm) are few and read whole: float32 stays float32."""
+    return {"float64": "float32", "float32": "float32", "float16": "float16"}.get(source) or default_stored(source, bf16)
+
+
+def stored_bytes(source: str, bf16: str = "fp16", stored: str | None = None) -> int:
+    """Bytes per value on disk for an array whose model produces ``source`` values: ``stored`` when
+    the array asks for a dtype, else the default above. Planners size runs with this, so a change
+    of policy moves the estimates with it."""
+    return numpy_dtype(stored or default_stored(source, bf16)).itemsize
+
+
 def as_numpy(values: Any, declared: str) -> tuple[np.ndarray, str]:
     """Turn what the producer handed over into (numpy array, source kind) without copying.
 

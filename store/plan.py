@@ -8,6 +8,7 @@ they are estimates, so the plan reports the uncompressed size as well.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,20 @@ def plan(
         chunk_samples=chunk_samples, values=values, raw_bytes=raw, bytes=int(raw / CODEC_RATIO[codec]), arrays=arrays,
         chunk_files=arrays * -(-samples // chunk_samples), free_bytes=free,
     )
+
+
+# A ragged block's offsets: int64, one more than its samples (store/arrays.py's CSR layout).
+OFFSET_BYTES = 8
+
+
+def array_bytes(per_sample: Sequence[int], *, ragged: bool, chunk_samples: int, value_bytes: int) -> int:
+    """The bytes one array's chunks hold, as the store counts them: a dense chunk is stored full-size
+    (the last one padded), a ragged block holds its rows plus its offsets."""
+    n = len(per_sample)
+    n_chunks = -(-n // chunk_samples)
+    if ragged:
+        return sum(per_sample) * value_bytes + (n + n_chunks) * OFFSET_BYTES
+    return n_chunks * chunk_samples * max(per_sample, default=0) * value_bytes
 
 
 def human(n: float) -> str:

@@ -21,10 +21,8 @@ from store.errors import StoreError
 # Names become Zarr path segments and SQL literals: keep them boring.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
-#: The tap vocabulary of docs/design.md#the-arrays; others are allowed but these are what probes expect.
-TAPS = ("vision", "projector", "llm", "attn", "logits")
-#: Token kinds the extraction stage uses; each is its own array (free text, checked by name rule).
-TOKEN_KINDS = ("image", "last", "answer", "prompt", "all")
+# The tap and token words are store/vocab.py's table; an array here takes any name that passes the
+# name rule, so a tool may store arrays of its own next to extraction's.
 
 Bf16Policy = Literal["fp16", "bits"]
 OverflowPolicy = Literal["error", "clip"]

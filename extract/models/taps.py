@@ -14,33 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from store.errors import StoreError
+from store.vocab import FAMILY_SITES, IMAGE_ONLY_TAPS, SITES, TAPS, TOKEN_KINDS, check_tap, kinds_for
+
 from .errors import TapError
 
-# tap -> its sites, default first.
-SITES: dict[str, tuple[str, ...]] = {
-    # Output of a vision-encoder block; ``pre_merger`` is the merger input after the merger's own
-    # pre-norm, raster-ordered (Qwen family only, last block only): G2M's vision tap.
-    "vision": ("resid_post", "pre_merger"),
-    # The connector between vision tower and LLM: what goes in, what comes out.
-    "projector": ("out", "in"),
-    # Output of an LLM decoder block (the residual stream after the block).
-    "llm": ("resid_post",),
-    # Attention probabilities of an LLM self-attention module, only for chosen query rows.
-    "attn": ("probs",),
-    # The LM head's output.
-    "logits": ("out",),
-}
-TAPS: tuple[str, ...] = tuple(SITES)
-# Sites that exist only where a family's adapter declares them (Adapter.extra_sites).
-FAMILY_SITES = frozenset({"pre_merger"})
-
-# Token kinds: which positions of a sample are kept.
-#   image  - the image tokens (vision/projector taps: every vision token of the image)
-#   last   - the last prompt token (the one whose output predicts the first answer token)
-#   answer - the answer tokens (teacher-forced answers, or tokens fed back during generation)
-TOKEN_KINDS: tuple[str, ...] = ("image", "last", "answer")
-# Vision-side taps are computed before the image meets the prompt, so they only have image tokens.
-IMAGE_ONLY_TAPS = frozenset({"vision", "projector"})
+# The words live in the store's one table (store/vocab.py): every stage addresses arrays by them.
+__all__ = ["FAMILY_SITES", "IMAGE_ONLY_TAPS", "SITES", "TAPS", "TOKEN_KINDS", "CaptureKey", "TapSpec",
+           "check_kinds", "kinds_for"]
 
 
 @dataclass(frozen=True)
@@ -52,18 +33,12 @@ class TapSpec:
     site: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tap not in SITES:
-            raise TapError(
-                f"unknown tap {self.tap!r}: expected one of {', '.join(TAPS)}"
-                " (e.g. TapSpec('llm', 3) or TapSpec.parse('llm.3.resid_post'))"
-            )
+        try:
+            site = check_tap(self.tap, self.site)
+        except StoreError as err:
+            raise TapError(f"{err} (e.g. TapSpec('llm', 3) or TapSpec.parse('llm.3.resid_post'))") from None
         if not isinstance(self.layer, int) or isinstance(self.layer, bool):
             raise TapError(f"tap {self.tap}: layer must be an int, got {self.layer!r}")
-        site = SITES[self.tap][0] if self.site is None else self.site
-        if site not in SITES[self.tap]:
-            raise TapError(
-                f"tap {self.tap!r} has no site {site!r}: expected one of {', '.join(SITES[self.tap])}"
-            )
         object.__setattr__(self, "site", site)
 
     @property
@@ -129,7 +104,3 @@ def check_kinds(kinds: tuple[str, ...] | list[str]) -> tuple[str, ...]:
         raise TapError(f"no token kinds requested: pass some of {', '.join(TOKEN_KINDS)}")
     return tuple(dict.fromkeys(kinds))
 
-
-def kinds_for(tap: str, kinds: tuple[str, ...]) -> tuple[str, ...]:
-    """The token kinds a tap yields for a request: vision-side taps only have image tokens."""
-    return ("image",) if tap in IMAGE_ONLY_TAPS else kinds

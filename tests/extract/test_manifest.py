@@ -75,3 +75,23 @@ def test_load_manifest_reports_missing_and_broken_files(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("run: r1\nmodel: {path: m}\nstimuli:\n  - {set: s, task: transcribe}\n")
     assert load_manifest(good).stimuli[0].task == "transcribe"
+
+
+@pytest.mark.parametrize(
+    ("entry", "needle"),
+    [
+        ({"taps": [{"tap": "vison"}]}, "taps.0.tap: Value error, unknown tap 'vison' — did you mean 'vision'?"),
+        ({"taps": [{"tap": "llm", "site": "resid_pots"}]}, "taps.0.site: Value error, tap 'llm' has no site"
+                                                            " 'resid_pots' — did you mean 'resid_post'?"),
+        ({"taps": [{"tap": "llm", "tokens": ["lats"]}]}, "has no token kind 'lats' — did you mean 'last'?"),
+        ({"taps": [{"tap": "attn"}]}, "unknown tap 'attn'"),  # attention has its own block
+        ({"taps": [{"tap": "vision", "tokens": ["image", "last"]}]}, "keeps image tokens only"),
+        ({"attention": {"queries": ["answr"]}}, "has no token kind 'answr' — did you mean 'answer'?"),
+    ],
+)
+def test_words_outside_the_tap_table_fail_at_validation(entry, needle):
+    """The tap, site and token words come from one table (store/vocab.py); a word outside it fails
+    when the manifest is read, before any model loads, naming the closest word."""
+    with pytest.raises(ManifestError) as err:
+        parse_manifest(with_(**entry), "m.yaml")
+    assert needle in str(err.value)

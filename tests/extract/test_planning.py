@@ -239,3 +239,20 @@ def test_dry_run_figures_equal_what_the_run_stores(spatial_run):
                 assert a.values == values
     assert {a.basis for a in plan.arrays} == {"exact", "upper bound"}
     assert "answer arrays an upper bound" in plan.render()
+
+
+def test_dry_run_bytes_equal_the_bytes_the_store_writes(spatial_run):
+    """Bytes per value come from the store's dtype policy, not a constant of the planner: every exact
+    array's bytes, and the logit lens's run tensors, equal what the store recorded writing."""
+    from store import Workspace
+
+    manifest, data = spatial_run
+    plan = plan_manifest(manifest)
+    ws = Workspace.open(data, readonly=True)
+    stored = {(f"{a.tap}.{a.layer}.{a.site}", a.tokens): a for a in ws.arrays("w")}
+    assert {stored[(a.name, a.kind)].stored_dtype for a in plan.arrays} == {plan.stored_dtype}
+    for a in plan.arrays:
+        if a.basis == "exact":
+            assert a.bytes == stored[(a.name, a.kind)].bytes, (a.name, a.kind)
+    tensors = ws.rows("SELECT sum(nbytes) FROM tensors WHERE run = 'w'")[0][0]
+    assert plan.lens_bytes == tensors
