@@ -57,7 +57,7 @@ from extract.models.loading import LoadedModel, load_config, load_processor, res
 from extract.run import collect_samples, tap_request
 from store import RunInfo
 from store.dtypes import default_stored, stored_bytes, tensor_stored
-from store.plan import CODEC_RATIO, array_bytes, human
+from store.sizing import CODEC_RATIO, array_bytes, human
 from store.vocab import array_layout
 
 CHARS_PER_TOKEN = 4  # text-token estimate without a tokenizer (English BPE: 3.5-4.5 characters per token)

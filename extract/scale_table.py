@@ -21,7 +21,7 @@ from typing import Any
 from extract.dry_run import Hardware, PlanSample, RunPlan, meta_model, plan_run
 from extract.manifest import Manifest, parse_manifest
 from stimuli import g2m
-from store.plan import human
+from store.sizing import human
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "manifests" / "configs"

@@ -33,7 +33,6 @@ from store.errors import (
     WriterError,
     WriterLockError,
 )
-from store.plan import Plan, plan
 from store.records import (
     ArrayInfo,
     ArraySpec,
@@ -45,13 +44,14 @@ from store.records import (
     Shard,
     TokenSpans,
 )
+from store.sizing import SizeEstimate, size_estimate
 from store.verify import VerifyReport
 from store.workspace import Workspace, resolve_path
 from store.writer import ArrayHandle, Writer, WriterStats
 
 __all__ = [
     "ArrayHandle", "ArrayInfo", "ArraySpec", "DiskFullError", "DtypeOverflowError", "Generation", "ManifestBusyError",
-    "NotCommittedError", "Plan", "ProbeResult", "Ragged", "RunInfo", "SchemaVersionError", "Selection",
-    "Shard", "SpecMismatchError", "StoreError", "TokenSpans", "VerifyReport", "Workspace", "WorkspaceError", "Writer",
-    "WriterError", "WriterLockError", "WriterStats", "plan", "resolve_path",
+    "NotCommittedError", "ProbeResult", "Ragged", "RunInfo", "SchemaVersionError", "Selection", "Shard",
+    "SizeEstimate", "SpecMismatchError", "StoreError", "TokenSpans", "VerifyReport", "Workspace", "WorkspaceError",
+    "Writer", "WriterError", "WriterLockError", "WriterStats", "resolve_path", "size_estimate",
 ]

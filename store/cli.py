@@ -14,7 +14,7 @@ from typing import Any
 
 from store.errors import StoreError
 from store.lock import live_writers
-from store.plan import human, plan
+from store.sizing import human, size_estimate
 from store.workspace import ENV_VAR, Workspace, resolve_path
 
 
@@ -112,10 +112,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if rep.ok else 1
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    p = plan(samples=args.samples, layers=args.layers, tokens=args.tokens, dim=args.dim, dtype=args.dtype,
-             models=args.models, taps=args.taps, codec=args.codec, chunk_samples=args.chunk_samples,
-             data=resolve_path(args.data))
+def cmd_size(args: argparse.Namespace) -> int:
+    p = size_estimate(samples=args.samples, layers=args.layers, tokens=args.tokens, dim=args.dim, dtype=args.dtype,
+                      models=args.models, taps=args.taps, codec=args.codec, chunk_samples=args.chunk_samples,
+                      data=resolve_path(args.data))
     if args.json:
         print(json.dumps({**p.__dict__, "fits": p.fits}, indent=2))
         return 0
@@ -185,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_verify)
 
-    s = sub.add_parser("plan", parents=[common], help="bytes an extraction would write, before running it")
+    s = sub.add_parser("size", parents=[common], help="bytes an extraction would write, before running it")
     s.add_argument("--samples", type=int, required=True, help="stimuli per model")
     s.add_argument("--layers", type=int, required=True, help="layers stored per tap")
     s.add_argument("--tokens", type=int, required=True, help="token positions stored per sample")
@@ -196,7 +196,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--codec", default="none", help="none (default), zstd, bitround8, bitround7")
     s.add_argument("--chunk-samples", type=int, default=64, help="samples per chunk (default 64)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.set_defaults(fn=cmd_plan)
+    s.set_defaults(fn=cmd_size)
 
     s = sub.add_parser("drop-run", parents=[common], help="remove a run and its arrays atomically")
     s.add_argument("run")

@@ -16,8 +16,8 @@ from store import (
     StoreError,
     Workspace,
     WorkspaceError,
-    plan,
     resolve_path,
+    size_estimate,
 )
 from store import schema as schema_mod
 from store.cli import main as cli
@@ -187,24 +187,24 @@ def test_drop_run_removes_arrays_and_rows_atomically(written, tmp_path):
     assert ws.rows("SELECT count(*) FROM stimuli") == [(24,)]  # stimuli outlive runs
 
 
-def test_plan_counts_bytes_before_running():
-    p = plan(samples=2048, layers=28, tokens=256, dim=1536, taps=2, models=1)
+def test_size_estimate_counts_bytes_before_running():
+    p = size_estimate(samples=2048, layers=28, tokens=256, dim=1536, taps=2, models=1)
     assert p.values == 2048 * 28 * 256 * 1536 * 2 and p.bytes == p.values * 2
-    assert plan(samples=10, layers=1, tokens=1, dim=10, codec="bitround7").bytes < 200
+    assert size_estimate(samples=10, layers=1, tokens=1, dim=10, codec="bitround7").bytes < 200
     with pytest.raises(StoreError, match="--samples must be a positive integer"):
-        plan(samples=0, layers=1, tokens=1, dim=1)
+        size_estimate(samples=0, layers=1, tokens=1, dim=1)
 
 
-def test_cli_help_info_plan_query(written, tmp_path, capsys):
+def test_cli_help_info_size_query(written, tmp_path, capsys):
     out = python("-m", "store", "--help")
-    assert out.returncode == 0 and all(c in out.stdout for c in ("info", "verify", "plan", "drop-run"))
+    assert out.returncode == 0 and all(c in out.stdout for c in ("info", "verify", "size", "drop-run"))
     assert cli(["info", "--data", str(written)]) == 0
     text = capsys.readouterr().out
     assert "r1" in text and "finished" in text and "6/6" in text
     assert cli(["info", "--run", "r1", "--json", "--data", str(written)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert {a["tokens"] for a in info["arrays"]} == {"image", "answer"}
-    assert cli(["plan", "--samples", "100", "--layers", "2", "--tokens", "4", "--dim", "8", "--json",
+    assert cli(["size", "--samples", "100", "--layers", "2", "--tokens", "4", "--dim", "8", "--json",
                 "--data", str(tmp_path / "none")]) == 0
     assert json.loads(capsys.readouterr().out)["bytes"] == 100 * 2 * 4 * 8 * 2
     assert cli(["query", "SELECT tap, layer, count(*) AS n FROM activations GROUP BY ALL", "--json",

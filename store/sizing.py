@@ -1,8 +1,8 @@
-"""``plan``: the bytes an extraction will write, before it runs.
+"""Sizing: the bytes an extraction will write, before it runs (``python -m store size``).
 
 bytes = models x samples x taps x layers x tokens x dim x bytes per value / codec ratio.
 The codec ratios are the ones measured on fp16 activations (docs/store.md, `python -m bench store`);
-they are estimates, so the plan reports the uncompressed size as well.
+they are estimates, so the estimate reports the uncompressed size as well.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ CODEC_RATIO = {"none": 1.0, "zstd": 1.08, "bitround8": 1.22, "bitround7": 1.30}
 
 
 @dataclass(frozen=True)
-class Plan:
+class SizeEstimate:
     models: int
     samples: int
     taps: int
@@ -42,7 +42,7 @@ class Plan:
         return None if self.free_bytes is None else self.bytes <= self.free_bytes
 
 
-def plan(
+def size_estimate(
     *,
     samples: int,
     layers: int,
@@ -54,7 +54,7 @@ def plan(
     codec: str = "none",
     chunk_samples: int = 64,
     data: Path | None = None,
-) -> Plan:
+) -> SizeEstimate:
     for name, value in (("samples", samples), ("layers", layers), ("tokens", tokens), ("dim", dim),
                         ("models", models), ("taps", taps), ("chunk_samples", chunk_samples)):
         if not isinstance(value, int) or value < 1:
@@ -71,7 +71,7 @@ def plan(
         probe = data if data.exists() else next((p for p in data.parents if p.exists()), None)
         if probe is not None:
             free = shutil.disk_usage(probe).free
-    return Plan(
+    return SizeEstimate(
         models=models, samples=samples, taps=taps, layers=layers, tokens=tokens, dim=dim, dtype=dtype, codec=codec,
         chunk_samples=chunk_samples, values=values, raw_bytes=raw, bytes=int(raw / CODEC_RATIO[codec]), arrays=arrays,
         chunk_files=arrays * -(-samples // chunk_samples), free_bytes=free,
