@@ -1,6 +1,9 @@
 """Sizing: the bytes an extraction will write, before it runs (``python -m store size``).
 
-bytes = models x samples x taps x layers x tokens x dim x bytes per value / codec ratio.
+One byte planner for both estimates: :func:`array_bytes` sizes one array as the store lays it out
+(dense chunks full-size, ragged blocks with their offsets), used by ``python -m store size`` (every
+array dense, ``[tokens, dim]`` per sample) and by ``python -m extract MANIFEST --dry-run`` (per
+array, from the model and the stimuli). Bytes per value are the stored dtype's (store/dtypes.py).
 The codec ratios are the ones measured on fp16 activations (docs/store.md, `python -m bench store`);
 they are estimates, so the estimate reports the uncompressed size as well.
 """
@@ -12,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from store.dtypes import numpy_dtype
 from store.errors import StoreError
+from store.records import STORED_DTYPES
 
-BYTES_PER_VALUE = {"float16": 2, "bfloat16": 2, "float32": 4}
 # Measured compression ratios on fp16 activations (lossless gains little; BitRound is the lever).
 CODEC_RATIO = {"none": 1.0, "zstd": 1.08, "bitround8": 1.22, "bitround7": 1.30}
 
@@ -59,13 +63,15 @@ def size_estimate(
                         ("models", models), ("taps", taps), ("chunk_samples", chunk_samples)):
         if not isinstance(value, int) or value < 1:
             raise StoreError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-    if dtype not in BYTES_PER_VALUE:
-        raise StoreError(f"--dtype must be one of {sorted(BYTES_PER_VALUE)} (the stored dtype), got {dtype!r}")
+    if dtype not in STORED_DTYPES:
+        raise StoreError(f"--dtype must be one of {sorted(STORED_DTYPES)} (the stored dtype), got {dtype!r}")
     if codec not in CODEC_RATIO:
         raise StoreError(f"--codec must be one of {sorted(CODEC_RATIO)}, got {codec!r}")
     values = models * samples * taps * layers * tokens * dim
-    raw = values * BYTES_PER_VALUE[dtype]
     arrays = models * taps * layers
+    chunk_samples = min(chunk_samples, samples)  # the store never makes a chunk larger than the array
+    raw = arrays * array_bytes([tokens * dim] * samples, ragged=False, chunk_samples=chunk_samples,
+                               value_bytes=numpy_dtype(dtype).itemsize)
     free = None
     if data is not None:
         probe = data if data.exists() else next((p for p in data.parents if p.exists()), None)

@@ -195,6 +195,17 @@ def test_size_estimate_counts_bytes_before_running():
         size_estimate(samples=0, layers=1, tokens=1, dim=1)
 
 
+def test_size_estimate_equals_the_bytes_the_store_writes(tmp_path):
+    """The store pads a dense array's last chunk: 10 samples in chunks of 4 take 12 samples' bytes, and
+    the estimate says so (it is the dry run's byte planner too)."""
+    ws = Workspace.open(tmp_path / "ws")
+    write_run(ws, n=10, chunk=4)
+    image = next(a for a in ws.arrays("r1") if a.tokens == "image")
+    est = size_estimate(samples=10, layers=1, tokens=image.item_shape[0], dim=image.item_shape[1],
+                        dtype=image.stored_dtype, chunk_samples=4)
+    assert est.raw_bytes == image.bytes == 12 * image.item_shape[0] * image.item_shape[1] * 2
+
+
 def test_cli_help_info_size_query(written, tmp_path, capsys):
     out = python("-m", "store", "--help")
     assert out.returncode == 0 and all(c in out.stdout for c in ("info", "verify", "size", "drop-run"))
@@ -206,7 +217,7 @@ def test_cli_help_info_size_query(written, tmp_path, capsys):
     assert {a["tokens"] for a in info["arrays"]} == {"image", "answer"}
     assert cli(["size", "--samples", "100", "--layers", "2", "--tokens", "4", "--dim", "8", "--json",
                 "--data", str(tmp_path / "none")]) == 0
-    assert json.loads(capsys.readouterr().out)["bytes"] == 100 * 2 * 4 * 8 * 2
+    assert json.loads(capsys.readouterr().out)["bytes"] == 128 * 2 * 4 * 8 * 2  # the last chunk of 64 is stored full
     assert cli(["query", "SELECT tap, layer, count(*) AS n FROM activations GROUP BY ALL", "--json",
                 "--data", str(written)]) == 0
     assert json.loads(capsys.readouterr().out) == [{"tap": "llm", "layer": 3, "n": 2}]
