@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=None,
                         help="workspace folder (default: the manifest's workspace, else $AGNOSIA_DATA, else ./data)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate the manifest and stimuli, print the plan and the bytes it will write; load no weights")
+                        help="validate the manifest and stimuli, print the arrays, bytes and time it will take; load no weights")
     parser.add_argument("--codec", default="none",
                         help="array codec: none (default, fastest), zstd (lossless), bitround7 / bitround8 (lossy)")
     parser.add_argument("--shard", default=None, metavar="I/K",

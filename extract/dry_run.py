@@ -7,7 +7,7 @@ layer counts, hidden sizes and parameter counts come from the real module tree. 
   distinct (image size, prompt, shown strings) of the run, up to :data:`EXACT_PROMPTS` of them:
   exact prompt lengths and image tokens (a stimulus's image tokens depend on its size alone). Past
   that limit, the other prompts are the length of a processed prompt of their image size plus the
-  difference of the two texts' token counts: an estimate, and the plan says so;
+  difference of the two texts' token counts: an estimate, and the dry run says so;
 * from ``config.json`` alone (a folder holding only config files, such as
   ``manifests/configs/qwen2.5-vl-7b-instruct``), the family adapter's ``plan_geometry`` computes the
   image tokens from the config and ``preprocessor_config.json`` if present (Qwen: (H/14)*(W/14)/4
@@ -85,7 +85,7 @@ class Hardware:
 
 
 @dataclass(frozen=True)
-class PlanSample:
+class DrySample:
     """What planning needs of one stimulus: its image size (0 x 0: a text-only task), prompt,
     answer budget and the strings its task shows before the question."""
 
@@ -101,7 +101,7 @@ class PlanSample:
 
 
 @dataclass(frozen=True)
-class PlannedArray:
+class ArrayEstimate:
     name: str
     kind: str
     values_per_sample: int  # the largest over samples (exact for fixed-size arrays)
@@ -151,7 +151,7 @@ class TimeEstimate:
 
 
 @dataclass
-class RunPlan:
+class RunEstimate:
     run: str
     model: str
     model_type: str
@@ -169,7 +169,7 @@ class RunPlan:
     first_image_tokens: int
     max_answer: int  # generated tokens of the largest budget (answer tokens kept: one fewer)
     params: Params
-    arrays: list[PlannedArray]
+    arrays: list[ArrayEstimate]
     lens_values: int  # unembedding + final norm (run tensors for the logit lens); 0 when off
     lens_bytes: int  # those values as the store writes run tensors
     kv_bytes: int  # KV cache of one full batch at its longest prompt + answer (bf16/fp16 cache)
@@ -330,7 +330,7 @@ def hidden_size(lm: LoadedModel, spec: TapSpec) -> int:
     """The width of what a tap reads, from the hooked module's weights.
 
     The merger input (``pre_merger``, projector ``in``) is as wide as the vision blocks' output
-    (InternVL's pixel shuffle widens it 4x before ``mlp1``; the plan does not model that).
+    (InternVL's pixel shuffle widens it 4x before ``mlp1``; the estimate does not model that).
     """
     if spec.tap == "vision" or (spec.tap == "projector" and spec.site == "in"):
         last = lm.adapter.n_layers("vision") - 1
@@ -365,7 +365,7 @@ def estimate_prompt_tokens(prompt: str, image_tokens: int) -> int:
     return image_tokens + math.ceil(len(prompt) / CHARS_PER_TOKEN) + TEMPLATE_TOKENS
 
 
-def planned_layout(lm: LoadedModel, sample: PlanSample, settings: dict[str, Any]) -> SampleLayout:
+def estimated_layout(lm: LoadedModel, sample: DrySample, settings: dict[str, Any]) -> SampleLayout:
     """A SampleLayout from config alone: the adapter's planned geometry, estimated text around it."""
     geometry = (lm.adapter.plan_geometry(sample.width, sample.height, settings) if sample.has_image
                 else ImageGeometry.none())
@@ -375,21 +375,21 @@ def planned_layout(lm: LoadedModel, sample: PlanSample, settings: dict[str, Any]
                         last_position=seq - 1, length=seq)
 
 
-def sample_layouts(lm: LoadedModel, samples: Sequence[PlanSample], images: Sequence[Path | None] | None = None,
+def sample_layouts(lm: LoadedModel, samples: Sequence[DrySample], images: Sequence[Path | None] | None = None,
                    limit: int = EXACT_PROMPTS) -> tuple[list[SampleLayout], bool, str]:
     """One layout per sample, whether every one is exact, and how they were made.
 
     With a processor (``images`` needed), it runs on each distinct (image size, prompt, strings), up
     to ``limit`` of them, one image per size; past the limit a prompt is estimated from a processed
     one of its size (see :func:`_shifted`). Without one, the adapter's planned geometry and
-    estimated text (:func:`planned_layout`).
+    estimated text (:func:`estimated_layout`).
     """
     if lm.processor is None or images is None:
         settings, where = image_processor_settings(lm.source)
-        planned: dict[PlanSample, SampleLayout] = {}
+        planned: dict[DrySample, SampleLayout] = {}
         for s in samples:
             if s not in planned:
-                planned[s] = planned_layout(lm, s, settings)
+                planned[s] = estimated_layout(lm, s, settings)
         source = (f"image tokens from {where}, no tokenizer: text at ~{CHARS_PER_TOKEN} characters per token"
                   f" + {TEMPLATE_TOKENS} template tokens")
         return [planned[s] for s in samples], False, source
@@ -417,7 +417,7 @@ def sample_layouts(lm: LoadedModel, samples: Sequence[PlanSample], images: Seque
     return [layouts[k] for k in keys], not estimated, source
 
 
-def _processed_layouts(lm: LoadedModel, samples: Sequence[PlanSample], images: Sequence[Path | None]
+def _processed_layouts(lm: LoadedModel, samples: Sequence[DrySample], images: Sequence[Path | None]
                        ) -> list[SampleLayout]:
     """The processor's layouts of ``samples``, in batches of one modality, one decoded image per size."""
     from PIL import Image
@@ -441,12 +441,12 @@ def _processed_layouts(lm: LoadedModel, samples: Sequence[PlanSample], images: S
     return out
 
 
-def _shifted(lm: LoadedModel, base: SampleLayout, base_sample: PlanSample, sample: PlanSample) -> SampleLayout:
+def _shifted(lm: LoadedModel, base: SampleLayout, base_sample: DrySample, sample: DrySample) -> SampleLayout:
     """An estimated layout: ``base`` (same image size) lengthened by the difference of the two texts'
     token counts (exact up to tokens merging across the template's boundaries)."""
     tok = lm.processor.tokenizer
 
-    def count(s: PlanSample) -> int:
+    def count(s: DrySample) -> int:
         return len(tok(" ".join((*s.strings, s.prompt)), add_special_tokens=False)["input_ids"])
 
     delta = count(sample) - count(base_sample)
@@ -455,7 +455,7 @@ def _shifted(lm: LoadedModel, base: SampleLayout, base_sample: PlanSample, sampl
                         first_position=base.first_position)
 
 
-# ------------------------------------------------------------------------------------------ the plan
+# ------------------------------------------------------------------------------------------ the estimate
 
 def kv_cache_bytes(lm: LoadedModel, tokens: int, batch: int, dtype: str) -> int:
     """Keys and values of every LLM layer for ``batch`` sequences of ``tokens`` tokens."""
@@ -466,8 +466,8 @@ def kv_cache_bytes(lm: LoadedModel, tokens: int, batch: int, dtype: str) -> int:
     return 2 * lm.adapter.n_layers("llm") * kv_heads * head_dim * PARAM_BYTES.get(dtype, 2) * tokens * batch
 
 
-def plan_samples(manifest: Manifest) -> tuple[int, list[PlanSample], list[Path | None]]:
-    """(number of sets, one PlanSample per stimulus, their image paths) from the manifest's sets."""
+def dry_samples(manifest: Manifest) -> tuple[int, list[DrySample], list[Path | None]]:
+    """(number of sets, one DrySample per stimulus, their image paths) from the manifest's sets."""
     from PIL import Image
 
     sets, samples = collect_samples(manifest)
@@ -479,11 +479,11 @@ def plan_samples(manifest: Manifest) -> tuple[int, list[PlanSample], list[Path |
             with Image.open(s.image) as im:  # reads the header only
                 width, height = im.size
         budget = int(s.params.get("max_new_tokens", 32)) if max_new == "from_stimulus" else int(max_new)
-        out.append(PlanSample(width, height, s.prompt, budget, tuple(s.strings)))
+        out.append(DrySample(width, height, s.prompt, budget, tuple(s.strings)))
     return len(sets), out, [s.image for s in samples]
 
 
-def answer_bounds(samples: Sequence[PlanSample], batch_size: int) -> np.ndarray:
+def answer_bounds(samples: Sequence[DrySample], batch_size: int) -> np.ndarray:
     """The most answer tokens each sample can keep: generation runs its batch to the batch's largest
     budget, and the last generated token is never fed back (so it has no activations)."""
     out = np.zeros(len(samples), dtype=np.int64)
@@ -493,7 +493,7 @@ def answer_bounds(samples: Sequence[PlanSample], batch_size: int) -> np.ndarray:
     return out
 
 
-def estimate_time(lm: LoadedModel, params: Params, layouts: Sequence[SampleLayout], samples: Sequence[PlanSample],
+def estimate_time(lm: LoadedModel, params: Params, layouts: Sequence[SampleLayout], samples: Sequence[DrySample],
                   batch_size: int, dtype: str, stored_bytes: int, hardware: Hardware) -> TimeEstimate:
     """GPU time (prefill FLOPs at ``gpu_tflops``; per decode step the largest of reading the LLM's
     weights, 2·params·batch FLOPs and generate's per-layer overhead) and the time to write
@@ -522,10 +522,10 @@ def estimate_time(lm: LoadedModel, params: Params, layouts: Sequence[SampleLayou
                         decode_bound=max(full, key=lambda name: full[name]))
 
 
-def planned_arrays(lm: LoadedModel, request: dict[str, list[str]], samples: Sequence[PlanSample],
+def array_estimates(lm: LoadedModel, request: dict[str, list[str]], samples: Sequence[DrySample],
                    layouts: Sequence[SampleLayout], answers: np.ndarray, exact: bool, chunk_samples: int,
-                   value_bytes: int) -> list[PlannedArray]:
-    """One PlannedArray per requested (hook point, token kind), laid out as the run lays it out."""
+                   value_bytes: int) -> list[ArrayEstimate]:
+    """One ArrayEstimate per requested (hook point, token kind), laid out as the run lays it out."""
     heads = lm.model.config.get_text_config().num_attention_heads
     n = len(samples)
     n_chunks = -(-n // chunk_samples)
@@ -553,14 +553,14 @@ def planned_arrays(lm: LoadedModel, request: dict[str, list[str]], samples: Sequ
                 per, basis = answers * dim, BOUND
             stored = array_bytes([int(v) for v in per], ragged=layout.ragged, chunk_samples=chunk_samples,
                                  value_bytes=value_bytes)
-            arrays.append(PlannedArray(spec.name, kind, int(per.max()), int(per.sum()), layout.ragged, n_chunks,
+            arrays.append(ArrayEstimate(spec.name, kind, int(per.max()), int(per.sum()), layout.ragged, n_chunks,
                                        stored, basis))
     return arrays
 
 
-def plan_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[PlanSample], *, n_sets: int = 1,
+def estimate_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[DrySample], *, n_sets: int = 1,
              images: Sequence[Path | None] | None = None, codec: str = "none", hardware: Hardware = Hardware()
-             ) -> RunPlan:
+             ) -> RunEstimate:
     """The arrays, bytes, files and time of ``manifest`` over ``samples`` with the (meta) model ``lm``."""
     if not samples:
         raise ManifestError("the stimulus sets hold no samples (check limit)")
@@ -572,14 +572,14 @@ def plan_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[PlanSample],
     stored = default_stored(dtype, RunInfo.bf16)  # the run's arrays take the store's policy for its dtype
     budgets = np.array([s.answer_budget for s in samples], dtype=np.int64)
     seqs = np.array([lay.length for lay in layouts], dtype=np.int64)
-    arrays = planned_arrays(lm, request, samples, layouts, answer_bounds(samples, manifest.batch_size), exact, cs,
+    arrays = array_estimates(lm, request, samples, layouts, answer_bounds(samples, manifest.batch_size), exact, cs,
                             stored_bytes(dtype, stored=stored))
     lens = 0
     if manifest.logit_lens:
         a = lm.adapter
         lens = _numel(a.module(a.lm_head)) + _numel(a.module(a.final_norm))
     params = count_params(lm)
-    plan = RunPlan(
+    est = RunEstimate(
         run=manifest.run, model=lm.source, model_type=lm.model_type, adapter=type(lm.adapter).__name__,
         n_samples=n, n_sets=n_sets, batch_size=manifest.batch_size, chunk_samples=cs, codec=codec, dtype=dtype,
         stored_dtype=stored, exact_tokens=exact, token_source=source, first_seq=int(layouts[0].length),
@@ -589,23 +589,23 @@ def plan_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[PlanSample],
         kv_bytes=kv_cache_bytes(lm, int((seqs + budgets).max()), min(manifest.batch_size, n), dtype),
         hardware=hardware, time=TimeEstimate(0.0, 0, 0.0, 0.0, 0.0, ""),
     )
-    plan.time = estimate_time(lm, params, layouts, samples, manifest.batch_size, dtype, plan.bytes + plan.lens_bytes,
+    est.time = estimate_time(lm, params, layouts, samples, manifest.batch_size, dtype, est.bytes + est.lens_bytes,
                               hardware)
     if dtype == "float32" and params.total > 1e9:
-        plan.notes.append(f"model.dtype is float32: {human(plan.weight_bytes)} of weights and twice the decode time"
+        est.notes.append(f"model.dtype is float32: {human(est.weight_bytes)} of weights and twice the decode time"
                           " of bfloat16 (set model.dtype: bfloat16 for a real model)")
-    return plan
+    return est
 
 
-def plan_manifest(manifest: Manifest, *, codec: str = "none", hardware: Hardware = Hardware()) -> RunPlan:
-    n_sets, samples, images = plan_samples(manifest)
+def estimate_manifest(manifest: Manifest, *, codec: str = "none", hardware: Hardware = Hardware()) -> RunEstimate:
+    n_sets, samples, images = dry_samples(manifest)
     lm = meta_model(manifest)
-    return plan_run(manifest, lm, samples, n_sets=n_sets, images=images, codec=codec, hardware=hardware)
+    return estimate_run(manifest, lm, samples, n_sets=n_sets, images=images, codec=codec, hardware=hardware)
 
 
-def variant_plan(manifest: Manifest) -> str:
+def describe_variant(manifest: Manifest) -> str:
     """What a head-ablation or token-compression run will do (it stores results, not activations)."""
-    n_sets, samples, _ = plan_samples(manifest)
+    n_sets, samples, _ = dry_samples(manifest)
     lm = meta_model(manifest)
     spec = manifest.intervention
     n = len(samples)
@@ -637,8 +637,8 @@ def variant_plan(manifest: Manifest) -> str:
 def dry_run(manifest: Manifest, *, codec: str = "none", hardware: Hardware = Hardware()) -> str:
     spec = manifest.intervention
     if spec is not None and spec.kind in ("head_ablation", "token_compression"):
-        return variant_plan(manifest)
-    text = plan_manifest(manifest, codec=codec, hardware=hardware).render()
+        return describe_variant(manifest)
+    text = estimate_manifest(manifest, codec=codec, hardware=hardware).render()
     if spec is not None:  # rope_scaling: a normal run under a changed forward
         params = ", ".join(f"{k} {v}" for k, v in spec.model_dump().items() if k != "kind")
         text = f"intervention {spec.kind}: {params} (vision rotary frequencies scaled during the run)\n" + text
@@ -669,11 +669,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--codec must be one of {', '.join(CODEC_RATIO)}")
     hardware = Hardware(args.gpu_tflops, args.gpu_bandwidth_gbs, args.disk_mbps, args.step_ms_per_layer)
     try:
-        plan = plan_manifest(load_manifest(args.manifest), codec=args.codec, hardware=hardware)
+        est = estimate_manifest(load_manifest(args.manifest), codec=args.codec, hardware=hardware)
     except (ManifestError, ModelError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.as_dict(), indent=2, default=str) if args.json else plan.render())
+    print(json.dumps(est.as_dict(), indent=2, default=str) if args.json else est.render())
     return 0
 
 

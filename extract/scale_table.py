@@ -2,7 +2,7 @@
 
 Plans the full Grid2Matrix sweep (the study's N = 3..64 by C = 3..10, 100 grids per cell, 512 px:
 6,400 stimuli) for the committed config-only model folders in ``manifests/configs/`` with the same
-code as ``python -m extract MANIFEST --dry-run`` (:func:`extract.dry_run.plan_run`), without
+code as ``python -m extract MANIFEST --dry-run`` (:func:`extract.dry_run.estimate_run`), without
 writing the 6,400 images: each stimulus's image size, prompt and answer budget come from
 ``stimuli.g2m`` exactly as its generator makes them (tested against a written set).
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from extract.dry_run import Hardware, PlanSample, RunPlan, meta_model, plan_run
+from extract.dry_run import DrySample, Hardware, RunEstimate, estimate_run, meta_model
 from extract.manifest import Manifest, parse_manifest
 from stimuli import g2m
 from store.sizing import human
@@ -34,9 +34,9 @@ SWEEP_COLORS = tuple(range(g2m.MIN_COLORS, g2m.MAX_COLORS + 1))
 
 
 def g2m_sweep(n: int = 100, grid_sizes: Sequence[int] = g2m.PAPER_GRID_SIZES, colors: Sequence[int] = SWEEP_COLORS,
-              image_size: int = 512) -> list[PlanSample]:
+              image_size: int = 512) -> list[DrySample]:
     """The sweep's stimuli in ``g2m.generate``'s order, as planning sees them (no image drawn)."""
-    return [PlanSample(image_size, image_size, g2m.prompt(grid, grid, c), g2m.max_new_tokens(grid, grid))
+    return [DrySample(image_size, image_size, g2m.prompt(grid, grid, c), g2m.max_new_tokens(grid, grid))
             for grid in grid_sizes for c in colors for _ in range(n)]
 
 
@@ -78,16 +78,16 @@ def manifest(model: Path, variant: Variant, batch_size: int, chunk_samples: int 
     return parse_manifest(data, "scale_table")
 
 
-def plans(samples: Sequence[PlanSample], batch_size: int, hardware: Hardware,
-          models: dict[str, Path] = MODELS) -> Iterable[tuple[str, Variant, RunPlan, RunPlan]]:
-    """(model, variant, plan with codec none, plan with bitround7) for every model and variant."""
+def estimates(samples: Sequence[DrySample], batch_size: int, hardware: Hardware,
+          models: dict[str, Path] = MODELS) -> Iterable[tuple[str, Variant, RunEstimate, RunEstimate]]:
+    """(model, variant, estimate with codec none, estimate with bitround7) for every model and variant."""
     for name, folder in models.items():
         lm = None
         for v in variants(_llm_layers(folder)):
             m = manifest(folder, v, batch_size)
             lm = lm or meta_model(m)
-            yield (name, v, plan_run(m, lm, samples, hardware=hardware),
-                   plan_run(m, lm, samples, codec="bitround7", hardware=hardware))
+            yield (name, v, estimate_run(m, lm, samples, hardware=hardware),
+                   estimate_run(m, lm, samples, codec="bitround7", hardware=hardware))
 
 
 def _llm_layers(folder: Path) -> int:
@@ -102,14 +102,14 @@ def _d(seconds: float) -> str:
     return _duration(seconds)
 
 
-def table(samples: Sequence[PlanSample], batch_size: int = 8, hardware: Hardware | None = None,
+def table(samples: Sequence[DrySample], batch_size: int = 8, hardware: Hardware | None = None,
           other_batches: Sequence[int] = (32, 128)) -> str:
     hardware = hardware or Hardware()
     head = ("| model | kept | arrays | fp16 | bitround7 | chunk files | files | write at "
             f"{hardware.disk_mbps:g} MB/s | GPU | estimate |")
     lines = [head, "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    models: dict[str, RunPlan] = {}
-    for name, v, p, b in plans(samples, batch_size, hardware):
+    models: dict[str, RunEstimate] = {}
+    for name, v, p, b in estimates(samples, batch_size, hardware):
         models.setdefault(name, p)
         lines.append(f"| {name} | {v.label} | {len(p.arrays):,} | {human(p.raw_bytes)} | {human(b.bytes)} |"
                      f" {p.chunk_files:,} | {p.files:,} | {_d(p.time.write_seconds)} | {_d(p.time.gpu_seconds)} |"
@@ -123,7 +123,7 @@ def table(samples: Sequence[PlanSample], batch_size: int = 8, hardware: Hardware
         cells = []
         for batch in other_batches:
             m = manifest(MODELS[name], variants(1)[1], batch)
-            other = plan_run(m, meta_model(m), samples, hardware=hardware)
+            other = estimate_run(m, meta_model(m), samples, hardware=hardware)
             cells.append(f"{_d(other.time.gpu_seconds)} (KV {human(other.kv_bytes)})")
         lines.append(f"| {name} | {p.params.total / 1e9:.2f} B | {human(p.weight_bytes)} (KV at batch {batch_size}:"
                      f" {human(p.kv_bytes)}) |"

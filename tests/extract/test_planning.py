@@ -19,13 +19,13 @@ from tiny_cases import IMAGE_ALL, noise_image
 from extract.dry_run import (
     CHARS_PER_TOKEN,
     TEMPLATE_TOKENS,
+    DrySample,
     Hardware,
-    PlanSample,
+    estimate_manifest,
+    estimate_run,
     image_processor_settings,
     main,
     meta_model,
-    plan_manifest,
-    plan_run,
 )
 from extract.manifest import parse_manifest
 from extract.models import PlanningError, prepare_batch
@@ -65,7 +65,7 @@ def test_config_only_folders_plan_without_weights(folder, g2m_512):
     m = manifest(path, g2m_512, taps=taps, attention={"layers": [-1], "queries": ["last"]})
     lm = meta_model(m)
     assert lm.processor is None and next(lm.model.parameters()).is_meta
-    plan = plan_manifest(m)
+    plan = estimate_manifest(m)
     assert not plan.exact_tokens and plan.n_samples == 6
     assert plan.params.total == pytest.approx(PUBLISHED[folder], rel=0.005)
     assert plan.first_image_tokens == (576 if folder.startswith("llava") else 324)
@@ -86,7 +86,7 @@ def test_qwen_7b_plan_equals_a_hand_computation(g2m_512):
     tokens = patches // 4
     assert (side, patches, tokens) == (504, 1296, 324)
 
-    plan = plan_manifest(manifest(QWEN7, g2m_512))
+    plan = estimate_manifest(manifest(QWEN7, g2m_512))
     n, chunk = 6, 4
     stored_rows = math.ceil(n / chunk) * chunk  # a dense array's last chunk is stored full-size
     arrays = {(a.name, a.kind): a for a in plan.arrays}
@@ -114,7 +114,7 @@ def test_qwen_7b_plan_equals_a_hand_computation(g2m_512):
     steps = 314 + 314
     assert plan.time.decode_steps == steps and plan.time.decode_bound == "per-layer overhead"
     assert plan.time.decode_seconds == pytest.approx(steps * 28 * 1e-3) == 17.584
-    read = plan_manifest(manifest(QWEN7, g2m_512), hardware=Hardware(step_ms_per_layer=0)).time
+    read = estimate_manifest(manifest(QWEN7, g2m_512), hardware=Hardware(step_ms_per_layer=0)).time
     step = 2 * (plan.params.llm + plan.params.head) / (hw.gpu_bandwidth_gbs * 1e9)
     assert read.decode_bound == "weight reads" and read.decode_seconds == pytest.approx(steps * step)
     assert read.decode_seconds == pytest.approx(2.9602, abs=1e-3)
@@ -133,7 +133,7 @@ def test_answers_and_attention_rows_count_each_bound(g2m_512, batch_size, answer
     """Budgets 146 (N=3) and 314 (N=6): a sample keeps at most its batch's largest budget - 1 answer
     tokens (generate runs the batch to its largest budget; the last token is never fed back)."""
     taps = [{"tap": "llm", "layers": [0], "tokens": ["answer"]}]
-    plan = plan_manifest(manifest(QWEN7, g2m_512, taps=taps, attention={"layers": [0], "queries": ["last", "answer"]},
+    plan = estimate_manifest(manifest(QWEN7, g2m_512, taps=taps, attention={"layers": [0], "queries": ["last", "answer"]},
                                   batch_size=batch_size))
     arrays = {(a.name, a.kind): a for a in plan.arrays}
     answer = arrays[("llm.0.resid_post", "answer")]
@@ -176,7 +176,7 @@ def test_families_without_a_config_only_plan_say_so(tiny_lm):
 
 def test_a_processor_folder_still_plans_with_its_processor(tiny_dir, g2m_512):
     m = manifest(tiny_dir("qwen2_5_vl"), g2m_512, taps=[{"tap": "llm", "layers": [0], "tokens": ["image"]}])
-    plan = plan_manifest(m)
+    plan = estimate_manifest(m)
     assert plan.exact_tokens and "processor" in plan.token_source
     assert plan.first_image_tokens == 324  # the tiny processor keeps 512 px within its max_pixels
 
@@ -194,14 +194,14 @@ def test_cli_prints_json_with_hardware_assumptions(g2m_512, tmp_path, capsys):
 
 def test_plan_run_takes_samples_without_images(g2m_512):
     m = manifest(QWEN7, g2m_512)
-    plan = plan_run(m, meta_model(m), [PlanSample(512, 512, "x" * 40, 10)] * 3)
+    plan = estimate_run(m, meta_model(m), [DrySample(512, 512, "x" * 40, 10)] * 3)
     assert plan.n_samples == 3 and plan.first_seq == 324 + 10 + TEMPLATE_TOKENS
 
 
 def test_text_only_samples_plan_no_image_tokens(g2m_512):
     m = manifest(QWEN7, g2m_512, taps=[{"tap": "llm", "layers": [0], "tokens": ["image", "last"]}])
-    samples = [PlanSample(512, 512, "x" * 40, 10), PlanSample(0, 0, "y" * 40, 10, ("a b c",))]
-    plan = plan_run(m, meta_model(m), samples)
+    samples = [DrySample(512, 512, "x" * 40, 10), DrySample(0, 0, "y" * 40, 10, ("a b c",))]
+    plan = estimate_run(m, meta_model(m), samples)
     image = next(a for a in plan.arrays if a.kind == "image")
     assert image.ragged and image.values == 324 * 3584  # the text-only row holds no image tokens
 
@@ -214,7 +214,7 @@ def test_dry_run_figures_equal_what_the_run_stores(spatial_run):
     from store import Workspace
 
     manifest, data = spatial_run
-    plan = plan_manifest(manifest)
+    plan = estimate_manifest(manifest)
     assert plan.exact_tokens and "every distinct prompt (4)" in plan.token_source
     ws = Workspace.open(data, readonly=True)
     spans = ws.rows("SELECT last_prompt + 1, answer_count FROM v_samples WHERE run = 'w' ORDER BY array_row")
@@ -247,7 +247,7 @@ def test_dry_run_bytes_equal_the_bytes_the_store_writes(spatial_run):
     from store import Workspace
 
     manifest, data = spatial_run
-    plan = plan_manifest(manifest)
+    plan = estimate_manifest(manifest)
     ws = Workspace.open(data, readonly=True)
     stored = {(f"{a.tap}.{a.layer}.{a.site}", a.tokens): a for a in ws.arrays("w")}
     assert {stored[(a.name, a.kind)].stored_dtype for a in plan.arrays} == {plan.stored_dtype}
