@@ -71,10 +71,10 @@ class BoardRenderer:
     def __init__(self, board_size: int, cell_px: int, radius: int, white_range: int = -1) -> None:
         cfg = G.Config(preset="small", board_size=board_size, cell_px=cell_px, radius=radius,
                        white_range=white_range, counts="0")
-        self.plan = G.make_plan(cfg)
+        self.layout = G.board_layout(cfg)
         self.board, self.cell, self.radius = board_size, cell_px, radius
         self.cells = board_size * board_size
-        self.white_range = self.plan.white_range
+        self.white_range = self.layout.white_range
         self.templates = self._clean_templates()  # [3 labels, 3, cell, cell] float
         self.base = self._plain_cell()  # [3, cell, cell]: board colour 1, grid line 0
 
@@ -82,7 +82,7 @@ class BoardRenderer:
         # One black, one white stone and one empty point, cut from the study's own renderer.
         labels = np.full(self.cells, G.EMPTY, dtype=np.int8)
         labels[0], labels[1] = G.BLACK, G.WHITE
-        img, _ = G.render_clean(self.plan, labels)
+        img, _ = G.render_clean(self.layout, labels)
         arr = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float()
         c = self.cell
         return torch.stack([arr[:, :c, :c], arr[:, :c, c:2 * c], arr[:, :c, 2 * c:3 * c]])

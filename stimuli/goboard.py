@@ -130,7 +130,7 @@ class Config:
 
 
 @dataclass(frozen=True)
-class Plan:
+class BoardLayout:
     """A validated config: the geometry and count list every sample is drawn from."""
 
     preset: str
@@ -175,7 +175,7 @@ def format_count(count: int, answer_format: str) -> str:
     return str(count)
 
 
-def make_plan(config: Config) -> Plan:
+def board_layout(config: Config) -> BoardLayout:
     """Resolve the preset and overrides and reject impossible parameters, naming the fix."""
     check_choice("preset", config.preset, tuple(PRESETS))
     check_choice("variation", config.variation, ("none", *VARIATIONS))
@@ -217,7 +217,7 @@ def make_plan(config: Config) -> Plan:
             " answer_format='plain' or counts within 0-99"
         )
     white_range = scaled_white_range(board) if config.white_range < 0 else config.white_range
-    return Plan(config.preset, board, cell, radius, white_range, config.variation,
+    return BoardLayout(config.preset, board, cell, radius, white_range, config.variation,
                 config.answer_format, counts)
 
 
@@ -241,9 +241,9 @@ class Pool:
         return min(sum(size for _, size in self.groups), self.strings // 2)
 
 
-def pool(plan: Plan, count: int) -> Pool:
-    cells = plan.cells
-    lo, hi = max(0, count - plan.white_range), count + plan.white_range
+def pool(layout: BoardLayout, count: int) -> Pool:
+    cells = layout.cells
+    lo, hi = max(0, count - layout.white_range), count + layout.white_range
     draws: dict[int, int] = {}
     for w in range(lo, hi + 1):
         draws[min(w, cells - count)] = draws.get(min(w, cells - count), 0) + 1
@@ -281,12 +281,12 @@ def reliable_limit(pool: Pool) -> int:
     return lo
 
 
-def check_capacity(plan: Plan, n: int) -> None:
+def check_capacity(layout: BoardLayout, n: int) -> None:
     """Fail before drawing when a count cannot give ``n`` distinct boards and text pairs, or
     could only by luck (rejection sampling starves on a count's last few boards)."""
-    for count in plan.counts:
-        p = pool(plan, count)
-        where = f"count {count} on the {plan.board_size}x{plan.board_size} board"
+    for count in layout.counts:
+        p = pool(layout, count)
+        where = f"count {count} on the {layout.board_size}x{layout.board_size} board"
         if n > p.capacity:
             raise StimulusError(
                 f"{where} has only {p.capacity} distinct boards/text pairs, fewer than --n={n}:"
@@ -327,38 +327,38 @@ def draw_unequal_count(rng: np.random.Generator, length: int, count: int) -> int
     return other + (other >= count)
 
 
-def _grid_lines(draw: ImageDraw.ImageDraw, plan: Plan, scale: int) -> None:
+def _grid_lines(draw: ImageDraw.ImageDraw, layout: BoardLayout, scale: int) -> None:
     # The study draws width-2 lines at k*cell + cell//2 - 1; PIL puts such a line on pixel rows
     # offset and offset+1, which these rectangles reproduce exactly at any integer scale.
-    size = plan.image_px * scale
-    for k in range(plan.board_size):
-        offset = (k * plan.cell_px + plan.cell_px // 2 - 1) * scale
+    size = layout.image_px * scale
+    for k in range(layout.board_size):
+        offset = (k * layout.cell_px + layout.cell_px // 2 - 1) * scale
         draw.rectangle([0, offset, size - 1, offset + LINE_WIDTH * scale - 1], fill=(0, 0, 0))
         draw.rectangle([offset, 0, offset + LINE_WIDTH * scale - 1, size - 1], fill=(0, 0, 0))
 
 
-def _centre(plan: Plan, index: int) -> tuple[int, int]:
-    row, col = divmod(index, plan.board_size)
-    half = plan.cell_px // 2
-    return col * plan.cell_px + half, row * plan.cell_px + half
+def _centre(layout: BoardLayout, index: int) -> tuple[int, int]:
+    row, col = divmod(index, layout.board_size)
+    half = layout.cell_px // 2
+    return col * layout.cell_px + half, row * layout.cell_px + half
 
 
-def render_clean(plan: Plan, labels: np.ndarray) -> tuple[Image.Image, list[dict]]:
+def render_clean(layout: BoardLayout, labels: np.ndarray) -> tuple[Image.Image, list[dict]]:
     """The study's ``draw_board``, pixel for pixel."""
-    img = Image.new("RGB", (plan.image_px, plan.image_px), BOARD_RGB)
+    img = Image.new("RGB", (layout.image_px, layout.image_px), BOARD_RGB)
     draw = ImageDraw.Draw(img)
-    _grid_lines(draw, plan, 1)
+    _grid_lines(draw, layout, 1)
     stones = []
-    r = plan.radius
+    r = layout.radius
     for index in np.flatnonzero(labels != EMPTY):
-        cx, cy = _centre(plan, int(index))
+        cx, cy = _centre(layout, int(index))
         shade = 0 if labels[index] == BLACK else 255
         draw.ellipse([(cx - r, cy - r), (cx + r, cy + r)], fill=(shade,) * 3)
-        stones.append(_stone(plan, int(index), int(labels[index]), cx, cy, r, shade))
+        stones.append(_stone(layout, int(index), int(labels[index]), cx, cy, r, shade))
     return img, stones
 
 
-def render_varied(plan: Plan, labels: np.ndarray, rng: np.random.Generator,
+def render_varied(layout: BoardLayout, labels: np.ndarray, rng: np.random.Generator,
                   style: Variation) -> tuple[Image.Image, list[dict], tuple[int, int, int]]:
     """Supersampled rendering with per-stone radius, offset and shade, board tint and noise."""
     s = SUPERSAMPLE
@@ -366,38 +366,38 @@ def render_varied(plan: Plan, labels: np.ndarray, rng: np.random.Generator,
     tint = rng.integers(-style.board_tint, style.board_tint + 1, size=3)
     red, green, blue = (int(np.clip(c + shift + t, 0, 255)) for c, t in zip(BOARD_RGB, tint, strict=True))
     board = (red, green, blue)
-    img = Image.new("RGB", (plan.image_px * s,) * 2, board)
+    img = Image.new("RGB", (layout.image_px * s,) * 2, board)
     draw = ImageDraw.Draw(img)
-    _grid_lines(draw, plan, s)
-    half, stones = plan.cell_px // 2, []
+    _grid_lines(draw, layout, s)
+    half, stones = layout.cell_px // 2, []
     for index in np.flatnonzero(labels != EMPTY):
         label = int(labels[index])
-        rho = plan.radius * float(rng.uniform(*style.radius_scale))
+        rho = layout.radius * float(rng.uniform(*style.radius_scale))
         # Pixel-index coordinates: the clean stone spans pixels cx-r..cx+r, i.e. its edge lies
         # rho+0.5 from the centre. Offsets keep that disc inside the cell and within
         # jitter*rho of the intersection, so the centre pixel stays fully covered.
         reach = style.jitter * rho
-        lo, hi = max(rho - half, -reach), min(plan.cell_px - half - rho - 1, reach)
+        lo, hi = max(rho - half, -reach), min(layout.cell_px - half - rho - 1, reach)
         jx, jy = (float(rng.uniform(lo, hi)) for _ in range(2))
         if label == BLACK:
             shade = int(rng.integers(0, style.black_shade + 1))
         else:
             shade = int(rng.integers(255 - style.white_shade, 256))
-        cx, cy = _centre(plan, int(index))
+        cx, cy = _centre(layout, int(index))
         x, y = cx + jx, cy + jy
         box = [round((x - rho) * s), round((y - rho) * s),
                round((x + rho + 1) * s) - 1, round((y + rho + 1) * s) - 1]
         draw.ellipse(box, fill=(shade,) * 3)
-        stones.append(_stone(plan, int(index), label, x, y, rho, shade))
+        stones.append(_stone(layout, int(index), label, x, y, rho, shade))
     small = np.asarray(img.reduce(s), dtype=np.float32)
     small = small + rng.normal(0.0, style.noise_sigma, size=small.shape).astype(np.float32)
     out = Image.fromarray(np.clip(np.rint(small), 0, 255).astype(np.uint8), "RGB")
     return out, stones, board
 
 
-def _stone(plan: Plan, index: int, label: int, x: float, y: float, radius: float,
+def _stone(layout: BoardLayout, index: int, label: int, x: float, y: float, radius: float,
            shade: int) -> dict:
-    row, col = divmod(index, plan.board_size)
+    row, col = divmod(index, layout.board_size)
     return {"row": row, "col": col, "label": label, "cx": float(x), "cy": float(y),
             "radius": float(radius), "shade": shade}
 
@@ -413,9 +413,9 @@ class Draw:
     ie_count: int
 
 
-def draw_sample(rng: np.random.Generator, plan: Plan, count: int) -> Draw:
-    cells = plan.cells
-    labels = draw_board(rng, count, cells, plan.white_range)
+def draw_sample(rng: np.random.Generator, layout: BoardLayout, count: int) -> Draw:
+    cells = layout.cells
+    labels = draw_board(rng, count, cells, layout.white_range)
     text_c, text_eq = draw_string(rng, cells, count), draw_string(rng, cells, count)
     ie_count = draw_unequal_count(rng, cells, count)
     return Draw(labels, text_c, text_eq, draw_string(rng, cells, ie_count), ie_count)
@@ -423,31 +423,31 @@ def draw_sample(rng: np.random.Generator, plan: Plan, count: int) -> Draw:
 
 def generate(config: Config, n: int, seed: int, split: str) -> Iterator[Stimulus]:
     """``n`` unique boards for every count in ``config.counts``, in count order."""
-    plan = make_plan(config)
+    layout = board_layout(config)
     check_int_range("n", n, 1, None, "ask for at least one board per count")
     check_int_range("seed", seed, 0, None, "use a non-negative seed")
-    check_capacity(plan, n)
-    return _generate(plan, n, seed, split)
+    check_capacity(layout, n)
+    return _generate(layout, n, seed, split)
 
 
-def _generate(plan: Plan, n: int, seed: int, split: str) -> Iterator[Stimulus]:
-    for count in plan.counts:
+def _generate(layout: BoardLayout, n: int, seed: int, split: str) -> Iterator[Stimulus]:
+    for count in layout.counts:
         seen_boards: set[bytes] = set()
         seen_strings: set[str] = set()
         for index in range(n):
-            sample_seed, attempt, rng, drawn = _unique_draw(plan, seed, count, index,
+            sample_seed, attempt, rng, drawn = _unique_draw(layout, seed, count, index,
                                                             seen_boards, seen_strings)
-            yield _stimulus(plan, drawn, rng, count, index, attempt, sample_seed, split)
+            yield _stimulus(layout, drawn, rng, count, index, attempt, sample_seed, split)
 
 
-def _unique_draw(plan: Plan, seed: int, count: int, index: int, seen_boards: set[bytes],
+def _unique_draw(layout: BoardLayout, seed: int, count: int, index: int, seen_boards: set[bytes],
                  seen_strings: set[str]) -> tuple[int, int, np.random.Generator, Draw]:
     # Each attempt has its own derived seed, so a sample is reproducible from the recorded
     # seed alone and one count's retries never shift another count's boards.
     for attempt in range(MAX_ATTEMPTS):
         sample_seed = derive_seed(seed, count, index, attempt)
         rng = np.random.default_rng(sample_seed)
-        drawn = draw_sample(rng, plan, count)
+        drawn = draw_sample(rng, layout, count)
         key = drawn.labels.tobytes()
         if (key in seen_boards or drawn.text_c == drawn.text_eq
                 or drawn.text_c in seen_strings or drawn.text_eq in seen_strings):
@@ -461,17 +461,17 @@ def _unique_draw(plan: Plan, seed: int, count: int, index: int, seen_boards: set
     )
 
 
-def _stimulus(plan: Plan, drawn: Draw, rng: np.random.Generator, count: int, index: int,
+def _stimulus(layout: BoardLayout, drawn: Draw, rng: np.random.Generator, count: int, index: int,
               attempt: int, sample_seed: int, split: str) -> Stimulus:
-    if plan.variation == "none":
-        image, stones = render_clean(plan, drawn.labels)
+    if layout.variation == "none":
+        image, stones = render_clean(layout, drawn.labels)
         board_rgb = BOARD_RGB
     else:
-        image, stones, board_rgb = render_varied(plan, drawn.labels, rng, VARIATIONS[plan.variation])
+        image, stones, board_rgb = render_varied(layout, drawn.labels, rng, VARIATIONS[layout.variation])
     labels = drawn.labels.tolist()
     # The TF tasks alternate equal / unequal pairs by board index, as in the study's training.
     equal = index % 2 == 0
-    number = format_count(count, plan.answer_format)
+    number = format_count(count, layout.answer_format)
     truth_value = "True" if equal else "False"
     answers = {"multimodal_num": number, "text_only_num": number,
                "multimodal_tf": truth_value, "text_only_tf": truth_value}
@@ -492,13 +492,13 @@ def _stimulus(plan: Plan, drawn: Draw, rng: np.random.Generator, count: int, ind
         "stones": stones,
     }
     params = {
-        "preset": plan.preset,
-        "board_size": plan.board_size,
-        "cell_px": plan.cell_px,
-        "radius": plan.radius,
-        "white_range": plan.white_range,
-        "variation": plan.variation,
-        "answer_format": plan.answer_format,
+        "preset": layout.preset,
+        "board_size": layout.board_size,
+        "cell_px": layout.cell_px,
+        "radius": layout.radius,
+        "white_range": layout.white_range,
+        "variation": layout.variation,
+        "answer_format": layout.answer_format,
         "attempt": attempt,
     }
     return Stimulus(

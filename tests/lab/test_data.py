@@ -15,7 +15,7 @@ def test_clean_render_is_goboard_pixel_exact():
     assert (labels == G.BLACK).sum(1).tolist() == [0, 30, 80, 120]
     imgs = r.render(labels, torch.zeros(4, dtype=torch.long), Style.of(("none",)), gen)
     for lab, img in zip(labels, imgs, strict=False):
-        ref, _ = G.render_clean(r.plan, lab.numpy().astype(np.int8))
+        ref, _ = G.render_clean(r.layout, lab.numpy().astype(np.int8))
         assert torch.equal(torch.from_numpy(np.array(ref)).permute(2, 0, 1).float(), img)
 
 
@@ -29,12 +29,12 @@ def test_white_count_rule():
 
 def test_varied_stone_matches_goboard_supersampling():
     # Recreate goboard.render_varied's stones from its own record, without its noise.
-    plan = G.make_plan(G.Config(preset="small", counts="0", variation="mild"))
-    labels = np.full(plan.cells, G.EMPTY, dtype=np.int8)
+    layout = G.board_layout(G.Config(preset="small", counts="0", variation="mild"))
+    labels = np.full(layout.cells, G.EMPTY, dtype=np.int8)
     labels[[5, 17, 60, 99]] = [G.BLACK, G.WHITE, G.BLACK, G.WHITE]
-    img, stones, board = G.render_varied(plan, labels, np.random.default_rng(3), G.VARIATIONS["mild"])
+    img, stones, board = G.render_varied(layout, labels, np.random.default_rng(3), G.VARIATIONS["mild"])
     ref = np.asarray(img, dtype=np.float32)
-    c = plan.cell_px
+    c = layout.cell_px
     for st in stones:
         row, col = st["row"], st["col"]
         cx = torch.tensor([[st["cx"] - col * c + 0.5]])

@@ -22,9 +22,9 @@ from stimuli.goboard import (
     QUESTIONS,
     VARIATIONS,
     Config,
+    board_layout,
     draw_sample,
     generate,
-    make_plan,
     pool,
     regime,
     reliable_limit,
@@ -173,9 +173,9 @@ def test_boards_unique_per_count_with_recorded_retries() -> None:
     strings = [s.truth[k] for s in stims for k in ("text_c", "text_eq")]
     assert len(set(strings)) == 24
     assert max(s.params["attempt"] for s in stims) > 0
-    plan = make_plan(config)
+    layout = board_layout(config)
     for stim in stims:
-        redrawn = draw_sample(np.random.default_rng(stim.seed), plan, 1)
+        redrawn = draw_sample(np.random.default_rng(stim.seed), layout, 1)
         assert redrawn.labels.tolist() == stim.truth["labels"]
         assert redrawn.text_c == stim.truth["text_c"]
     with pytest.raises(StimulusError, match="--n=17"):
@@ -205,8 +205,8 @@ def test_the_reliable_limit_is_drawn_in_full() -> None:
     # Tiny pools, several seeds: every count's limit draws without running out of attempts.
     for count in range(4):
         config = Config(board_size=2, cell_px=8, radius=3, counts=str(count))
-        limit = reliable_limit(pool(make_plan(config), count))
-        assert 4 <= limit <= pool(make_plan(config), count).capacity
+        limit = reliable_limit(pool(board_layout(config), count))
+        assert 4 <= limit <= pool(board_layout(config), count).capacity
         for seed in range(3):
             boards = {tuple(s.truth["labels"]) for s in generate(config, n=limit, seed=seed, split="test")}
             assert len(boards) == limit
