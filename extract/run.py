@@ -49,9 +49,9 @@ from extract.models import (
     capture_generate,
     forward_answer_blockers,
     load_model,
-    plan,
     prepare_batch,
     readout,
+    resolve_points,
 )
 from extract.models.errors import InputError
 from extract.models.layout import Grid, SampleLayout
@@ -201,7 +201,7 @@ def tap_request(lm: LoadedModel, manifest: Manifest, with_images: bool = True) -
             request[f"attn.{layer}"] = list(manifest.attention.queries)
     if not request:
         raise ManifestError("the manifest keeps nothing: add taps (or attention) to store activations")
-    plan(lm, request, ())  # every name resolved before any forward: a bad tap/site fails here
+    resolve_points(lm, request, ())  # every name resolved before any forward: a bad tap/site fails here
     return request
 
 

@@ -24,7 +24,7 @@ from .capture import (
     capture_generate,
     forward_answer_blockers,
     hook_points,
-    plan,
+    resolve_points,
     resolve_tap,
 )
 from .errors import (
@@ -48,6 +48,6 @@ __all__ = [
     "LoadedModel", "ModelError", "ModelNotFoundError", "NonFiniteActivationError", "PlanningError", "RaggedTokens", "Readout",
     "SITES", "SampleLayout", "TAPS", "TOKEN_KINDS", "TapError", "TapSpec", "UnknownArchitectureError", "UntrustedCodeError",
     "adapter_class", "adapter_for", "capture", "capture_first_token", "capture_generate", "forward_answer_blockers",
-    "hook_points", "load_model", "open_image", "plan",
+    "hook_points", "load_model", "open_image", "resolve_points",
     "prepare_batch", "readout", "register", "resolve_tap", "supported",
 ]

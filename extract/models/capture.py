@@ -89,7 +89,7 @@ class CaptureResult:
 
 
 # ------------------------------------------------------------------------------------------------
-# plan: taps -> module paths, validated before any forward
+# hook points: taps -> module paths, validated before any forward
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Point:
@@ -149,7 +149,7 @@ def hook_points(lm: LoadedModel) -> dict[str, str]:
     return out
 
 
-def plan(lm: LoadedModel, taps: Taps, kinds: Sequence[str]) -> list[Point]:
+def resolve_points(lm: LoadedModel, taps: Taps, kinds: Sequence[str]) -> list[Point]:
     """Resolve and validate the requested taps before any forward.
 
     ``taps`` is a list (every tap keeps ``kinds``) or a mapping tap -> its own token kinds.
@@ -199,7 +199,7 @@ class Gather:
         return int(counts[0]) if counts.size and (counts == counts[0]).all() else None
 
 
-def gather_plan(layouts: list[SampleLayout], kind: str, device: torch.device) -> Gather:
+def gather_positions(layouts: list[SampleLayout], kind: str, device: torch.device) -> Gather:
     pos = [lay.positions(kind) for lay in layouts]
     counts = np.array([p.size for p in pos])
     rows = np.repeat(np.arange(len(pos)), counts)
@@ -250,7 +250,7 @@ def key_aligned(row: torch.Tensor, n_keys: int) -> torch.Tensor:
 # the recorder: hooks + attention sink
 # ------------------------------------------------------------------------------------------------
 class Recorder:
-    """Registers the hooks of a plan on a model and collects what they keep.
+    """Registers the hooks of resolved points on a model and collects what they keep.
 
     Step 0 is the prompt (prefill); later steps are generation steps with one new token each,
     whose outputs are kept as ``answer`` tokens.
@@ -263,7 +263,7 @@ class Recorder:
         self.seq_len = batch.seq_len
         device = lm.device
         kinds = {k for p in points for k in p.kinds}
-        self.gathers = {k: gather_plan(batch.layouts, k, device) for k in kinds}
+        self.gathers = {k: gather_positions(batch.layouts, k, device) for k in kinds}
         self.prefill: dict[CaptureKey, Captured] = {}
         self.steps: dict[CaptureKey, list[torch.Tensor]] = defaultdict(list)
         self.attn_modules: dict[int, Point] = {}
@@ -464,7 +464,7 @@ def capture(
     Token kinds apply to LLM-sequence taps (llm, attn query rows, logits); vision and projector taps
     always yield the image's tokens, raster-ordered per the batch layouts.
     """
-    points = plan(lm, taps, tokens)
+    points = resolve_points(lm, taps, tokens)
     _check_request(batch, points, generating=False)
     kwargs: dict[str, Any] = dict(batch.inputs, use_cache=False)
     if not any(p.spec.tap == "logits" for p in points) and _accepts(lm.model, "logits_to_keep"):
@@ -491,7 +491,7 @@ def capture_generate(
     ``answer`` (``[batch, steps, dim]``; attention rows ``[batch, heads, steps, keys]``, keys
     zero-padded to the final length). Rows that finished early keep producing pad tokens.
     """
-    points = plan(lm, taps, tokens)
+    points = resolve_points(lm, taps, tokens)
     _check_request(batch, points, generating=True)
     _check_generate_logits(points)
     gen = dict(do_sample=False, max_new_tokens=max_new_tokens)
@@ -580,7 +580,7 @@ def capture_first_token(
     no token is fed back, so ``answer`` rows are empty (absent, as after such a generate). Only valid when
     :func:`forward_answer_blockers` is empty: callers check it.
     """
-    points = plan(lm, taps, tokens)
+    points = resolve_points(lm, taps, tokens)
     _check_request(batch, points, generating=True)
     _check_generate_logits(points)
     kwargs: dict[str, Any] = dict(batch.inputs, use_cache=False)
