@@ -11,17 +11,13 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from store.text import text_table
+
 
 def render_table(table: pa.Table, max_rows: int = 200) -> str:
     """Every cell in full (a column is as wide as its widest value: run ids are never cut)."""
-    cols = table.column_names
     rows = [[format_cell(v) for v in r.values()] for r in table.slice(0, max_rows).to_pylist()]
-    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=False)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) for r in rows]
-    if table.num_rows > max_rows:
-        lines.append(f"... {table.num_rows - max_rows} more rows (use --format csv)")
-    return "\n".join(lines)
+    return text_table(table.column_names, rows, total=table.num_rows)
 
 
 def render_schema(table: pa.Table) -> str:

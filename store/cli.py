@@ -15,15 +15,12 @@ from typing import Any
 from store.errors import StoreError
 from store.lock import live_writers
 from store.sizing import human, size_estimate
+from store.text import text_table
 from store.workspace import ENV_VAR, Workspace, resolve_path
 
 
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    cells = [[str(h) for h in header]] + [["" if v is None else str(v) for v in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(header, [["" if v is None else str(v) for v in r] for r in rows])
 
 
 def cmd_init(args: argparse.Namespace) -> int:

@@ -80,3 +80,15 @@ def test_probe_farm_summary_prints_whole_run_ids(tmp_path, capsys):
     report = SimpleNamespace(trained=1, skipped=0, failed=0, probes_per_s=1.0, gflops_per_s=1.0, workers=1)
     _summary(report, str(data), {"k0"})
     assert f"{LONG} llm/resid_post" in capsys.readouterr().out
+
+
+def test_store_and_queries_print_one_table(ws):
+    """`python -m store query` and `python -m queries --sql` render through one table function: the
+    same SQL prints the same text (no trailing padding in either)."""
+    sql = "SELECT run, stimulus, family FROM v_samples ORDER BY stimulus"
+    store = subprocess.run([sys.executable, "-m", "store", "query", sql, "--data", str(ws.path)],
+                           capture_output=True, text=True, check=True)
+    queries = cli(ws, "--sql", sql)
+    assert queries.returncode == 0, queries.stderr
+    assert store.stdout == queries.stdout and LONG in store.stdout
+    assert all(line == line.rstrip() for line in store.stdout.splitlines())
