@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from extract.manifest import ManifestError, load_manifest
+from extract.manifest import Manifest, ManifestError, load_manifest
 
 # What a write into a workspace the process may not change raises (read-only mount, permissions).
 _NOT_WRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
@@ -33,7 +33,8 @@ def check_workspace_target(path: Path) -> None:
                                  " permissions or pass --data a folder you can write")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line; the dry run's hardware assumptions default to :class:`extract.dry_run.Hardware`'s."""
     parser = argparse.ArgumentParser(
         prog="python -m extract",
         description="Run a VLM over stimulus sets once and store the requested activations, attention rows and"
@@ -56,44 +57,56 @@ def main(argv: list[str] | None = None) -> int:
     from extract.dry_run import Hardware
 
     hw = Hardware()
-    plan = parser.add_argument_group("--dry-run time estimate (docs/scale.md)")
-    plan.add_argument("--gpu-tflops", type=float, default=hw.gpu_tflops, help=f"prefill TFLOP/s (default {hw.gpu_tflops:g})")
-    plan.add_argument("--gpu-bandwidth-gbs", type=float, default=hw.gpu_bandwidth_gbs,
-                      help=f"GPU memory read rate when decoding, GB/s (default {hw.gpu_bandwidth_gbs:g})")
-    plan.add_argument("--step-ms-per-layer", type=float, default=hw.step_ms_per_layer,
-                      help=f"generate's overhead per decoder layer and step, ms (default {hw.step_ms_per_layer:g})")
-    plan.add_argument("--disk-mbps", type=float, default=hw.disk_mbps, help=f"store write rate, MB/s (default {hw.disk_mbps:g})")
-    args = parser.parse_args(argv)
+    dry = parser.add_argument_group("--dry-run time estimate (docs/scale.md)")
+    dry.add_argument("--gpu-tflops", type=float, default=hw.gpu_tflops, help=f"prefill TFLOP/s (default {hw.gpu_tflops:g})")
+    dry.add_argument("--gpu-bandwidth-gbs", type=float, default=hw.gpu_bandwidth_gbs,
+                     help=f"GPU memory read rate when decoding, GB/s (default {hw.gpu_bandwidth_gbs:g})")
+    dry.add_argument("--step-ms-per-layer", type=float, default=hw.step_ms_per_layer,
+                     help=f"generate's overhead per decoder layer and step, ms (default {hw.step_ms_per_layer:g})")
+    dry.add_argument("--disk-mbps", type=float, default=hw.disk_mbps, help=f"store write rate, MB/s (default {hw.disk_mbps:g})")
+    return parser
+
+
+def manifest_from(args: argparse.Namespace) -> Manifest:
+    """The manifest file with the command line's ``--shard`` and ``--stimuli-root`` applied."""
+    from extract.manifest import parse_manifest, with_stimuli_root
+
+    manifest = load_manifest(args.manifest)
+    if args.shard is not None:
+        manifest = parse_manifest({**manifest.model_dump(exclude_unset=True), "shard": args.shard}, "--shard")
+    if args.stimuli_root is not None:
+        manifest = with_stimuli_root(manifest, args.stimuli_root)
+    return manifest
+
+
+def run(args: argparse.Namespace, manifest: Manifest) -> None:
+    """Print the dry run's estimate, or run (resume) the extraction and print its summary."""
+    if args.dry_run:
+        from extract.dry_run import Hardware, dry_run
+
+        hardware = Hardware(gpu_tflops=args.gpu_tflops, gpu_bandwidth_gbs=args.gpu_bandwidth_gbs,
+                            disk_mbps=args.disk_mbps, step_ms_per_layer=args.step_ms_per_layer)
+        print(dry_run(manifest, codec=args.codec, hardware=hardware))
+        return
+    from extract.run import run_extraction
+    from store.workspace import resolve_path
+
+    check_workspace_target(resolve_path(args.data or manifest.workspace))
+    if args.no_progress:  # no bar at all: transformers' weight-loading bar too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    print(run_extraction(manifest, workspace=args.data, progress=not args.no_progress, codec=args.codec))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     from extract.models.errors import ModelError
     from stimuli.base import StimulusError
     from store import StoreError
 
     try:
-        manifest = load_manifest(args.manifest)
-        if args.shard is not None:
-            from extract.manifest import parse_manifest
-
-            manifest = parse_manifest({**manifest.model_dump(exclude_unset=True), "shard": args.shard}, "--shard")
-        if args.stimuli_root is not None:
-            from extract.manifest import with_stimuli_root
-
-            manifest = with_stimuli_root(manifest, args.stimuli_root)
-        if args.dry_run:
-            from extract.dry_run import dry_run
-
-            hardware = Hardware(gpu_tflops=args.gpu_tflops, gpu_bandwidth_gbs=args.gpu_bandwidth_gbs,
-                                disk_mbps=args.disk_mbps, step_ms_per_layer=args.step_ms_per_layer)
-            print(dry_run(manifest, codec=args.codec, hardware=hardware))
-            return 0
-        from extract.run import run_extraction
-        from store.workspace import resolve_path
-
-        check_workspace_target(resolve_path(args.data or manifest.workspace))
-        if args.no_progress:  # no bar at all: transformers' weight-loading bar too
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-        print(run_extraction(manifest, workspace=args.data, progress=not args.no_progress, codec=args.codec))
+        run(args, manifest_from(args))
     except (ManifestError, ModelError, StimulusError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -116,6 +116,33 @@ def prepare_batch(
     batched generation. A batch of text-only samples passes ``None`` for every image; ``strings``
     (per sample) are text inputs shown before the question, e.g. a Go board's text twin.
     """
+    _check_batch(images, prompts, answers, strings, padding_side)
+    with_image = images[0] is not None  # one modality per batch, checked above
+    pil = [open_image(im) for im in images if im is not None] if with_image else []
+    texts = [chat_text(lm, p, system, image=with_image, strings=strings[i] if strings is not None else ())
+             for i, p in enumerate(prompts)]
+    tok = lm.processor.tokenizer
+    processed = _process(lm, texts, pil, with_image, padding_side, processor_kwargs)
+    inputs = lm.adapter.clean_inputs(processed)
+    n_prompt = inputs["attention_mask"].sum(1).tolist()
+    answer_ids = None
+    if answers is not None:
+        answer_ids = [
+            tok(a, add_special_tokens=False)["input_ids"] if isinstance(a, str) else [int(t) for t in a]
+            for a in answers
+        ]
+        inputs = _append_answers(lm, inputs, answer_ids, padding_side, tok.pad_token_id)
+    geometry = lm.adapter.geometry(inputs) if with_image else [layout.ImageGeometry.none() for _ in prompts]
+    layouts = _layouts(lm, inputs, geometry, n_prompt, answer_ids)
+    aux = lm.adapter.aux(inputs, geometry) if with_image else {}
+    moved = {k: _to(v, lm) for k, v in inputs.items()}
+    answer_texts = None if answer_ids is None else [tok.decode(a) for a in answer_ids]
+    return Batch(moved, layouts, texts, answer_texts, padding_side, aux)
+
+
+def _check_batch(images: Sequence[ImageLike | None], prompts: Sequence[str], answers: Sequence[Any] | None,
+                 strings: Sequence[Sequence[str]] | None, padding_side: str) -> None:
+    """One image, prompt (and answer, strings) per sample, one modality per batch: else one line saying so."""
     if len(images) != len(prompts):
         raise InputError(f"expected one prompt per image, got {len(images)} images and {len(prompts)} prompts")
     if answers is not None and len(answers) != len(prompts):
@@ -132,10 +159,11 @@ def prepare_batch(
             "a batch mixes text-only samples (image None) with image samples: the processor takes one or the"
             " other, so split the batch by modality"
         )
-    with_image = not text_only[0]
-    pil = [open_image(im) for im in images if im is not None] if with_image else []
-    texts = [chat_text(lm, p, system, image=with_image, strings=strings[i] if strings is not None else ())
-             for i, p in enumerate(prompts)]
+
+
+def _process(lm: LoadedModel, texts: list[str], pil: list[Any], with_image: bool, padding_side: str,
+             processor_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The processor's outputs for ``texts`` (and images), padded on ``padding_side``."""
     tok = lm.processor.tokenizer
     old_side = tok.padding_side
     tok.padding_side = padding_side
@@ -151,21 +179,7 @@ def prepare_batch(
         raise InputError(f"the processor refused this batch: {err}") from err
     finally:
         tok.padding_side = old_side
-    inputs = lm.adapter.clean_inputs(processed)
-    n_prompt = inputs["attention_mask"].sum(1).tolist()
-    answer_ids = None
-    if answers is not None:
-        answer_ids = [
-            tok(a, add_special_tokens=False)["input_ids"] if isinstance(a, str) else [int(t) for t in a]
-            for a in answers
-        ]
-        inputs = _append_answers(lm, inputs, answer_ids, padding_side, tok.pad_token_id)
-    geometry = lm.adapter.geometry(inputs) if with_image else [layout.ImageGeometry.none() for _ in prompts]
-    layouts = _layouts(lm, inputs, geometry, n_prompt, answer_ids)
-    aux = lm.adapter.aux(inputs, geometry) if with_image else {}
-    moved = {k: _to(v, lm) for k, v in inputs.items()}
-    answer_texts = None if answer_ids is None else [tok.decode(a) for a in answer_ids]
-    return Batch(moved, layouts, texts, answer_texts, padding_side, aux)
+    return processed
 
 
 def _to(value: Any, lm: LoadedModel) -> Any:

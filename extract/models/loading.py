@@ -177,7 +177,6 @@ def load_model(
     ``device`` (default: cuda if available, else cpu) is ignored when ``device_map`` is given.
     """
     import transformers
-    from transformers import AutoModelForImageTextToText
 
     src = resolve_source(source)
     registry()  # family modules may register Auto classes of their own (e.g. a toy model) before the config is read
@@ -192,26 +191,7 @@ def load_model(
     if device_map is not None:
         kwargs["device_map"] = device_map
     target = check_device(device) if device_map is None else None  # before the weights: fail in a second
-    try:
-        with warnings.catch_warnings():  # torch's note on odd pickle protocols: the refusal below says it all
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            model: Any = AutoModelForImageTextToText.from_pretrained(src, **kwargs)
-    except OSError as err:
-        raise ModelNotFoundError(f"cannot load the weights of {src!r}: {err}") from err
-    except SafetensorError as err:
-        raise WeightsError(
-            f"the weights of {src!r} cannot be read ({err}): a model.safetensors file is truncated or damaged;"
-            " download or save the model again"
-        ) from err
-    except Exception as err:
-        # torch's safe loader refuses a pickle with pickle.UnpicklingError; matched by name, since
-        # model-loading code imports no pickle module at all (tests/security/test_no_pickle.py)
-        if type(err).__name__ != "UnpicklingError":
-            raise
-        raise WeightsError(
-            f"the weights of {src!r} are a pickle (.bin) that torch's safe loader (weights_only=True) refuses:"
-            " loading it could run code, so agnosia does not. Use a safetensors copy of the model (model.safetensors)"
-        ) from err
+    model = _read_weights(src, kwargs)
     if target is not None:
         model.to(target)
     model.eval()
@@ -228,6 +208,32 @@ def load_model(
         revision=revision,
         versions={"torch": torch.__version__, "transformers": transformers.__version__},
     )
+
+
+def _read_weights(src: str, kwargs: dict[str, Any]) -> Any:
+    """The model with its weights, or one line naming why they cannot be read (missing, damaged, a pickle)."""
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        with warnings.catch_warnings():  # torch's note on odd pickle protocols: the refusal below says it all
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return AutoModelForImageTextToText.from_pretrained(src, **kwargs)
+    except OSError as err:
+        raise ModelNotFoundError(f"cannot load the weights of {src!r}: {err}") from err
+    except SafetensorError as err:
+        raise WeightsError(
+            f"the weights of {src!r} cannot be read ({err}): a model.safetensors file is truncated or damaged;"
+            " download or save the model again"
+        ) from err
+    except Exception as err:
+        # torch's safe loader refuses a pickle with pickle.UnpicklingError; matched by name, since
+        # model-loading code imports no pickle module at all (tests/security/test_no_pickle.py)
+        if type(err).__name__ != "UnpicklingError":
+            raise
+        raise WeightsError(
+            f"the weights of {src!r} are a pickle (.bin) that torch's safe loader (weights_only=True) refuses:"
+            " loading it could run code, so agnosia does not. Use a safetensors copy of the model (model.safetensors)"
+        ) from err
 
 
 def _default_device() -> torch.device:
