@@ -192,7 +192,7 @@ def test_cli_prints_json_with_hardware_assumptions(g2m_512, tmp_path, capsys):
     assert out["params"]["total"] == pytest.approx(8.29e9, rel=0.005)
 
 
-def test_plan_run_takes_samples_without_images(g2m_512):
+def test_estimate_run_takes_samples_without_images(g2m_512):
     m = manifest(QWEN7, g2m_512)
     plan = estimate_run(m, meta_model(m), [DrySample(512, 512, "x" * 40, 10)] * 3)
     assert plan.n_samples == 3 and plan.first_seq == 324 + 10 + TEMPLATE_TOKENS
