@@ -27,6 +27,7 @@ from store.errors import ManifestBusyError, StoreError
 from store.writer_core import ArrayHandle
 
 STOP = object()
+_POLL_S = 0.1  # how often an idle writer thread checks whether to let the manifest go (a stat)
 
 
 class Pipeline(Committer):
@@ -34,14 +35,16 @@ class Pipeline(Committer):
 
     def _loop(self) -> None:
         while True:
-            timeout = None
-            if self._has_pending():
-                due = self._last_commit + (self._min_gap if self._pending_chunks else self._commit_every)
-                timeout = max(0.0, max(due, self._retry_at) - time.monotonic())
+            due = self._commit_due()
+            # Never block for long: the run's held manifest connection (opened by a commit or by
+            # the producer's registration) is looked in on, since another process may want the file.
+            timeout = _POLL_S if due is None else min(_POLL_S, max(0.0, due - time.monotonic()))
             try:
                 item = self._queue.get(timeout=timeout)
             except queue.Empty:
-                self._try_commit(blocking=False)
+                if due is not None and time.monotonic() >= due:
+                    self._try_commit(blocking=False)
+                self._manifest.release_if_due()
                 continue
             if item is STOP:
                 self._finalize()
@@ -75,6 +78,12 @@ class Pipeline(Committer):
                     self._pending_chunks and self._queue.empty() and elapsed >= self._min_gap
                 ):
                     self._try_commit(blocking=False)
+
+    def _commit_due(self) -> float | None:
+        """When the pending records are to be committed (None: nothing pending)."""
+        if not self._has_pending():
+            return None
+        return max(self._last_commit + (self._min_gap if self._pending_chunks else self._commit_every), self._retry_at)
 
     def _lane(self, chunk: int) -> ThreadPoolExecutor:
         return self._lanes[chunk % len(self._lanes)]

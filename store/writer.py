@@ -25,6 +25,9 @@ Guarantees:
 * Manifest commits are short transactions, batched: at most every
   ``commit_every`` seconds while the producer keeps the queue busy, within ``min_commit_gap``
   when it goes idle. A crash loses the blocks not yet committed; their rows are recomputed.
+  All of a run's transactions share one read-write connection, given up whenever another
+  connection needs the file (:class:`store.db.HeldConnection`); :meth:`arrays` declares a run's
+  arrays in one transaction.
 * Resume: a re-run with the same ``RunInfo`` asks the manifest which chunks are committed;
   :meth:`todo` names the rows still missing, and blocks already committed are skipped if the
   producer writes them again, so no row is ever stored twice.
@@ -95,6 +98,7 @@ class Writer(Registration, Tensors, Producer, Pipeline):
         self._min_gap = min_commit_gap
         self._manifest_timeout = manifest_timeout
         self._locks = self._acquire_locks()
+        self._manifest = db.HeldConnection(ws.manifest_path)
         self.took_over: Holder | None = self._locks[-1].took_over
         self._handles: dict[str, ArrayHandle] = {}
         try:
@@ -109,6 +113,7 @@ class Writer(Registration, Tensors, Producer, Pipeline):
             self._remove_stale_partials([*ws.zarr_path.glob("*.partial"),
                                          *(ws.zarr_path / self.run).rglob("*.partial")])
         except BaseException:
+            self._manifest.close()
             self._release_locks()
             raise
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -254,6 +259,7 @@ class Writer(Registration, Tensors, Producer, Pipeline):
                 if self._error is None and not producer_failed:
                     self._error = err
         finally:
+            self._manifest.close()  # before the lock: the next writer finds the file free
             self._release_locks()
 
     def __enter__(self) -> Writer:

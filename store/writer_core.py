@@ -68,6 +68,7 @@ class WriterCore:
     shard: Shard | None
     stats: WriterStats
     _manifest_timeout: float
+    _manifest: db.HeldConnection  # the run's one read-write connection (store/db.py)
     _commit_every: float
     _min_gap: float
     _handles: dict[str, ArrayHandle]
@@ -103,9 +104,8 @@ class WriterCore:
         return len(self._stimuli)
 
     def _write_connection(self, timeout: float | None = None) -> AbstractContextManager[duckdb.DuckDBPyConnection]:
-        """The manifest, read-write, for one short transaction."""
-        return db.connect(self.ws.manifest_path, read_only=False,
-                          timeout=self._manifest_timeout if timeout is None else timeout)
+        """The manifest, read-write, for one short transaction (on the run's held connection)."""
+        return self._manifest.use(self._manifest_timeout if timeout is None else timeout)
 
     def _missing(self, extra: list[ChunkRecord] | None = None) -> dict[str, int]:
         done: dict[int, set[int]] = {id(h): set(h.committed) for h in self._handles.values()}
