@@ -49,7 +49,8 @@ def make_data(n: int, t: int, d: int, seed: int = 0) -> np.ndarray:
 
 def stimuli_rows(n: int, seed: int = 1) -> list[dict]:
     fam = np.random.default_rng(seed).choice(len(FAMILIES), n)
-    return [{"id": f"s{i:06d}", "family": FAMILIES[fam[i]], "split": "bench", "seed": i, "params": {"i": i}} for i in range(n)]
+    return [{"id": f"s{i:06d}", "family": FAMILIES[fam[i]], "split": "bench", "seed": i, "params": {"i": i}}
+            for i in range(n)]
 
 
 def write_npy(x: np.ndarray, path: Path) -> float:

@@ -40,7 +40,8 @@ DEFAULT_TIMEOUT = 30.0
 # ATTACH (even over the store's own chunk files), and reads any file through read_csv & co.
 # Readers get neither: no file system access beyond the manifest itself, and the setting locked
 # so that SQL cannot turn it back on (docs/reliability.md, "Security").
-READ_ONLY_CONFIG: dict[str, str | bool | int | float | list[str]] = {"enable_external_access": False, "lock_configuration": True}
+READ_ONLY_CONFIG: dict[str, str | bool | int | float | list[str]] = {
+    "enable_external_access": False, "lock_configuration": True}
 _MARKER_STALE_S = 5.0
 _READER_YIELD_S = 1.0
 

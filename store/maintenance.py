@@ -98,7 +98,8 @@ class WorkspaceWrites:
 
     def record_vocab(self, run: str, tokens: Sequence[str]) -> int:
         """Store a run's vocabulary (``tokens[i]`` is token id i as decoded alone), replacing any."""
-        table = pa.table({"token_id": pa.array(range(len(tokens)), pa.int32()), "token": pa.array(list(tokens), pa.string())})
+        table = pa.table({"token_id": pa.array(range(len(tokens)), pa.int32()),
+                          "token": pa.array(list(tokens), pa.string())})
         with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
             con.register("new_vocab", table)
             con.execute("BEGIN TRANSACTION")

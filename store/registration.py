@@ -150,7 +150,8 @@ class Registration(WriterCore):
         with self._write_connection() as con:
             con.register("new_stimuli", table)
             changed = con.execute(
-                "SELECT n.stimulus FROM new_stimuli n JOIN stimuli s USING (stimulus) WHERE s.digest <> n.digest LIMIT 5"
+                "SELECT n.stimulus FROM new_stimuli n JOIN stimuli s USING (stimulus)"
+                " WHERE s.digest <> n.digest LIMIT 5"
             ).fetchall()
             if changed:
                 raise SpecMismatchError(
@@ -208,14 +209,16 @@ class Registration(WriterCore):
                 )
             self._mark_running(con)
             con.execute("BEGIN TRANSACTION")
-            con.execute("INSERT INTO samples (run, array_row, stimulus) SELECT ?, array_row, stimulus FROM new_rows", [self.run])
+            con.execute("INSERT INTO samples (run, array_row, stimulus) SELECT ?, array_row, stimulus FROM new_rows",
+                        [self.run])
             con.execute("UPDATE runs SET n_samples = ? WHERE run = ?", [len(keys), self.run])
             con.execute("COMMIT")
         self._stimuli = keys
 
     def _check_same_samples(self, stored: list[str], keys: list[str]) -> None:
         if stored != keys:
-            first = next((i for i, (a, b) in enumerate(zip(stored, keys, strict=False)) if a != b), min(len(keys), len(stored)))
+            first = next((i for i, (a, b) in enumerate(zip(stored, keys, strict=False)) if a != b),
+                         min(len(keys), len(stored)))
             raise SpecMismatchError(
                 f"run {self.run} already maps {len(stored)} rows; this call gives {len(keys)} and differs"
                 f" at row {first}. Resume with the same stimuli in the same order, or use a new run id"

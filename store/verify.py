@@ -171,7 +171,8 @@ def _check_remote_root(ws: Workspace, rep: VerifyReport) -> bool:
     return True
 
 
-def _check_array(ws: Workspace, info: ArrayInfo, status: str, chunks: list[tuple], checksums: bool, rep: VerifyReport) -> None:
+def _check_array(ws: Workspace, info: ArrayInfo, status: str, chunks: list[tuple], checksums: bool,
+                 rep: VerifyReport) -> None:
     where = info.key()
     node = _open_node(ws, info, rep)
     if node is None:
@@ -180,7 +181,8 @@ def _check_array(ws: Workspace, info: ArrayInfo, status: str, chunks: list[tuple
     clipped = sum(c[6] for c in chunks)
     if nonfinite:
         worst = [c[0] for c in chunks if c[5]][:5]
-        rep.warnings.append(f"{where}: {nonfinite} NaN/inf value(s) stored as the model produced them (chunks {worst}...)")
+        rep.warnings.append(
+            f"{where}: {nonfinite} NaN/inf value(s) stored as the model produced them (chunks {worst}...)")
     if clipped:
         rep.warnings.append(f"{where}: {clipped} value(s) clipped to the float16 range (overflow='clip')")
     unknown = sum(_check_chunk(ws, info, node, c, checksums, rep) for c in chunks)
@@ -192,7 +194,8 @@ def _check_array(ws: Workspace, info: ArrayInfo, status: str, chunks: list[tuple
     committed = {c[0] for c in chunks}
     if status == "finished" and len(committed) != info.n_chunks:
         missing = sorted(set(range(info.n_chunks)) - committed)
-        rep.problems.append(f"{where}: run is finished but {len(missing)} chunk(s) are not committed, e.g. {missing[:5]}")
+        rep.problems.append(
+            f"{where}: run is finished but {len(missing)} chunk(s) are not committed, e.g. {missing[:5]}")
 
 
 def _open_node(ws: Workspace, info: ArrayInfo, rep: VerifyReport) -> Any:
@@ -290,6 +293,7 @@ def _read_chunk(ws: Workspace, info: ArrayInfo, node: object, chunk: int, start:
         raise StoreError(f"offsets {offsets[:4]}... do not describe {stop - start} samples")
     if int(offsets[-1]) != rows.shape[0] or rows.shape[0] != n_rows:
         raise StoreError(f"block holds {rows.shape[0]} rows, offsets end at {offsets[-1]}, manifest says {n_rows}")
-    if n_rows and not ws.root.has(f"{info.zarr_path}/{layout.block_name(chunk)}/rows", layout.chunk_file_key(rows.ndim, 0)):
+    rows_path = f"{info.zarr_path}/{layout.block_name(chunk)}/rows"
+    if n_rows and not ws.root.has(rows_path, layout.chunk_file_key(rows.ndim, 0)):
         raise StoreError("rows chunk file is missing")
     return np.asarray(rows[...]), offsets

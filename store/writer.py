@@ -160,7 +160,8 @@ class Writer(Registration, Tensors, Producer, Pipeline):
             own.release()
             shared.release()
             raise WriterLockError(
-                f"run {self.run} is being written by shard(s) of another split ({'; '.join(h.describe() for h in others)});"
+                f"run {self.run} is being written by shard(s) of another split"
+                f" ({'; '.join(h.describe() for h in others)});"
                 f" this writer is shard {shard}. All concurrent shards of a run use the same k"
             )
         return [shared, own]
