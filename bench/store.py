@@ -18,7 +18,10 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +49,8 @@ def make_data(n: int, t: int, d: int, seed: int = 0) -> np.ndarray:
 
 def stimuli_rows(n: int, seed: int = 1) -> list[dict]:
     fam = np.random.default_rng(seed).choice(len(FAMILIES), n)
-    return [{"id": f"s{i:06d}", "family": FAMILIES[fam[i]], "split": "bench", "seed": i, "params": {"i": i}} for i in range(n)]
+    return [{"id": f"s{i:06d}", "family": FAMILIES[fam[i]], "split": "bench", "seed": i, "params": {"i": i}}
+            for i in range(n)]
 
 
 def write_npy(x: np.ndarray, path: Path) -> float:
@@ -83,97 +87,107 @@ def main(quick: bool) -> None:
     reps = 2 if quick else 7
     batch = 32
     x = make_data(n, t, d)
-    mb = x.nbytes / 1e6
     tmp = Path(tempfile.mkdtemp(prefix="agnosia-bench-store-"))
     try:
-        print(f"data {n}x{t}x{d} fp16 = {mb:.0f} MB; producer batches of {batch}; chunks of 64 samples; tmp {tmp}")
-        # --- write: back-to-back pairs, order alternating, so the shared disk's noise (it swings
-        # 2-4x within a minute here) falls on both alike; the figure is the median pair ratio.
-        np_times, st_times = [], []
-        for r in range(reps):
-            folder = tmp / f"ws-none-{r}"
-            if r % 2 == 0:
-                np_times.append(write_npy(x, tmp / "x.npy"))
-                st, ws = write_store(x, folder, "none", batch)
-            else:
-                st, ws = write_store(x, folder, "none", batch)
-                np_times.append(write_npy(x, tmp / "x.npy"))
-            st_times.append(st)
-            if r < reps - 1:
-                os.remove(tmp / "x.npy")
-                shutil.rmtree(folder)
-        pairs = [a / b for a, b in zip(np_times, st_times, strict=False)]
-        np_med, st_med = statistics.median(np_times), statistics.median(st_times)
-        print(f"\nwrite incl. fsync, {reps} back-to-back pairs      median MB/s   best MB/s")
-        print(f"  numpy.save + fsync                      {mb / np_med:8.0f}    {mb / min(np_times):8.0f}")
-        print(f"  store writer (codec none)               {mb / st_med:8.0f}    {mb / min(st_times):8.0f}")
-        print(f"  store / numpy: median of pair ratios {statistics.median(pairs):.2f}x (pairs {min(pairs):.2f}-"
-              f"{max(pairs):.2f}x; best vs best {min(np_times) / min(st_times):.2f}x)   (goal >= 0.8x)")
-        st_t = st_med
-        np_t = np_med
-
-        # --- read a SQL-selected quarter of the rows
-        where = "family = 'a'"
-        sel = ws.select("bench", where=where)
-        idx = sel.rows
-        mm = np.load(tmp / "x.npy", mmap_mode="r")
-        mm[idx]  # populate this mapping's page tables
-
-        def best(fn, k=5):
-            times = []
-            for _ in range(k):
-                s = time.perf_counter()
-                out = fn()
-                times.append(time.perf_counter() - s)
-            return min(times), out
-
-        npy = tmp / "x.npy"
-        # Each reader opens its file for the read (fresh mapping, page cache warm for both); the
-        # second baseline keeps one mapping open, so its page tables are warm too.
-        t_mm, ref = best(lambda: np.load(npy, mmap_mode="r")[idx])
-        t_warm, _ = best(lambda m=mm: m[idx])  # bound now: the mapping is deleted below
-        t_st, got = best(lambda: ws.read("bench", "llm", 0, tokens="image", where=where))
-        assert np.array_equal(ref, got), "store read differs from the numpy reference"
-        t_first = _first_read(ws, where)
-        sel_mb = ref.nbytes / 1e6
-        t_mm1, ref1 = best(lambda: np.load(npy, mmap_mode="r")[idx, 0, :])
-        t_st1, got1 = best(lambda: ws.read("bench", "llm", 0, tokens="image", where=where, index=(0,)))
-        assert np.array_equal(ref1, got1)
-        t_lazy, got2 = best(
-            lambda: ws.read("bench", "llm", 0, tokens="image", where=where, lazy=True).compute(scheduler="threads"))
-        assert np.array_equal(ref, got2)
-        print(f"\nread {len(idx)} of {n} rows selected by SQL ({where}), {sel_mb:.0f} MB, page cache warm   MB/s     ratio")
-        print(f"  np.load(mmap_mode='r')[rows]              {sel_mb / t_mm:8.0f}")
-        print(f"  ws.read(where=...)                        {sel_mb / t_st:8.0f}   {t_mm / t_st:5.2f}x   (goal >= 0.5x)")
-        print(f"  ws.read, first call (manifest query)      {sel_mb / t_first:8.0f}   {t_mm / t_first:5.2f}x")
-        print(f"  ws.read(lazy=True).compute()              {sel_mb / t_lazy:8.0f}   {t_mm / t_lazy:5.2f}x")
-        print(f"  one mapping kept open, mm[rows]           {sel_mb / t_warm:8.0f}   ({t_warm / t_st:4.2f}x of it)")
-        print(f"  token 0 only: np.load mmap {t_mm1 * 1e3:.1f} ms, ws.read(index=(0,)) {t_st1 * 1e3:.1f} ms"
-              f"   {t_mm1 / t_st1:5.2f}x")
-        del mm
-
-        # --- bytes per value for each codec
-        print("\ncodec        bytes/value  ratio  write MB/s  max rel. error (|x|>=1)")
-        size_npy = (tmp / "x.npy").stat().st_size
-        print(f"  .npy       {size_npy / x.size:11.3f}  {x.size * 2 / size_npy:5.2f}  {mb / np_t:10.0f}  0")
-        big = np.abs(x.astype(np.float32)) >= 1
-        for codec in ("none", "zstd", "bitround8", "bitround7"):
-            folder = tmp / f"ws-{codec}"
-            if codec == "none":
-                secs = st_t
-                ws_c = ws
-            else:
-                secs, ws_c = write_store(x, folder, codec, batch)
-            row = ws_c.query("SELECT bytes, bytes_per_value FROM v_arrays WHERE run = 'bench'").to_pylist()[0]
-            err = 0.0
-            if codec.startswith("bitround"):
-                y = ws_c.read("bench", "llm", 0, tokens="image").astype(np.float32)
-                xf = x.astype(np.float32)
-                err = float(np.max(np.abs(y[big] - xf[big]) / np.abs(xf[big])))
-            bpv = row["bytes_per_value"]
-            print(f"  {codec:<10} {bpv:11.3f}  {2 / bpv:5.2f}  {mb / secs:10.0f}  {err:.2e}")
-            if codec != "none":
-                shutil.rmtree(folder)
-        print("  (lossless goal <= 2.0 bytes/value; bitround<k> keeps k mantissa bits, error <= 2^-(k+1))")
+        print(f"data {n}x{t}x{d} fp16 = {x.nbytes / 1e6:.0f} MB; producer batches of {batch}; chunks of 64 samples;"
+              f" tmp {tmp}")
+        np_t, st_t, ws = bench_write(x, tmp, reps, batch)
+        bench_read(ws, tmp / "x.npy", n)
+        bench_codecs(x, tmp, ws, np_t, st_t, batch)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bench_write(x: np.ndarray, tmp: Path, reps: int, batch: int) -> tuple[float, float, Workspace]:
+    """Median seconds of numpy.save + fsync and of the store writer, and the last store written
+    (its x.npy twin is left in ``tmp`` for the read benchmark)."""
+    # Back-to-back pairs, order alternating, so the shared disk's noise (it swings 2-4x within a
+    # minute here) falls on both alike; the figure is the median pair ratio.
+    mb = x.nbytes / 1e6
+    np_times, st_times = [], []
+    for r in range(reps):
+        folder = tmp / f"ws-none-{r}"
+        if r % 2 == 0:
+            np_times.append(write_npy(x, tmp / "x.npy"))
+            st, ws = write_store(x, folder, "none", batch)
+        else:
+            st, ws = write_store(x, folder, "none", batch)
+            np_times.append(write_npy(x, tmp / "x.npy"))
+        st_times.append(st)
+        if r < reps - 1:
+            os.remove(tmp / "x.npy")
+            shutil.rmtree(folder)
+    pairs = [a / b for a, b in zip(np_times, st_times, strict=False)]
+    np_med, st_med = statistics.median(np_times), statistics.median(st_times)
+    print(f"\nwrite incl. fsync, {reps} back-to-back pairs      median MB/s   best MB/s")
+    print(f"  numpy.save + fsync                      {mb / np_med:8.0f}    {mb / min(np_times):8.0f}")
+    print(f"  store writer (codec none)               {mb / st_med:8.0f}    {mb / min(st_times):8.0f}")
+    print(f"  store / numpy: median of pair ratios {statistics.median(pairs):.2f}x (pairs {min(pairs):.2f}-"
+          f"{max(pairs):.2f}x; best vs best {min(np_times) / min(st_times):.2f}x)   (goal >= 0.8x)")
+    return np_med, st_med, ws
+
+
+def _best(fn: Callable[[], Any], k: int = 5) -> tuple[float, Any]:
+    times, out = [], None
+    for _ in range(k):
+        s = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - s)
+    return min(times), out
+
+
+def bench_read(ws: Workspace, npy: Path, n: int) -> None:
+    """Read a SQL-selected quarter of the rows: the store against a memory-mapped .npy."""
+    where = "family = 'a'"
+    idx = ws.select("bench", where=where).rows
+    mm = np.load(npy, mmap_mode="r")
+    mm[idx]  # populate this mapping's page tables
+    # Each reader opens its file for the read (fresh mapping, page cache warm for both); the
+    # second baseline keeps one mapping open, so its page tables are warm too.
+    t_mm, ref = _best(lambda: np.load(npy, mmap_mode="r")[idx])
+    t_warm, _ = _best(partial(mm.__getitem__, idx))  # bound now: the mapping is deleted below
+    t_st, got = _best(lambda: ws.read("bench", "llm", 0, tokens="image", where=where))
+    assert np.array_equal(ref, got), "store read differs from the numpy reference"
+    t_first = _first_read(ws, where)
+    sel_mb = ref.nbytes / 1e6
+    t_mm1, ref1 = _best(lambda: np.load(npy, mmap_mode="r")[idx, 0, :])
+    t_st1, got1 = _best(lambda: ws.read("bench", "llm", 0, tokens="image", where=where, index=(0,)))
+    assert np.array_equal(ref1, got1)
+    t_lazy, got2 = _best(
+        lambda: ws.read("bench", "llm", 0, tokens="image", where=where, lazy=True).compute(scheduler="threads"))
+    assert np.array_equal(ref, got2)
+    print(f"\nread {len(idx)} of {n} rows selected by SQL ({where}), {sel_mb:.0f} MB, page cache warm   MB/s     ratio")
+    print(f"  np.load(mmap_mode='r')[rows]              {sel_mb / t_mm:8.0f}")
+    print(f"  ws.read(where=...)                        {sel_mb / t_st:8.0f}   {t_mm / t_st:5.2f}x   (goal >= 0.5x)")
+    print(f"  ws.read, first call (manifest query)      {sel_mb / t_first:8.0f}   {t_mm / t_first:5.2f}x")
+    print(f"  ws.read(lazy=True).compute()              {sel_mb / t_lazy:8.0f}   {t_mm / t_lazy:5.2f}x")
+    print(f"  one mapping kept open, mm[rows]           {sel_mb / t_warm:8.0f}   ({t_warm / t_st:4.2f}x of it)")
+    print(f"  token 0 only: np.load mmap {t_mm1 * 1e3:.1f} ms, ws.read(index=(0,)) {t_st1 * 1e3:.1f} ms"
+          f"   {t_mm1 / t_st1:5.2f}x")
+    del mm
+
+
+def bench_codecs(x: np.ndarray, tmp: Path, ws: Workspace, np_t: float, st_t: float, batch: int) -> None:
+    """Bytes on disk per value for each codec, with write speed and the lossy codecs' error."""
+    mb = x.nbytes / 1e6
+    print("\ncodec        bytes/value  ratio  write MB/s  max rel. error (|x|>=1)")
+    size_npy = (tmp / "x.npy").stat().st_size
+    print(f"  .npy       {size_npy / x.size:11.3f}  {x.size * 2 / size_npy:5.2f}  {mb / np_t:10.0f}  0")
+    big = np.abs(x.astype(np.float32)) >= 1
+    for codec in ("none", "zstd", "bitround8", "bitround7"):
+        folder = tmp / f"ws-{codec}"
+        if codec == "none":
+            secs, ws_c = st_t, ws
+        else:
+            secs, ws_c = write_store(x, folder, codec, batch)
+        row = ws_c.query("SELECT bytes, bytes_per_value FROM v_arrays WHERE run = 'bench'").to_pylist()[0]
+        err = 0.0
+        if codec.startswith("bitround"):
+            y = ws_c.read("bench", "llm", 0, tokens="image").astype(np.float32)
+            xf = x.astype(np.float32)
+            err = float(np.max(np.abs(y[big] - xf[big]) / np.abs(xf[big])))
+        bpv = row["bytes_per_value"]
+        print(f"  {codec:<10} {bpv:11.3f}  {2 / bpv:5.2f}  {mb / secs:10.0f}  {err:.2e}")
+        if codec != "none":
+            shutil.rmtree(folder)
+    print("  (lossless goal <= 2.0 bytes/value; bitround<k> keeps k mantissa bits, error <= 2^-(k+1))")

@@ -383,7 +383,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
             w.register_stimulus_set(path, dataset=dataset)
         w.set_samples([s.key for s in samples])
         specs = array_specs(lm, request, (with_images or samples)[0], dense_images, dtype, codec)
-        handles = {key: w.array(spec) for key, spec in specs.items()}
+        handles = dict(zip(specs, w.arrays(list(specs.values())), strict=True))  # one manifest transaction
         if lens is not None and (w.shard is None or w.shard.index == 0):
             w.write_tensor("lm_head.weight", lens.unembed, dtype=dtype, module=lens.unembed_path)
             if lens.unembed_bias is not None:

@@ -1,11 +1,18 @@
-"""Short DuckDB connections to the manifest, with retry on the file lock.
+"""DuckDB connections to the manifest, with retry on the file lock.
 
 DuckDB lets one process hold a database file read-write *or* many hold it read-only, never both
-(docs/design.md#duckdb-one-writer-or-many-readers). So no agnosia process keeps the manifest open:
-every read and every write is connect -> statements -> close, and a caller that finds the file held
-by another process retries with backoff for up to ``timeout`` seconds. A long extraction therefore
-holds the file for a few tens of milliseconds per commit, and queries, ``verify`` and the probe
-farm get in between.
+(docs/design.md#duckdb-one-writer-or-many-readers). So a read is connect -> statements -> close,
+and a caller that finds the file held by another process retries with backoff for up to
+``timeout`` seconds.
+
+A writer's run keeps one read-write connection (:class:`HeldConnection`) across its short
+transactions, since a connect + close (a checkpoint) per commit cost the writer thread half its
+time. It gives the file up whenever another connection needs it: another connection of this
+process closes it first; a process that meets the lock touches ``manifest.duckdb.wanted``, and
+the holder closes its connection at its next use or idle check (within ~0.1 s when idle); it is
+closed after ``idle_s`` without use and at most ``max_hold_s`` after it was opened, so even a plain
+DuckDB client that retries gets in. Queries, ``verify`` and the probe farm therefore still get in
+between a long extraction's commits.
 
 DuckDB's lock is a try-lock with no queue, so a busy reader loop could starve a writer. A writer
 that meets a conflict touches ``manifest.duckdb.writer-waiting``; readers step aside (up to a
@@ -33,18 +40,23 @@ DEFAULT_TIMEOUT = 30.0
 # ATTACH (even over the store's own chunk files), and reads any file through read_csv & co.
 # Readers get neither: no file system access beyond the manifest itself, and the setting locked
 # so that SQL cannot turn it back on (docs/reliability.md, "Security").
-READ_ONLY_CONFIG: dict[str, str | bool | int | float | list[str]] = {"enable_external_access": False, "lock_configuration": True}
+READ_ONLY_CONFIG: dict[str, str | bool | int | float | list[str]] = {
+    "enable_external_access": False, "lock_configuration": True}
 _MARKER_STALE_S = 5.0
 _READER_YIELD_S = 1.0
 
 _locks: dict[str, threading.RLock] = {}
 _locks_guard = threading.Lock()
+_held: dict[str, HeldConnection] = {}  # the open held connection of each file, by resolved path
 
 
 def _process_lock(path: Path) -> threading.RLock:
-    key = str(path.resolve())
     with _locks_guard:
-        return _locks.setdefault(key, threading.RLock())
+        return _locks.setdefault(_key(path), threading.RLock())
+
+
+def _key(path: Path) -> str:
+    return str(path.resolve())
 
 
 def is_lock_conflict(err: BaseException) -> bool:
@@ -56,6 +68,11 @@ def waiting_marker(path: Path) -> Path:
     return path.with_name(path.name + ".writer-waiting")
 
 
+def wanted_marker(path: Path) -> Path:
+    """Touched by any connection that meets the file's lock: a held connection lets go when it is fresh."""
+    return path.with_name(path.name + ".wanted")
+
+
 @contextmanager
 def connect(path: Path, *, read_only: bool, timeout: float = DEFAULT_TIMEOUT) -> Iterator[duckdb.DuckDBPyConnection]:
     """A connection that is closed (and the file released) when the block ends."""
@@ -64,6 +81,9 @@ def connect(path: Path, *, read_only: bool, timeout: float = DEFAULT_TIMEOUT) ->
     if not lock.acquire(timeout=max(timeout, 0.001)):
         raise ManifestBusyError(f"another thread of this process held {path} for more than {timeout:.0f} s")
     try:
+        held = _held.get(_key(path))
+        if held is not None:
+            held.close()  # one connection per file and process: this one needs the file now
         if read_only:
             _yield_to_writer(path, min(deadline, time.monotonic() + _READER_YIELD_S))
         con = _open(path, read_only, deadline, timeout)
@@ -94,6 +114,7 @@ def _yield_to_writer(path: Path, until: float) -> None:
 def _open(path: Path, read_only: bool, deadline: float, timeout: float) -> duckdb.DuckDBPyConnection:
     delay = 0.005
     marker: Path | None = None
+    wanted: Path | None = None
     try:
         while True:
             try:
@@ -101,6 +122,8 @@ def _open(path: Path, read_only: bool, deadline: float, timeout: float) -> duckd
             except duckdb.Error as err:
                 if not is_lock_conflict(err):
                     raise manifest_error(path, err) from err
+                wanted = wanted_marker(path)
+                wanted.touch()
                 if not read_only:
                     marker = waiting_marker(path)
                     marker.touch()
@@ -113,8 +136,84 @@ def _open(path: Path, read_only: bool, deadline: float, timeout: float) -> duckd
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 0.1)
     finally:
-        if marker is not None:
-            marker.unlink(missing_ok=True)
+        # Whoever got in (or gave up) no longer wants the file: a held connection need not let go
+        # at each use for the marker's lifetime. A process still waiting touches it again.
+        for m in (marker, wanted):
+            if m is not None:
+                m.unlink(missing_ok=True)
+
+
+class HeldConnection:
+    """One read-write connection to ``path`` kept open across short transactions, given up
+    whenever the file's lock rules need that (see the module docstring)."""
+
+    def __init__(self, path: Path, *, idle_s: float = 2.0, max_hold_s: float = 5.0) -> None:
+        self.path = path
+        self._key = _key(path)
+        self.idle_s, self.max_hold_s = idle_s, max_hold_s
+        self.connects = 0  # how often it had to open the file (a figure for benchmarks and tests)
+        self._con: duckdb.DuckDBPyConnection | None = None
+        self._opened = self._used = 0.0
+        self._lock = _process_lock(path)
+
+    @property
+    def is_open(self) -> bool:
+        return self._con is not None
+
+    @contextmanager
+    def use(self, timeout: float = DEFAULT_TIMEOUT) -> Iterator[duckdb.DuckDBPyConnection]:
+        """The connection for one transaction, opened (waiting up to ``timeout`` s) if it is not open."""
+        if not self._lock.acquire(timeout=max(timeout, 0.001)):
+            raise ManifestBusyError(f"another thread of this process held {self.path} for more than {timeout:.0f} s")
+        try:
+            if self._con is None:
+                other = _held.get(self._key)
+                if other is not None:
+                    other.close()
+                self._con = _open(self.path, False, time.monotonic() + timeout, timeout)
+                self._opened = time.monotonic()
+                self.connects += 1
+                _held[self._key] = self
+            try:
+                yield self._con
+            except BaseException as err:
+                self.close()  # a failed transaction may leave it unusable: the next use opens afresh
+                if isinstance(err, duckdb.Error) and is_disk_full(err):
+                    raise disk_full_error(self.path, err) from err
+                raise
+            self._used = time.monotonic()
+            if self._should_go(self._used):
+                self.close()
+        finally:
+            self._lock.release()
+
+    def release_if_due(self) -> None:
+        """Close the connection if it has been idle for ``idle_s``, open for ``max_hold_s``, or
+        another process wants the file; never waits (a use in progress is left alone)."""
+        if self._con is None or not self._lock.acquire(blocking=False):
+            return
+        try:
+            now = time.monotonic()
+            if self._con is not None and (now - self._used >= self.idle_s or self._should_go(now)):
+                self.close()
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        with self._lock:
+            con, self._con = self._con, None
+            if _held.get(self._key) is self:
+                del _held[self._key]
+            if con is not None:
+                con.close()
+
+    def _should_go(self, now: float) -> bool:
+        if now - self._opened >= self.max_hold_s:
+            return True
+        try:
+            return time.time() - wanted_marker(self.path).stat().st_mtime < _MARKER_STALE_S
+        except FileNotFoundError:
+            return False
 
 
 def rollback(con: duckdb.DuckDBPyConnection) -> None:

@@ -16,11 +16,9 @@ Everything that only reads opens the manifest read-only, for the length of one c
 from __future__ import annotations
 
 import os
-import shutil
 import threading
-import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +38,8 @@ from store.errors import (
     disk_full_error,
 )
 from store.location import ArrayRoot
-from store.lock import WriterLock
-from store.records import ArrayInfo, ProbeResult, RunInfo, Selection, check_name, to_json
+from store.maintenance import WorkspaceWrites
+from store.records import ArrayInfo, RunInfo, Selection
 
 if TYPE_CHECKING:
     from store.verify import VerifyReport
@@ -51,7 +49,7 @@ ENV_VAR = "AGNOSIA_DATA"
 DEFAULT_PATH = "data"
 MANIFEST = "manifest.duckdb"
 
-_ARRAY_COLUMNS = (
+ARRAY_COLUMNS = (
     "run, tap, layer, site, tokens, module, zarr_path, layout, shape, dims, chunk_samples, n_chunks,"
     " dtype, stored_dtype, codec, values_per_row, bytes"
 )
@@ -64,7 +62,7 @@ def resolve_path(path: str | os.PathLike[str] | None = None) -> Path:
     return Path(os.environ.get(ENV_VAR) or DEFAULT_PATH)
 
 
-def _array_info(row: Sequence[Any]) -> ArrayInfo:
+def array_info_of_row(row: Sequence[Any]) -> ArrayInfo:
     return ArrayInfo(
         run=row[0], tap=row[1], layer=int(row[2]), site=row[3], tokens=row[4], module=row[5], zarr_path=row[6],
         layout=row[7], shape=tuple(int(s) for s in row[8]), dims=tuple(row[9]), chunk_samples=int(row[10]),
@@ -73,7 +71,7 @@ def _array_info(row: Sequence[Any]) -> ArrayInfo:
     )
 
 
-class Workspace:
+class Workspace(WorkspaceWrites):
     """Open with :meth:`open`. Methods that read never change the workspace."""
 
     def __init__(self, path: Path, timeout: float = db.DEFAULT_TIMEOUT) -> None:
@@ -233,12 +231,12 @@ class Workspace:
         return self.query("SELECT * FROM v_runs ORDER BY created_at, run").to_pylist()
 
     def arrays(self, run: str | None = None) -> list[ArrayInfo]:
-        sql = f"SELECT {_ARRAY_COLUMNS} FROM activations"
+        sql = f"SELECT {ARRAY_COLUMNS} FROM activations"
         args: list[Any] = []
         if run is not None:
             sql += " WHERE run = ?"
             args.append(run)
-        return [_array_info(r) for r in self.rows(sql + " ORDER BY run, tap, layer, site, tokens", args)]
+        return [array_info_of_row(r) for r in self.rows(sql + " ORDER BY run, tap, layer, site, tokens", args)]
 
     def array_info_or_none(self, run: str, tap: str, layer: int, site: str, tokens: str) -> ArrayInfo | None:
         with self.connect() as con:
@@ -260,11 +258,11 @@ class Workspace:
             ).fetchone()
             layer = last[0] if last and last[0] is not None else -1
         row = con.execute(
-            f"SELECT {_ARRAY_COLUMNS} FROM activations WHERE run = ? AND tap = ? AND layer = ? AND site = ? AND tokens = ?",
+            f"SELECT {ARRAY_COLUMNS} FROM activations WHERE run = ? AND tap = ? AND layer = ? AND site = ? AND tokens = ?",
             [run, tap, layer, site, tokens],
         ).fetchone()
         if row is not None:
-            return _array_info(row)
+            return array_info_of_row(row)
         if not required:
             return None
         have = con.execute(
@@ -441,159 +439,6 @@ class Workspace:
 
         return Writer(self, run, **options)
 
-    def record_probes(self, results: Sequence[ProbeResult]) -> int:
-        """Insert or replace probe results and their per-sample predictions, by probe key (one
-        short transaction). Safe while a writer runs."""
-        if not results:
-            return 0
-        now = _now()
-        table = pa.Table.from_pylist([
-            {
-                "key": r.probe_key(), "run": r.run, "tap": r.tap, "layer": int(r.layer), "site": r.site,
-                "tokens": r.tokens, "target": r.target, "kind": r.kind, "seed": int(r.seed), "series": r.series,
-                "kind_params": to_json(r.kind_params), "split": r.split,
-                "test_fraction": None if r.test_fraction is None else float(r.test_fraction),
-                "train_where": r.train_where, "n_train": r.n_train, "n_test": r.n_test,
-                "metric": r.metric, "score": float(r.score),
-                "control_score": None if r.control_score is None else float(r.control_score),
-                "artifact": r.artifact, "params": to_json(r.params), "created_at": now,
-            }
-            for r in results
-        ], schema=_PROBE_SCHEMA)
-        preds = _prediction_table(results)
-        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
-            con.register("new_probes", table)
-            con.register("new_predictions", preds)
-            con.execute("BEGIN TRANSACTION")
-            con.execute("DELETE FROM probes p USING new_probes n WHERE p.key = n.key")
-            con.execute("DELETE FROM probe_predictions p USING new_probes n WHERE p.key = n.key")
-            con.execute(
-                "INSERT INTO probes SELECT key, run, tap, layer, site, tokens, target, kind, seed, series,"
-                " kind_params::JSON, split, test_fraction, train_where, n_train, n_test, metric,"
-                " score, control_score, artifact, params::JSON, created_at FROM new_probes"
-            )
-            con.execute("INSERT INTO probe_predictions SELECT key, run, array_row, prediction, truth, score"
-                        " FROM new_predictions")
-            con.execute("COMMIT")
-        return len(results)
-
-    def record_head_ablations(self, run: str, rows: Sequence[Mapping[str, Any]]) -> int:
-        """Insert or replace ``head_ablations`` rows (keys: stimulus, array_row, tap, layer, head,
-        n_positions, n_flipped, flipped, flip_mask, logit_drop) in one short transaction."""
-        if not rows:
-            return 0
-        now = _now()
-        table = pa.Table.from_pylist([
-            {"run": run, "stimulus": r["stimulus"], "array_row": r.get("array_row"), "tap": r["tap"],
-             "layer": int(r["layer"]), "head": int(r["head"]), "n_positions": int(r["n_positions"]),
-             "n_flipped": int(r["n_flipped"]), "flipped": bool(r["flipped"]), "flip_mask": int(r["flip_mask"]),
-             "logit_drop": None if r.get("logit_drop") is None else float(r["logit_drop"]), "recorded_at": now}
-            for r in rows
-        ])
-        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
-            con.register("new_rows", table)
-            con.execute("BEGIN TRANSACTION")
-            con.execute(
-                "DELETE FROM head_ablations h USING new_rows n WHERE h.run = n.run AND h.stimulus = n.stimulus"
-                " AND h.tap = n.tap AND h.layer = n.layer AND h.head = n.head"
-            )
-            con.execute(
-                "INSERT INTO head_ablations SELECT run, stimulus, array_row, tap, layer, head, n_positions, n_flipped,"
-                " flipped, flip_mask, logit_drop, recorded_at FROM new_rows"
-            )
-            con.execute("COMMIT")
-        return len(rows)
-
-    def record_vocab(self, run: str, tokens: Sequence[str]) -> int:
-        """Store a run's vocabulary (``tokens[i]`` is token id i as decoded alone), replacing any."""
-        table = pa.table({"token_id": pa.array(range(len(tokens)), pa.int32()), "token": pa.array(list(tokens), pa.string())})
-        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
-            con.register("new_vocab", table)
-            con.execute("BEGIN TRANSACTION")
-            con.execute("DELETE FROM vocab WHERE run = ?", [run])
-            con.execute("INSERT INTO vocab SELECT ?, token_id, token FROM new_vocab", [run])
-            con.execute("COMMIT")
-        return len(tokens)
-
-    def vocab(self, run: str) -> list[str]:
-        """The run's vocabulary by token id (empty if the run stored none)."""
-        return [r[0] for r in self.rows("SELECT token FROM vocab WHERE run = ? ORDER BY token_id", [run])]
-
-    def drop_run(self, run: str, *, timeout: float = 0.0) -> dict[str, int]:
-        """Remove a run, its arrays and every manifest row of it, atomically for readers.
-
-        Takes the writer lock. One transaction deletes the run's rows first (readers then see no
-        run); only after that commit is its Zarr folder renamed into ``.trash`` and deleted. A kill
-        between the two leaves an orphan folder that no row points at (verify warns; the next
-        writer of that run id, or drop-run again, removes it), never rows pointing at deleted arrays.
-        """
-        check_name("run", run)  # the run id names a folder under arrays/: "../x" must not reach outside
-        lock = WriterLock(self.path / "writer.lock", run=f"drop-run {run}")
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                lock.acquire()
-                break
-            except StoreError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        try:
-            known = self.rows("SELECT count(*) FROM runs WHERE run = ?", [run])[0][0]
-            remote = self.root.remote and run in self.root.children()
-            if not known and not (self.zarr_path / run).exists() and not remote:
-                raise StoreError(f"no run {run!r} in {self.path}; `python -m store info` lists the runs")
-            counts = self._delete_run_rows(run)
-            self.remove_run_folder(run)
-        finally:
-            lock.release()
-        return counts
-
-    def _delete_run_rows(self, run: str) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
-            con.execute("BEGIN TRANSACTION")
-            try:
-                for table in ("chunks", "activations", "samples", "generations", "probes", "probe_predictions",
-                              "tensors", "head_ablations", "vocab", "runs"):
-                    n = con.execute(f"SELECT count(*) FROM {table} WHERE run = ?", [run]).fetchone()
-                    counts[table] = int(n[0]) if n else 0
-                    con.execute(f"DELETE FROM {table} WHERE run = ?", [run])
-                con.execute("COMMIT")
-            except BaseException:
-                db.rollback(con)
-                raise
-        return counts
-
-    def remove_run_folder(self, run: str, *, remote: bool = True) -> None:
-        """Delete the arrays of a run that no manifest row points at any more (the caller holds
-        the writer lock): renamed into ``.trash`` first, so a kill mid-delete leaves no half-removed
-        folder under ``arrays/``, and the trash is emptied at the next writer start."""
-        folder = self.zarr_path / run
-        if folder.exists():
-            trash = self.path / ".trash"
-            parked = trash / f"{run}.{os.getpid()}.{int(time.time() * 1000)}"
-            trash.mkdir(exist_ok=True)
-            os.replace(folder, parked)
-            layout.fsync_path(self.zarr_path)
-            shutil.rmtree(parked, ignore_errors=True)
-            try:
-                trash.rmdir()
-            except OSError:
-                pass  # not empty (another drop's leftovers)
-        if remote and self.root.remote:
-            # Not atomic there, but nothing points at these objects any more; a drop cut short
-            # leaves orphans that verify lists and a second drop-run removes.
-            try:
-                self.root.remove(run)
-            except OSError as err:
-                raise location.describe_remote_error(str(self.root.url), err) from err
-
-    def purge_trash(self) -> None:
-        trash = self.path / ".trash"
-        if trash.is_dir():
-            shutil.rmtree(trash, ignore_errors=True)
-
     # ------------------------------------------------------------------ integrity
 
     def verify(self, *, run: str | None = None, checksums: bool = True) -> VerifyReport:
@@ -646,39 +491,3 @@ def _one_line(message: str) -> str:
 def _exec(con: duckdb.DuckDBPyConnection, sql: str, params: Any) -> pa.Table:
     con.execute(sql, params or [])
     return pa.table({})
-
-
-def _now() -> Any:
-    import datetime as _dt
-
-    return _dt.datetime.now()
-
-
-
-_PROBE_SCHEMA = pa.schema([
-    ("key", pa.string()), ("run", pa.string()), ("tap", pa.string()), ("layer", pa.int32()), ("site", pa.string()),
-    ("tokens", pa.string()), ("target", pa.string()), ("kind", pa.string()), ("seed", pa.int32()),
-    ("series", pa.string()), ("kind_params", pa.string()), ("split", pa.string()), ("test_fraction", pa.float64()),
-    ("train_where", pa.string()), ("n_train", pa.int32()), ("n_test", pa.int32()), ("metric", pa.string()),
-    ("score", pa.float64()), ("control_score", pa.float64()), ("artifact", pa.string()), ("params", pa.string()),
-    ("created_at", pa.timestamp("us")),
-])
-
-
-def _prediction_table(results: Sequence[ProbeResult]) -> pa.Table:
-    """Every result's per-sample predictions as one Arrow table (NaN -> NULL)."""
-    cols: dict[str, list[Any]] = {c: [] for c in ("key", "run", "array_row", "prediction", "truth", "score")}
-    for r in results:
-        got = r.predictions or {}
-        n = len(got.get("array_row", ()))
-        if not n:
-            continue
-        cols["key"] += [r.probe_key()] * n
-        cols["run"] += [r.run] * n
-        cols["array_row"] += [int(v) for v in got["array_row"]]
-        for c in ("prediction", "truth", "score"):
-            vals = got.get(c)
-            cols[c] += [None] * n if vals is None else [None if v is None or np.isnan(v) else float(v) for v in vals]
-    return pa.table({"key": pa.array(cols["key"], pa.string()), "run": pa.array(cols["run"], pa.string()),
-                     "array_row": pa.array(cols["array_row"], pa.int64()),
-                     **{c: pa.array(cols[c], pa.float64()) for c in ("prediction", "truth", "score")}})

@@ -1,0 +1,149 @@
+"""The committer: make written chunks durable, then record them in one short transaction.
+
+Bytes are durable before the manifest says so: every chunk file is fsynced, then every folder
+entry, then (for a remote array root) uploaded, and only then are the chunk rows inserted, with
+the token spans and generations queued before them, in one transaction. A crash before the
+COMMIT loses only chunks the manifest never named; their rows are recomputed on resume.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pyarrow as pa
+
+from store import arrays as layout
+from store import db
+from store.chunks import ChunkRecord
+from store.writer_core import WriterCore, now, unstage
+
+
+class Committer(WriterCore):
+    """``_commit`` of the writer thread: everything pending, in one transaction."""
+
+    def _commit(self, timeout: float, finish: bool | None = None) -> None:
+        """One short transaction for everything pending; ``finish`` (partial_ok) also closes the run."""
+        started = time.perf_counter()
+        chunks = list(self._pending_chunks)
+        tokens = list(self._pending_tokens)
+        gens = list(self._pending_generations)
+        stats = [rec.written.result() for rec in chunks]
+        files = self._make_durable(chunks)
+        at = now()
+        with self._write_connection(timeout) as con:
+            con.execute("BEGIN TRANSACTION")
+            try:
+                if chunks:
+                    _insert_chunks(con, self.run, chunks, stats, at)
+                if tokens:
+                    _update_tokens(con, self.run, tokens)
+                if gens:
+                    _replace_generations(con, self.run, gens)
+                if finish is not None and (finish or self._run_complete(con, chunks)):
+                    con.execute(
+                        "UPDATE runs SET status = 'finished', finished_at = ?, updated_at = ? WHERE run = ?",
+                        [at, at, self.run],
+                    )
+                else:
+                    con.execute("UPDATE runs SET updated_at = ? WHERE run = ?", [at, self.run])
+                con.execute("COMMIT")
+            except BaseException:
+                db.rollback(con)  # keeps the failed statement's error (e.g. a full disk), not ROLLBACK's
+                raise
+        for rec in chunks:
+            rec.handle.committed.add(rec.chunk)
+        if self.ws.root.remote:
+            unstage(files)
+        del self._pending_chunks[: len(chunks)]
+        del self._pending_tokens[: len(tokens)]
+        del self._pending_generations[: len(gens)]
+        self._last_commit = time.monotonic()
+        self.stats.commits += 1
+        self.stats.commit_s += time.perf_counter() - started
+
+    def _make_durable(self, chunks: list[ChunkRecord]) -> list[Any]:
+        """fsync every file of ``chunks``, then every folder entry; upload them to a remote root.
+        Returns the files."""
+        # Concurrent fsyncs let the file system group them into fewer journal commits.
+        files = list(dict.fromkeys(f for rec in chunks for f in rec.files))
+        if len(files) > 1:
+            list(self._syncers.map(layout.fsync_path, files))
+        elif files:
+            layout.fsync_path(files[0])
+        for folder in dict.fromkeys(d for rec in chunks for d in rec.dirs):
+            layout.fsync_path(folder)
+        # An object store shows an object only once it is whole: uploaded, then committed.
+        self._upload(lambda: self.ws.root.upload(files))
+        return files
+
+    def _run_complete(self, con: Any, chunks: list[ChunkRecord]) -> bool:
+        """Whether every chunk of the run is committed once ``chunks`` are (asked of the manifest
+        for a shard, whose peers commit the chunks it does not own)."""
+        if self._missing(chunks):
+            return False
+        if self.shard is None:
+            return True
+        row = con.execute(
+            "SELECT count(*) FROM activations a WHERE a.run = ? AND a.n_chunks >"
+            " (SELECT count(*) FROM chunks c WHERE c.run = a.run AND c.zarr_path = a.zarr_path)",
+            [self.run],
+        ).fetchone()
+        return not (row and row[0])
+
+
+def _insert_chunks(con: Any, run: str, chunks: list[ChunkRecord], stats: list[tuple[int, int, int, int | None]],
+                   at: Any) -> None:
+    """The rows of ``chunks``, and the byte totals of their arrays."""
+    con.register("new_chunks", pa.table({
+        "zarr_path": [r.handle.info.zarr_path for r in chunks],
+        "chunk": pa.array([r.chunk for r in chunks], pa.int32()),
+        "row_start": pa.array([r.row_start for r in chunks], pa.int64()),
+        "row_stop": pa.array([r.row_stop for r in chunks], pa.int64()),
+        "n_rows": pa.array([r.n_rows for r in chunks], pa.int64()),
+        "nbytes": pa.array([r.nbytes for r in chunks], pa.int64()),
+        "crc32c": pa.array([x[0] for x in stats], pa.int64()),
+        "n_nonfinite": pa.array([x[1] for x in stats], pa.int64()),
+        "n_clipped": pa.array([x[2] for x in stats], pa.int64()),
+        "offsets_crc32c": pa.array([x[3] for x in stats], pa.int64()),
+    }))
+    con.execute(
+        "INSERT INTO chunks (run, zarr_path, chunk, row_start, row_stop, n_rows, nbytes, crc32c,"
+        " n_nonfinite, n_clipped, committed_at, offsets_crc32c) SELECT ?, zarr_path, chunk, row_start,"
+        " row_stop, n_rows, nbytes, crc32c, n_nonfinite, n_clipped, ?, offsets_crc32c FROM new_chunks"
+        " ON CONFLICT DO NOTHING",
+        [run, at],
+    )
+    con.execute(
+        "UPDATE activations SET bytes = s.b FROM (SELECT zarr_path, sum(nbytes) AS b FROM chunks"
+        " WHERE run = ? GROUP BY zarr_path) s WHERE activations.run = ? AND activations.zarr_path = s.zarr_path"
+        " AND activations.zarr_path IN (SELECT zarr_path FROM new_chunks)",
+        [run, run],
+    )
+    con.unregister("new_chunks")
+
+
+def _update_tokens(con: Any, run: str, tokens: list[dict[str, Any]]) -> None:
+    con.register("new_tokens", pa.Table.from_pylist(tokens))
+    con.execute(
+        "UPDATE samples SET seq_len = t.seq_len, image_start = t.image_start, image_count = t.image_count,"
+        " grid_h = t.grid_h, grid_w = t.grid_w, last_prompt = t.last_prompt, answer_start = t.answer_start,"
+        " answer_count = t.answer_count, spans = t.spans::JSON, recorded_at = t.recorded_at"
+        " FROM new_tokens t WHERE samples.run = ? AND samples.array_row = t.array_row",
+        [run],
+    )
+    con.unregister("new_tokens")
+
+
+def _replace_generations(con: Any, run: str, gens: list[dict[str, Any]]) -> None:
+    con.register("new_gens", pa.Table.from_pylist(gens))
+    con.execute("DELETE FROM generations WHERE run = ? AND stimulus IN (SELECT stimulus FROM new_gens)", [run])
+    # Last one wins when a row was generated twice before one commit.
+    con.execute(
+        "INSERT INTO generations (run, stimulus, array_row, text, prediction, parse_ok, correct, score,"
+        " metrics, n_tokens, recorded_at, stop_reason, answer_kind)"
+        " SELECT run, stimulus, array_row, text, prediction::JSON, parse_ok, correct,"
+        " score, metrics::JSON, n_tokens, recorded_at, stop_reason, answer_kind FROM new_gens"
+        " QUALIFY row_number() OVER (PARTITION BY stimulus ORDER BY recorded_at DESC) = 1"
+    )
+    con.unregister("new_gens")

@@ -1,0 +1,202 @@
+"""The producer side of the writer: validate a batch, then queue it; never touch the disk.
+
+``write*`` check shapes and rows on the caller's thread and hand the batch to the writer thread
+through a queue bounded in bytes; ``flush``/``finish`` wait until what was queued is committed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from store.dtypes import as_numpy
+from store.errors import StoreError, WriterError
+from store.records import Generation, Ragged, TokenSpans, to_json
+from store.writer_core import ArrayHandle, WriterCore, now
+
+
+class Producer(WriterCore):
+    """What the extraction stage calls while it runs the model."""
+
+    def todo(self) -> list[range]:
+        """Row ranges not yet committed in every declared array (declare all arrays first).
+
+        Ranges are unions of whole chunks, so writing them in order fills whole blocks.
+        """
+        n = self.n_samples
+        if not self._handles and self.shard is None:
+            return [range(0, n)]
+        need = np.zeros(n, dtype=bool)
+        if not self._handles:
+            for k in range(-(-n // min(self.info.chunk_samples, n))):
+                if self.owns(k):
+                    r = range(k * self.info.chunk_samples, min((k + 1) * self.info.chunk_samples, n))
+                    need[r.start : r.stop] = True
+        for h in self._handles.values():
+            for k in range(h.info.n_chunks):
+                if k not in h.committed and self.owns(k):
+                    r = h.info.chunk_rows(k)
+                    need[r.start : r.stop] = True
+        out, i = [], 0
+        while i < n:
+            if need[i]:
+                j = i
+                while j < n and need[j]:
+                    j += 1
+                out.append(range(i, j))
+                i = j
+            else:
+                i += 1
+        return out
+
+    def write(self, handle: ArrayHandle, start: int, values: Any) -> None:
+        """Queue rows ``start .. start+len(values)`` of a dense array (numpy or torch, any device)."""
+        self._check_open()
+        self._check_handle(handle)
+        if handle.ragged:
+            raise StoreError(f"{handle.info.key()} is ragged: use write_ragged(handle, start, list_of_arrays)")
+        arr, kind = as_numpy(values, handle.info.dtype)
+        want = handle.info.item_shape
+        if arr.ndim != len(want) + 1 or tuple(arr.shape[1:]) != want:
+            raise StoreError(
+                f"{handle.info.key()}: expected a batch of shape [batch, {', '.join(map(str, want))}], got"
+                f" {list(arr.shape)}; reshape or slice the tap output to the declared per-sample shape"
+            )
+        self._check_rows(start, arr.shape[0])
+        self._put(("data", handle, int(start), arr, kind), arr.nbytes)
+
+    def write_ragged(self, handle: ArrayHandle, start: int, values: Sequence[Any] | Ragged) -> None:
+        """Queue variable-length rows: ``values[i]`` (shape [n_i, *row_shape]) belongs to row start+i."""
+        self._check_open()
+        self._check_handle(handle)
+        if not handle.ragged:
+            raise StoreError(f"{handle.info.key()} is dense: use write(handle, start, batch)")
+        items = values.split() if isinstance(values, Ragged) else list(values)
+        want = handle.info.item_shape
+        converted, kinds, nbytes = [], set(), 0
+        for i, v in enumerate(items):
+            arr, kind = as_numpy(v, handle.info.dtype)
+            if arr.ndim != len(want) + 1 or tuple(arr.shape[1:]) != want:
+                raise StoreError(
+                    f"{handle.info.key()}: sample {start + i} must have shape [n_rows, {', '.join(map(str, want))}],"
+                    f" got {list(arr.shape)}"
+                )
+            converted.append(arr)
+            kinds.add(kind)
+            nbytes += arr.nbytes
+        if len(kinds) > 1:
+            raise StoreError(f"{handle.info.key()}: one batch mixes dtypes {sorted(kinds)}; hand over one dtype")
+        self._check_rows(start, len(converted))
+        self._put(("ragged", handle, int(start), converted, kinds.pop() if kinds else handle.info.dtype), nbytes)
+
+    def record_tokens(self, start: int, spans: Sequence[TokenSpans]) -> None:
+        """Queue the token spans of rows ``start .. start+len(spans)``."""
+        self._check_open()
+        self._check_rows(start, len(spans))
+        at = now()
+        rows = []
+        for i, s in enumerate(spans):
+            if not isinstance(s, TokenSpans):
+                raise StoreError(f"record_tokens takes TokenSpans, got {type(s).__name__} at row {start + i}")
+            rows.append({
+                "array_row": start + i, "seq_len": s.seq_len, "image_start": s.image_start,
+                "image_count": s.image_count, "grid_h": s.grid_h, "grid_w": s.grid_w,
+                "last_prompt": s.last_prompt, "answer_start": s.answer_start, "answer_count": s.answer_count,
+                "spans": to_json(dict(s.extra)) if s.extra else None, "recorded_at": at,
+            })
+        self._put(("tokens", rows), 0)
+
+    def record_generations(self, start: int, generations: Sequence[Generation]) -> None:
+        """Queue what the model generated for rows ``start .. start+len(generations)``."""
+        self._check_open()
+        self._check_rows(start, len(generations))
+        stimuli = self._stimuli or []
+        at = now()
+        rows = []
+        for i, g in enumerate(generations):
+            if not isinstance(g, Generation):
+                raise StoreError(f"record_generations takes Generation, got {type(g).__name__} at row {start + i}")
+            rows.append({
+                "run": self.run, "stimulus": stimuli[start + i], "array_row": start + i, "text": g.text,
+                "prediction": to_json(g.prediction), "parse_ok": g.parse_ok, "correct": g.correct,
+                "score": None if g.score is None else float(g.score), "metrics": to_json(g.metrics),
+                "n_tokens": g.n_tokens, "recorded_at": at, "stop_reason": g.stop_reason, "answer_kind": g.kind,
+            })
+        self._put(("generations", rows), 0)
+
+    def write_batch(
+        self,
+        start: int,
+        arrays: Mapping[ArrayHandle, Any],
+        *,
+        tokens: Sequence[TokenSpans] | None = None,
+        generations: Sequence[Generation] | None = None,
+    ) -> None:
+        """One model batch: records first, then arrays, so a committed chunk implies its records are."""
+        if tokens is not None:
+            self.record_tokens(start, tokens)
+        if generations is not None:
+            self.record_generations(start, generations)
+        for handle, values in arrays.items():
+            if handle.ragged:
+                self.write_ragged(handle, start, values)
+            else:
+                self.write(handle, start, values)
+
+    def flush(self) -> None:
+        """Block until everything queued so far is durable and committed to the manifest."""
+        self._check_open()
+        done = threading.Event()
+        self._queue.put(("flush", done, None))
+        self._wait(done)
+        self._raise_if_failed()
+
+    def finish(self, *, partial_ok: bool = False) -> None:
+        """Flush and, if every chunk of every declared array is committed, mark the run finished
+        (in the same transaction as the last chunks)."""
+        self._check_open()
+        done = threading.Event()
+        self._queue.put(("flush", done, {"partial_ok": partial_ok}))
+        self._wait(done)
+        self._raise_if_failed()
+        missing = self._missing()
+        if missing and not partial_ok:
+            listed = ", ".join(f"{k} ({v} chunks)" for k, v in list(missing.items())[:5])
+            raise StoreError(
+                f"run {self.run} is not complete: {sum(missing.values())} chunk(s) not written in {listed}."
+                " Write the rows todo() names, or pass partial_ok=True to finish anyway"
+            )
+        self._finished = True
+
+    def _wait(self, done: threading.Event) -> None:
+        while not done.wait(0.5):
+            if not self._thread.is_alive():
+                raise WriterError(f"the background writer of run {self.run} stopped unexpectedly") from self._error
+
+    def _check_handle(self, handle: ArrayHandle) -> None:
+        if not isinstance(handle, ArrayHandle) or handle.writer_id != id(self):
+            raise StoreError("write takes an ArrayHandle returned by this writer's array(spec)")
+
+    def _check_rows(self, start: int, count: int) -> None:
+        n = self.n_samples
+        if count < 1 or start < 0 or start + count > n:
+            raise StoreError(
+                f"rows [{start}, {start + count}) must lie inside the run's {n} samples [0, {n}) and be non-empty"
+            )
+        if self.shard is not None:
+            size = min(self.info.chunk_samples, n)
+            foreign = [k for k in range(start // size, (start + count - 1) // size + 1) if not self.shard.owns(k)]
+            if foreign:
+                raise StoreError(
+                    f"rows [{start}, {start + count}) reach chunk(s) {foreign[:5]} of another shard (this is shard"
+                    f" {self.shard}, chunks of {size} samples): write only the rows todo() names"
+                )
+
+    def _put(self, item: tuple[Any, ...], nbytes: int) -> None:
+        self._mark_running()
+        self.stats.producer_wait_s += self._budget.take(nbytes, self._abort)
+        self._raise_if_failed()
+        self._queue.put((*item, nbytes))
