@@ -15,13 +15,10 @@ import numpy as np
 
 from store import arrays as layout
 from store.checksum import crc32c
-from store.dtypes import as_numpy, cast, default_stored, numpy_dtype
+from store.dtypes import as_numpy, cast, numpy_dtype, tensor_stored
 from store.errors import StoreError
 from store.records import check_name
 from store.writer_core import WriterCore, disk_full_names, now, unstage
-
-# A tensor stored as it came, unless the run's bf16 policy says how bfloat16 is kept.
-_AS_IS = {"float64": "float32", "float32": "float32", "float16": "float16"}
 
 
 class Tensors(WriterCore):
@@ -50,7 +47,7 @@ class Tensors(WriterCore):
             )
         arr, kind = as_numpy(values, dtype)
         if stored_dtype is None:
-            stored_dtype = _AS_IS.get(kind) or default_stored(kind, self.info.bf16)
+            stored_dtype = tensor_stored(kind, self.info.bf16)
         c = cast(np.ascontiguousarray(arr), kind, stored_dtype, self.info.overflow, f"tensor {name}")
         vals = np.ascontiguousarray(c.values)
         if vals.ndim == 0:
