@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from probes.errors import ProbeError
 from store.location import ArrayRoot
 from store.records import ArrayInfo
 
@@ -64,6 +65,7 @@ class StreamSpec:
     block_rows: int
     solves: list[Solve]
     dense_tokens: int | None = None
+    method: Literal["ridge", "lda", "centroid"] = "ridge"   # the kind's solve (probes/kinds/*.py stream_solver)
 
 
 @dataclass
@@ -160,7 +162,8 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
                                     "yy": np.zeros(Y.shape[1])}
                 Xk = X.astype(dtype, copy=False)
                 Xk -= acc["k"].astype(dtype)
-                syrk(1.0, Xk.T, beta=1.0, c=acc["xx"], trans=0, lower=0, overwrite_c=1)
+                if spec.method != "centroid":   # class means need no XᵀX
+                    syrk(1.0, Xk.T, beta=1.0, c=acc["xx"], trans=0, lower=0, overwrite_c=1)
                 acc["n"] += len(Xk)
                 acc["sx"] += Xk.sum(0, dtype=np.float64)
                 acc["sy"] += Y.sum(0)
@@ -240,14 +243,17 @@ def solve(spec: StreamSpec, part: Part) -> Solution:
 
     out = Solution([], [], [], [], part.flops, read_bytes=part.read_bytes)
     with threadpool_limits(1):
-        for st in part.stats:
+        for s, st in enumerate(part.stats):
             if st is None or st.n < 2:
                 out.W.append(None)
                 out.b.append(None)
                 out.gcv.append(None)
                 out.n_train.append(0 if st is None else st.n)
                 continue
-            W, b, gcv, flops = solve_stats(st, spec.alphas, spec.standardize)
+            if spec.method == "ridge":
+                W, b, gcv, flops = solve_stats(st, spec.alphas, spec.standardize)
+            else:
+                W, b, gcv, flops = solve_classes(st, spec.solves[s], spec.method, spec.alphas[0])
             out.W.append(W)
             out.b.append(b)
             out.gcv.append(gcv)
@@ -296,6 +302,55 @@ def solve_stats(st: Stats, alphas: tuple[float, ...], standardize: bool) -> tupl
     flops = len(alphas) * (d**3 / 3 + 2.0 * d * d * c) + (4 / 3 * d**3 if eig is not None else 0.0)
     del work
     return W, b, gcv, flops
+
+
+def lda_weights(means: np.ndarray, counts: np.ndarray, scatter: np.ndarray,
+                shrinkage: float) -> tuple[np.ndarray, np.ndarray]:
+    """(W [d, K], b [K]) of LDA from class means [K, d], counts [K] and the within-class scatter."""
+    from scipy.linalg import LinAlgError, cho_factor, cho_solve
+
+    n, d = float(counts.sum()), scatter.shape[0]
+    cov = scatter / n
+    if shrinkage:
+        cov = (1.0 - shrinkage) * cov
+        cov.flat[:: d + 1] += shrinkage * np.trace(scatter / n) / d
+    try:
+        W = cho_solve(cho_factor(cov, lower=False, check_finite=False), means.T, check_finite=False)
+    except LinAlgError:
+        raise ProbeError(f"lda: the within-class covariance ({d} features, {int(n)} rows) is singular:"
+                         " set the kind's shrinkage above 0 (e.g. 0.1)") from None
+    return W, -0.5 * np.einsum("kd,dk->k", means, W) + np.log(counts / n)
+
+
+def centroid_weights(means: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(W [d, K], b [K]): arg-max of 2 xᵀμ_k - ‖μ_k‖² is the nearest mean."""
+    return 2.0 * means.T, -(means * means).sum(1)
+
+
+def solve_classes(st: Stats, solve_: Solve, method: str,
+                  shrinkage: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """(W [d, c, 1], b [c, 1], GCV zeros, flops) of LDA or nearest centroid per variant of a
+    Solve, from ridge's statistics: a ±1 class column's centred XᵀY is 2 n_k (μ_k - μ) and its
+    mean 2 n_k / n - 1 (probes/kinds/lda.py)."""
+    d, c = st.xy.shape
+    W, b = np.zeros((d, c, 1)), np.zeros((c, 1))
+    flops = 0.0
+    full = None
+    for var in solve_.variants:
+        cols = slice(var.start, var.stop)
+        counts = np.maximum(np.round(st.n * (st.my[cols] + 1.0) / 2.0), 1.0)
+        between = st.xy[:, cols] / 2.0                       # [d, K]: n_k (μ_k - μ)
+        means = st.mx[None, :] + (between / counts).T        # [K, d]
+        if method == "centroid":
+            w, bias = centroid_weights(means)
+        else:
+            if full is None:
+                upper = np.triu(st.xx.astype(np.float64))
+                full = upper + np.triu(upper, 1).T
+            w, bias = lda_weights(means, counts, full - (between / counts) @ between.T, shrinkage)
+            flops += d**3 / 3 + 2.0 * d * d * (var.stop - var.start)
+        W[:, cols, 0], b[cols, 0] = w, bias
+    return W, b, np.zeros((c, 1)), flops
 
 
 @dataclass
