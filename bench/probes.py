@@ -238,6 +238,7 @@ def main(quick: bool) -> None:
         ridge_thousand(tmp, ws, layers, targets, plan.defaults.test_fraction, float(np.mean([v[0] for v in sk.values()])))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    seed_sharing(quick)
     real_shape(quick)
     many_probes(quick)
 
@@ -257,6 +258,43 @@ def ridge_thousand(tmp: Path, ws: Workspace, layers: int, targets: int, test_fra
           f"   {rep.probes_per_s / (tasks / spent):.1f}x sklearn ridge (goal >= 20x; +{rep.startup_seconds:.1f} s cluster start)")
     print(f"  accuracy vs sklearn RidgeClassifier per probe: |diff| max {np.abs(diffs).max():.4f} (goal <= 0.01);"
           f" mean {np.mean([v[0] for v in farm.values()]):.4f} (the logistic probes above: {logistic_acc:.4f})")
+
+
+def seed_sharing(quick: bool) -> None:
+    """(d) Probes that differ only by seed over the same layer: one pass's XᵀX shared (the union
+    of the training sets, minus each seed's left-out rows) against one XᵀX per seed, in-process."""
+    from dataclasses import replace
+
+    from probes import parse_plan
+    from probes.farm import _Preparer, plan_tasks
+    from probes.farm_stream import build_specs, run_local
+    from probes.plan import group_tasks
+
+    n, d, layers, targets, seeds = (500, 256, 1, 2, 5) if quick else (2000, 1024, 2, 4, 5)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-seeds-"))
+    try:
+        make_workspace(tmp / "ws", n, d, layers, targets)
+        ws = Workspace.open(tmp / "ws", readonly=True)
+        plan = parse_plan({"name": "seeds", "layers_per_task": layers, "probes": [{
+            "runs": ["bench"], "taps": ["llm"], "layers": "all", "tokens": ["last"], "seeds": list(range(seeds)),
+            "targets": [f"truth:t{j:02d}" for j in range(targets)], "kinds": {"ridge": {"pool": "last"}}}]})
+        (job,) = [_Preparer(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws), plan.layers_per_task)]
+        shared = build_specs(job)
+        own = [replace(g, spec=replace(g.spec, shared=False)) for g in shared]
+        assert all(g.spec.shared for g in shared)
+        run_local(job, own)   # warm
+        took = {}
+        for name, specs in (("one XᵀX per seed", own), ("shared XᵀX", shared)):
+            t0 = time.perf_counter()
+            res = run_local(job, specs)
+            took[name] = (time.perf_counter() - t0, res)
+        a, b = took["one XᵀX per seed"], took["shared XᵀX"]
+        same = max(abs(x.score - y.score) for x, y in zip(a[1].records, b[1].records, strict=True))
+        print(f"\n(d) {len(a[1].records)} ridge probes = {layers} layers x {targets} targets x {seeds} seeds (each with its"
+              f" control), d={d}, n={n}, in-process, 1 thread: one XᵀX per seed {a[0]:.2f} s, shared {b[0]:.2f} s ="
+              f" {a[0] / b[0]:.2f}x; scores |diff| max {same:.1e}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def make_real_shape(path: Path, n: int, T: int, d: int, layers: int, chunk: int = 32, seed: int = 0) -> float:

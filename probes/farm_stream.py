@@ -67,6 +67,8 @@ def build_specs(job: GroupJob, block_rows: int | None = None) -> list[SpecGroup]
         jobs = [Job(key=t.key, target=job.targets[t.target], fold=job.folds[t.fold_id], params=t.params,
                     control=t.control == "shuffle", grid=job.grid) for t in first]
         kind = job.kinds[kind_name]
+        if not issubclass(kind, RidgeProbe):   # streamed kinds solve from ridge's statistics
+            raise ProbeError(f"kind {kind_name} is marked streaming but does not solve from probes/stream.py's statistics")
         params = kind.check_params(jobs[0].params)
         levels: set[Literal["token", "sample"]] = {"token" if j.target.shape == "token" else "sample" for j in jobs}
         for level in sorted(levels):  # token and sample targets read different units: two specs
@@ -117,7 +119,23 @@ def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, l
     rows = block_rows or default_block_rows(info, params.precision)
     return stream.StreamSpec(job.root, job.rows, level, params.pool, kind.stream_alphas(params),
                              bool(getattr(params, "standardize", False)), params.precision, int(rows), solves,
-                             job.dense_tokens, kind.stream_solver)
+                             job.dense_tokens, kind.stream_solver, shares_pass(solves))
+
+
+#: Share one pass between Solves when it accumulates at most this share of the rows that one
+#: pass per Solve would (rows cost XᵀX updates: d² each).
+SHARE_BELOW = 0.8
+
+
+def shares_pass(solves: list[stream.Solve]) -> bool:
+    """Whether Solves that differ in their split (seeds) accumulate the union of their training
+    units once plus each one's left-out units, rather than each its own training units."""
+    if len(solves) < 2:
+        return False
+    union = np.logical_or.reduce([s.train for s in solves])
+    own = sum(int(s.train.sum()) for s in solves)
+    shared = int(union.sum()) + sum(int((union & ~s.train).sum()) for s in solves)
+    return shared <= SHARE_BELOW * own
 
 
 # ----------------------------------------------------------------------------- memory plan
@@ -142,12 +160,13 @@ def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
         d = info.item_shape[-1]
         p = np.dtype(sp.precision).itemsize
         A = len(sp.alphas)
-        gram = sum(d * d * p + d * s.Y.shape[-1] * 8 for s in sp.solves)
         cols = sum(s.Y.shape[-1] for s in sp.solves)
+        gram = sum(d * d * p + d * s.Y.shape[-1] * 8 for s in sp.solves) + (d * d * p + d * cols * 8 if sp.shared else 0)
         block = sp.block_rows * vpr * (item + 4 + p)
         peaks += [(2 * gram + block, f"map (2 x {gram / MiB:.0f} MiB of XᵀX, block of {sp.block_rows} rows)"),
                   (2 * gram, "merge (2 x XᵀX)"),
-                  (gram + d * d * p + 2 * d * cols * A * 8, "solve (XᵀX + one Cholesky factor)"),
+                  (gram + (2 if sp.shared else 1) * d * d * p + 2 * d * cols * A * 8,
+                   "solve (XᵀX + one Cholesky factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
                   (sp.block_rows * vpr * (item + 4 + 8) + 2 * d * cols * A * 8, "score (a block of test rows)")]
         read += len(job.arrays) * _rows_bytes(info, len(sp.rows))
     peak, what = max(peaks)
@@ -217,7 +236,7 @@ def layers_in_flight(specs: list[SpecGroup], job: GroupJob, limit: int | None) -
     large (then a worker holds at most what plan_stream planned), more when they are small (the
     latency of one solve per layer then no longer idles the workers)."""
     d = job.arrays[0].item_shape[-1]
-    held = sum(2 * len(g.spec.solves) * d * d * np.dtype(g.spec.precision).itemsize for g in specs) or 1
+    held = sum(2 * (len(g.spec.solves) + g.spec.shared) * d * d * np.dtype(g.spec.precision).itemsize for g in specs) or 1
     room = (FIT_FRACTION * limit - WORKER_BASE) if limit else 256 * MiB
     return int(max(1, min(8, room // held)))
 

@@ -17,7 +17,7 @@ Everything here is plain numpy/scipy on one BLAS thread; the client builds the :
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, Literal
@@ -66,6 +66,11 @@ class StreamSpec:
     solves: list[Solve]
     dense_tokens: int | None = None
     method: Literal["ridge", "lda", "centroid"] = "ridge"   # the kind's solve (probes/kinds/*.py stream_solver)
+    #: Solves that differ only in their split (seeds) share one pass: statistics of the union of
+    #: their training units, plus of each Solve's units left out of it; a Solve's own statistics
+    #: are the union's minus its left-out part (:func:`own_stats`). Cheaper when the left-out
+    #: parts (about a test fraction each) are smaller than the training sets.
+    shared: bool = False
 
 
 @dataclass
@@ -140,36 +145,24 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     t0 = time.perf_counter()
     dtype = np.dtype(spec.precision)
     syrk, syr = _blas(spec.precision)
-    raw: list[dict[str, Any] | None] = [None] * len(spec.solves)
-    part = Part([None] * len(spec.solves))
+    designs = _designs(spec)
+    raw: list[dict[str, Any] | None] = [None] * len(designs)
+    part = Part([None] * len(designs))
     pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
     with threadpool_limits(1):
         for a in range(0, len(pos), spec.block_rows):
             idx = pos[a : a + spec.block_rows]
             U, nbytes = read_block(spec, info, spec.rows[idx])
             part.read_bytes += nbytes
-            d = U.shape[-1]
-            for s, solve in enumerate(spec.solves):
-                mask = solve.train[idx]
-                if not mask.any():
-                    continue
-                X = U[mask]
-                Y = solve.Y[idx][mask]
-                acc = raw[s]
-                if acc is None:  # shift by the first block's mean: the sums stay well conditioned
-                    acc = raw[s] = {"n": 0.0, "k": X.mean(0, dtype=np.float64), "sx": np.zeros(d), "sy": np.zeros(Y.shape[1]),
-                                    "xx": np.zeros((d, d), dtype, order="F"), "xy": np.zeros((d, Y.shape[1])),
-                                    "yy": np.zeros(Y.shape[1])}
-                Xk = X.astype(dtype, copy=False)
-                Xk -= acc["k"].astype(dtype)
-                if spec.method != "centroid":   # class means need no XᵀX
-                    syrk(1.0, Xk.T, beta=1.0, c=acc["xx"], trans=0, lower=0, overwrite_c=1)
-                acc["n"] += len(Xk)
-                acc["sx"] += Xk.sum(0, dtype=np.float64)
-                acc["sy"] += Y.sum(0)
-                acc["xy"] += Xk.T @ Y.astype(dtype)
-                acc["yy"] += (Y * Y).sum(0)
-                part.flops += float(len(Xk)) * d * (d + 1) + 2.0 * len(Xk) * d * Y.shape[1]
+            for s, (units, labels, gram) in enumerate(designs):
+                mask = units[idx]
+                if mask.any():
+                    X = U[mask]
+                    Y = labels(idx)[mask] if labels is not None else np.zeros((len(X), 0))
+                    acc = raw[s]
+                    if acc is None:  # shift by the first block's mean: the sums stay well conditioned
+                        acc = raw[s] = _empty(X, Y.shape[1], dtype if gram else None)
+                    part.flops += _update(acc, X, Y, dtype, syrk if gram else None)
         for s, acc in enumerate(raw):
             if acc is not None:
                 part.stats[s] = _centre(acc, syr)
@@ -178,11 +171,85 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     return part
 
 
+Design = tuple[np.ndarray, Callable[[np.ndarray], np.ndarray] | None, bool]
+
+
+def _designs(spec: StreamSpec) -> list[Design]:
+    """What a map accumulates: (units [n, R], rows -> Y or None, whether XᵀX). Own: each Solve's
+    training units, with its Y. Shared: XᵀX of the union of the training units and of each
+    Solve's left-out units, then each Solve's XᵀY on its training units (XᵀY costs the same
+    either way; only XᵀX, d² per row, is worth sharing)."""
+    def own(s: Solve) -> Callable[[np.ndarray], np.ndarray]:
+        return lambda idx: s.Y[idx]
+
+    gram = spec.method != "centroid"   # class means need no XᵀX
+    if not spec.shared:
+        return [(s.train, own(s), gram) for s in spec.solves]
+    union = np.logical_or.reduce([s.train for s in spec.solves])
+    return ([(union, None, True)] + [(union & ~s.train, None, True) for s in spec.solves]
+            + [(s.train, own(s), False) for s in spec.solves])
+
+
+def _empty(X: np.ndarray, c: int, gram: np.dtype[Any] | None) -> dict[str, Any]:
+    d = X.shape[1]
+    xx = np.zeros((d, d) if gram is not None else (0, 0), gram or np.float64, order="F")
+    return {"n": 0.0, "k": X.mean(0, dtype=np.float64), "sx": np.zeros(d), "sy": np.zeros(c), "xx": xx,
+            "xy": np.zeros((d, c)), "yy": np.zeros(c)}
+
+
+def _update(acc: dict[str, Any], X: np.ndarray, Y: np.ndarray, dtype: np.dtype[Any], syrk: Callable[..., Any] | None) -> float:
+    """Add rows X (labels Y) to an accumulator; the flops spent."""
+    Xk = X.astype(dtype, copy=False)
+    Xk -= acc["k"].astype(dtype)
+    if syrk is not None:
+        syrk(1.0, Xk.T, beta=1.0, c=acc["xx"], trans=0, lower=0, overwrite_c=1)
+    acc["n"] += len(Xk)
+    acc["sx"] += Xk.sum(0, dtype=np.float64)
+    acc["sy"] += Y.sum(0)
+    acc["xy"] += Xk.T @ Y.astype(dtype)
+    acc["yy"] += (Y * Y).sum(0)
+    d = Xk.shape[1]
+    return float(len(Xk)) * d * (d + 1) * (syrk is not None) + 2.0 * len(Xk) * d * Y.shape[1]
+
+
+def own_stats(spec: StreamSpec, stats: list[Stats | None]) -> Iterator[Stats | None]:
+    """Each Solve's statistics, one at a time (one copy of XᵀX in flight): as accumulated, or
+    (shared) its XᵀY with the XᵀX of the union minus its left-out units'."""
+    if not spec.shared:
+        yield from stats
+        return
+    S = len(spec.solves)
+    for s in range(S):
+        xy = stats[1 + S + s]
+        gram = None if stats[0] is None or xy is None else _downdate(stats[0], stats[1 + s])
+        if gram is None or xy is None:
+            yield None
+            continue
+        yield Stats(xy.n, xy.mx, xy.my, gram.xx, xy.xy, xy.yy)   # the same units: the same means
+
+
+def _downdate(T: Stats, E: Stats | None) -> Stats | None:
+    """T without the units of E (XᵀX and means): Chan's update run backwards, from
+    T = E + R + (n_E n_R / n_T) δδᵀ with δ the difference of their means."""
+    xx = np.array(T.xx, order="F")            # the solve overwrites its copy; T serves every Solve
+    if E is None:
+        return Stats(T.n, T.mx, T.my, xx, T.xy, T.yy)
+    n = T.n - E.n
+    if n < 1:
+        return None
+    mx = (T.n * T.mx - E.n * E.mx) / n
+    dx = E.mx - mx
+    xx -= E.xx
+    _blas(xx.dtype.name)[1](-E.n * n / T.n, dx.astype(xx.dtype), a=xx, lower=0, overwrite_a=1)
+    return Stats(n, mx, T.my, xx, T.xy, T.yy)
+
+
 def _centre(acc: dict[str, Any], syr: Callable[..., Any]) -> Stats:
     n = acc["n"]
     mean_k = acc["sx"] / n
     xx = acc["xx"]
-    syr(-n, mean_k.astype(xx.dtype), a=xx, lower=0, overwrite_a=1)   # Σ(x-k)(x-k)ᵀ - n m mᵀ
+    if xx.size:
+        syr(-n, mean_k.astype(xx.dtype), a=xx, lower=0, overwrite_a=1)   # Σ(x-k)(x-k)ᵀ - n m mᵀ
     my = acc["sy"] / n
     xy = acc["xy"] - n * np.outer(mean_k, my)
     yy = acc["yy"] - n * my * my
@@ -201,7 +268,8 @@ def merge(a: Part, b: Part) -> Part:
         dx, dy = y.mx - x.mx, y.my - x.my
         f = x.n * y.n / n
         x.xx += y.xx
-        _blas(x.xx.dtype.name)[1](f, dx.astype(x.xx.dtype), a=x.xx, lower=0, overwrite_a=1)
+        if x.xx.size:
+            _blas(x.xx.dtype.name)[1](f, dx.astype(x.xx.dtype), a=x.xx, lower=0, overwrite_a=1)
         x.xy += y.xy + f * np.outer(dx, dy)
         x.yy += y.yy + f * dy * dy
         x.mx += dx * (y.n / n)
@@ -243,7 +311,7 @@ def solve(spec: StreamSpec, part: Part) -> Solution:
 
     out = Solution([], [], [], [], part.flops, read_bytes=part.read_bytes)
     with threadpool_limits(1):
-        for s, st in enumerate(part.stats):
+        for s, st in enumerate(own_stats(spec, part.stats)):
             if st is None or st.n < 2:
                 out.W.append(None)
                 out.b.append(None)

@@ -73,12 +73,12 @@ def gcv_pick(gcv: np.ndarray) -> int:
 class RidgeProbe(Probe):
     """X ``[n, T, d]`` (or Ragged for sample targets); y ``[n]`` or ``[n, T]`` codes or numbers."""
 
-    Params = RidgeParams
+    Params: ClassVar[type[ProbeParams]] = RidgeParams
     accepts = ("token", "sample")
     accepts_ragged = True
     streaming = True
     #: which solve of probes/stream.py turns the streamed statistics into weights
-    stream_solver: ClassVar[str] = "ridge"
+    stream_solver: ClassVar[Literal["ridge", "lda", "centroid"]] = "ridge"
 
     @classmethod
     def stream_alphas(cls, params: Any) -> tuple[float, ...]:
