@@ -19,12 +19,14 @@ from probetest_lib import HERE, REPO, build_spatial_layers, probe_rows, python, 
 
 from probes import parse_plan, run_plan
 from probes.artifacts import load
-from probes.farm import open_workspace
+from probes.farm import _Preparer, open_workspace, plan_tasks
+from probes.farm_stream import build_specs
+from probes.plan import group_tasks
 
 PLAN = ("name: streamed\nmemory_limit: 300MiB\nprobes:\n  - runs: [spatial]\n"
-        "    targets: ['spatial.relation', 'truth:flag_0']\n"
+        "    targets: ['spatial.relation', 'truth:flag_0']\n    seeds: [0, 1, 2]\n"
         "    kinds: {ridge: {alphas: [0.1, 10.0]}, lda: {shrinkage: 0.1}, centroid: {}}\n")
-N_PROBES = 4 * 2 * 3
+N_PROBES = 4 * 2 * 3 * 3   # layers x targets x kinds x seeds (the seeds share one XᵀX pass)
 
 
 def _dask(*args: str) -> list[str]:
@@ -59,7 +61,11 @@ def test_streamed_plan_on_cli_scheduler_and_workers_equals_local_cluster(tmp_pat
     local, remote = tmp_path / "local", tmp_path / "remote"
     shutil.copytree(base, local)
     shutil.copytree(base, remote)
-    rep = run_plan(parse_plan(yaml.safe_load(PLAN)), local, workers=2, progress=False, log=lambda s: None)
+    plan = parse_plan(yaml.safe_load(PLAN))
+    ws = open_workspace(base)
+    job = _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+    assert all(g.spec.shared for g in build_specs(job))   # the Dask merges carry shared statistics too
+    rep = run_plan(plan, local, workers=2, progress=False, log=lambda s: None)
     assert rep.trained == N_PROBES and rep.failed == 0, rep.failures
 
     sched_file = tmp_path / "scheduler.json"
