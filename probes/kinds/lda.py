@@ -1,5 +1,5 @@
-"""``lda`` and ``centroid``: linear discriminant analysis and nearest centroid, trained from the
-same streamed statistics as ``ridge``.
+"""``lda`` and ``nearest_centroid``: linear discriminant analysis and nearest centroid, trained
+from the same streamed statistics as ``ridge``.
 
 Both are classifiers whose decision is linear in the features, so they reuse ridge's streamed
 map, merge and score passes (probes/stream.py) and differ only in the solve. Ridge's ±1 one-hot
@@ -12,7 +12,7 @@ pooled within-class scatter is the centred XᵀX minus the between-class part,
   priors from the class frequencies: Σ = S_w / n shrunk to ``(1 - s) Σ + s tr(Σ)/d I`` (shrinking
   each class covariance and weighting by the priors is the same, shrinkage being linear),
   ``w_k = Σ⁻¹ μ_k``, ``b_k = -½ μ_kᵀ w_k + log(n_k / n)``; prediction = the arg-max class.
-* ``centroid`` is ``NearestCentroid()`` (Euclidean): the nearest class mean, i.e. the arg-max of
+* ``nearest_centroid`` is ``NearestCentroid()`` (Euclidean): the nearest class mean, i.e. the arg-max of
   ``2 xᵀμ_k - ‖μ_k‖²``; the stream skips XᵀX for it.
 
 ``fit`` here is the in-memory reference (class means and scatter straight from the rows), which
@@ -90,7 +90,7 @@ class LDAProbe(_ClassMeans):
         return lda_weights(means, counts, R.T @ R, self.params.shrinkage)
 
 
-@register_kind("centroid")
+@register_kind("nearest_centroid")
 class NearestCentroidProbe(_ClassMeans):
     """X ``[n, T, d]`` (or Ragged for sample targets); y ``[n]`` or ``[n, T]`` class codes."""
 

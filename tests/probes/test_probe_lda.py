@@ -1,4 +1,4 @@
-"""The streamed ``lda`` and ``centroid`` kinds: scikit-learn's answers in memory, and the same
+"""The streamed ``lda`` and ``nearest_centroid`` kinds: scikit-learn's answers in memory, and the same
 weights from ridge's streamed statistics as from the rows."""
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _truth(ws, run: str, key: str) -> np.ndarray:
 def test_streamed_lda_and_centroid_equal_in_memory_and_sklearn(tmp_path):
     ws = build_workspace(tmp_path / "ws", n=96, families=("go", "spatial"))
     plan = parse_plan({"name": "lda", "probes": [
-        {"runs": ["go"], "targets": ["go.intersection"], "kinds": {"lda": {"shrinkage": 0.2}, "centroid": {}}},
-        {"runs": ["spatial"], "targets": ["truth:relation"], "kinds": {"lda": {"shrinkage": 0.1}, "centroid": {}}},
+        {"runs": ["go"], "targets": ["go.intersection"], "kinds": {"lda": {"shrinkage": 0.2}, "nearest_centroid": {}}},
+        {"runs": ["spatial"], "targets": ["truth:relation"], "kinds": {"lda": {"shrinkage": 0.1}, "nearest_centroid": {}}},
     ]})
     rep = run_plan(plan, ws.path, in_process=True, block_rows=5, **QUIET)   # 5-sample blocks over 32-sample chunks
     assert rep.trained == 8 and rep.failed == 0, rep.failures

@@ -25,7 +25,7 @@ from probes.plan import group_tasks
 
 PLAN = ("name: streamed\nmemory_limit: 300MiB\nprobes:\n  - runs: [spatial]\n"
         "    targets: ['spatial.relation', 'truth:flag_0']\n    seeds: [0, 1, 2]\n"
-        "    kinds: {ridge: {alphas: [0.1, 10.0]}, lda: {shrinkage: 0.1}, centroid: {}}\n")
+        "    kinds: {ridge: {alphas: [0.1, 10.0]}, lda: {shrinkage: 0.1}, nearest_centroid: {}}\n")
 N_PROBES = 4 * 2 * 3 * 3   # layers x targets x kinds x seeds (the seeds share one XᵀX pass)
 
 
