@@ -149,7 +149,7 @@ def test_cli_dry_run_lists_probes_and_bad_plans_exit_2(ws_path, tmp_path, capsys
     bad.write_text("probes:\n  - {targets: [go.count], kinds: [linear]}\n")
     assert main([str(bad), "--data", str(ws_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Kinds for sample targets: pooled" in err
+    assert err.startswith("error: ") and "Kinds for sample targets: lda, nearest_centroid, pooled, ridge" in err
     assert main([str(plan), "--data", str(tmp_path / "nowhere"), "--dry-run"]) == 2
     assert "no workspace at" in capsys.readouterr().err
 
