@@ -46,7 +46,8 @@ def test_plan_errors_say_what_is_wrong_and_how_to_fix_it():
         ({"probes": [{"targets": ["go.count"], "kinds": ["lineer"]}]}, "unknown probe kind 'lineer' — did you mean 'linear'"),
         ({"probes": [{"targets": ["go.cnt"], "kinds": ["pooled"]}]}, "unknown target 'go.cnt' — did you mean 'go.count'"),
         ({"probes": [{"targets": ["go.count"], "kinds": ["linear"]}]},
-         "kind linear learns token targets; go.count is a sample target. Kinds for sample targets: pooled"),
+         "kind linear learns token targets; go.count is a sample target."
+         " Kinds for sample targets: lda, nearest_centroid, pooled, ridge"),
         ({"probes": [{"targets": ["go.count"], "kinds": {"pooled": {"pool": "median"}}}]},
          "pool: Input should be 'mean', 'max', 'first' or 'last'"),
         ({"probes": [{"targets": ["go.count"], "kinds": {"pooled": {"Cc": 1}}}]}, "unknown parameter 'Cc' — did you mean 'C'"),
