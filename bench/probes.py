@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,20 +112,21 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def sklearn_baseline(ws: Workspace, layers: int, targets: int,
-                     test_fraction: float) -> tuple[float, dict[tuple[int, str], tuple[float, float]]]:
-    """(seconds spent fitting, {(layer, target): (score, control)}); same rows, split, scaling."""
+def sklearn_fits(ws: Workspace, layers: int, targets: int, test_fraction: float, make: Callable[[], Any],
+                 standardize: bool) -> tuple[float, dict[tuple[int, str], tuple[float, float]]]:
+    """(seconds spent fitting, {(layer, target): (score, control)}): one ``make()`` model fitted
+    per probe and per control, BLAS on one thread, on the farm's rows and split; ``standardize``
+    z-scores float32 features with the training rows' statistics as the logistic farm does
+    (ridge sees the raw float64 features, as the ridge kind does by default)."""
+    import json
+
     from sklearn.exceptions import ConvergenceWarning
-    from sklearn.linear_model import LogisticRegression
     from threadpoolctl import threadpool_limits
 
     from probes.splits import control_permutation, hash_fold
 
-    sel = ws.select("bench")
-    fold = hash_fold(sel.stimuli, 0, test_fraction)
+    fold = hash_fold(ws.select("bench").stimuli, 0, test_fraction)
     truth = ws.rows("SELECT truth FROM v_samples WHERE run = 'bench' ORDER BY array_row")
-    import json
-
     Y = np.array([[json.loads(t[0])[f"t{j:02d}"] for j in range(targets)] for t in truth])
     perm = control_permutation(len(Y), 0)
     scores: dict[tuple[int, str], tuple[float, float]] = {}
@@ -132,14 +134,18 @@ def sklearn_baseline(ws: Workspace, layers: int, targets: int,
     with threadpool_limits(1), warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         for layer in range(layers):
-            X = ws.read("bench", "llm", layer, tokens="last")[:, 0].astype(np.float32)
-            mu, sd = X[fold.train].mean(0), X[fold.train].std(0)
-            X = np.require((X - mu) / sd, np.float32, ["C", "A"])
+            X = ws.read("bench", "llm", layer, tokens="last")[:, 0]
+            if standardize:
+                X = X.astype(np.float32)
+                mu, sd = X[fold.train].mean(0), X[fold.train].std(0)
+                X = np.require((X - mu) / sd, np.float32, ["C", "A"])
+            else:
+                X = X.astype(np.float64)
             for j in range(targets):
                 got = []
                 for y in (Y[:, j], Y[perm, j]):
                     t0 = time.perf_counter()
-                    m = LogisticRegression().fit(X[fold.train], y[fold.train])
+                    m = make().fit(X[fold.train], y[fold.train])
                     spent += time.perf_counter() - t0
                     got.append(float((m.predict(X[fold.test]) == y[fold.test]).mean()))
                 scores[(layer, f"truth:t{j:02d}")] = (got[0], got[1])
@@ -150,17 +156,51 @@ def farm_scores(ws: Workspace) -> dict[tuple[int, str], tuple[float, float]]:
     return {(r[0], r[1]): (r[2], r[3]) for r in ws.rows("SELECT layer, target, score, control_score FROM probes")}
 
 
+def _plan(targets: int, kind: dict[str, Any], **extra: Any) -> Any:
+    from probes import parse_plan
+
+    return parse_plan({"name": "bench", **extra, "probes": [{
+        "runs": ["bench"], "taps": ["llm"], "layers": "all", "tokens": ["last"],
+        "targets": [f"truth:t{j:02d}" for j in range(targets)], "kinds": kind}]})
+
+
+def in_process_rate(ws: Workspace, plan: Any, tasks: int) -> float:
+    """Probes per second of the solver alone: groups run here, one thread, nothing saved or recorded."""
+    from probes.farm import _Preparer, plan_tasks
+    from probes.plan import group_tasks
+    from probes.worker import run_group
+
+    prep = _Preparer(ws, plan)
+    jobs = [prep.job(g) for g in group_tasks(plan_tasks(plan, ws), plan.layers_per_task)]
+    for job in jobs:
+        job.save = False
+    run_group(jobs[0])  # warm: imports and first-call costs
+    t0 = time.perf_counter()
+    for job in jobs:
+        run_group(job)
+    return tasks / (time.perf_counter() - t0)
+
+
+def farm_run(tmp: Path, name: str, plan: Any, workers: int) -> tuple[Any, dict[tuple[int, str], tuple[float, float]]]:
+    """(report, scores) of ``plan`` on a LocalCluster, over a fresh copy of the bench store."""
+    from probes import run_plan
+
+    path = tmp / name
+    shutil.copytree(tmp / "ws", path)
+    rep = run_plan(plan, path, workers=workers, progress=False, log=lambda s: None)
+    assert rep.failed == 0, rep.failures[:3]
+    return rep, farm_scores(Workspace.open(path, readonly=True))
+
+
 def main(quick: bool) -> None:
-    from probes import parse_plan, run_plan
+    from sklearn.linear_model import LogisticRegression
 
     n, d, layers, targets = (500, 64, 4, 10) if quick else (2000, 256, 20, 50)
     tmp = Path(tempfile.mkdtemp(prefix="bench-probes-"))
     try:
         make_workspace(tmp / "ws", n, d, layers, targets)
         # Two layers per Dask task: one batched solve over [2, n, d] (probes/logreg.py), 10 tasks.
-        plan = parse_plan({"name": "bench", "layers_per_task": 2, "probes": [{
-            "runs": ["bench"], "taps": ["llm"], "layers": "all", "tokens": ["last"],
-            "targets": [f"truth:t{j:02d}" for j in range(targets)], "kinds": {"pooled": {"pool": "last"}}}]})
+        plan = _plan(targets, {"pooled": {"pool": "last"}}, layers_per_task=2)
         tasks = layers * targets
         print(f"{tasks} probe tasks = {layers} layers x {targets} binary targets, d={d}, n={n} (80/20 hash split);"
               f" each with its shuffled-label control (2 fits per task)")
@@ -168,41 +208,17 @@ def main(quick: bool) -> None:
         scaling = process_scaling()
         print(f"fp32 matmul peak (torch, 2048^3): {peak1:.1f} GFLOP/s on 1 thread, {peak2:.1f} GFLOP/s on 2;"
               f" 2 processes of solver-sized matmuls run {scaling:.2f}x the throughput of 1 (2.00 = two free cores)")
-
         ws = Workspace.open(tmp / "ws", readonly=True)
-        sk_seconds, sk = sklearn_baseline(ws, layers, targets, plan.defaults.test_fraction)
+        sk_seconds, sk = sklearn_fits(ws, layers, targets, plan.defaults.test_fraction, LogisticRegression, True)
         sk_rate = tasks / sk_seconds
-
-        from probes.farm import _Preparer, plan_tasks
-        from probes.plan import group_tasks
-        from probes.worker import run_group
-
-        prep = _Preparer(ws, plan)
-        jobs = [prep.job(g) for g in group_tasks(plan_tasks(plan, ws), plan.layers_per_task)]
-        for job in jobs:
-            job.save = False
-        run_group(jobs[0])  # warm: imports and first-call costs
-        t0 = time.perf_counter()
-        for job in jobs:
-            run_group(job)
-        inproc = tasks / (time.perf_counter() - t0)
-
-        runs = {}
-        for workers in (2, 1):
-            path = tmp / f"farm{workers}"
-            shutil.copytree(tmp / "ws", path)
-            rep = run_plan(plan, path, workers=workers, progress=False, log=lambda s: None)
-            assert rep.failed == 0, rep.failures[:3]
-            runs[workers] = (rep, farm_scores(Workspace.open(path, readonly=True)))
-        rep2, farm2 = runs[2]
-        rep1, _ = runs[1]
-
+        inproc = in_process_rate(ws, plan, tasks)
+        runs = {workers: farm_run(tmp, f"farm{workers}", plan, workers) for workers in (2, 1)}
+        (rep2, farm2), (rep1, _) = runs[2], runs[1]
         diffs = np.array([farm2[k][0] - sk[k][0] for k in sk])
         cdiffs = np.array([farm2[k][1] - sk[k][1] for k in sk])
         print(f"\n{'':40} {'seconds':>8} {'probes/s':>9} {'vs sklearn':>10}")
         print(f"  {'sklearn, 1 fit per probe, BLAS 1 thread':38} {sk_seconds:8.2f} {sk_rate:9.1f} {1.0:9.2f}x   (fits only)")
-        for workers in (2, 1):
-            rep, _ = runs[workers]
+        for workers, (rep, _) in runs.items():
             print(f"  {f'farm, LocalCluster {workers} worker(s)':38} {rep.seconds:8.2f} {rep.probes_per_s:9.1f}"
                   f" {rep.probes_per_s / sk_rate:9.2f}x   (+{rep.startup_seconds:.1f} s cluster start)")
         print(f"  {'solver alone: in-process, 1 thread, no':38} {tasks / inproc:8.2f} {inproc:9.1f} {inproc / sk_rate:9.2f}x"
@@ -222,6 +238,7 @@ def main(quick: bool) -> None:
         ridge_thousand(tmp, ws, layers, targets, plan.defaults.test_fraction, float(np.mean([v[0] for v in sk.values()])))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    seed_sharing(quick)
     real_shape(quick)
     many_probes(quick)
 
@@ -229,41 +246,11 @@ def main(quick: bool) -> None:
 def ridge_thousand(tmp: Path, ws: Workspace, layers: int, targets: int, test_fraction: float, logistic_acc: float) -> None:
     """(b) The statistics path on the same 1,000 tasks: kind ridge (one pass per layer trains all
     50 targets and their controls) against one scikit-learn RidgeClassifier fit per probe."""
-    import json
-
     from sklearn.linear_model import RidgeClassifier
-    from threadpoolctl import threadpool_limits
 
-    from probes import parse_plan, run_plan
-    from probes.splits import control_permutation, hash_fold
-
-    sel = ws.select("bench")
-    fold = hash_fold(sel.stimuli, 0, test_fraction)
-    truth = ws.rows("SELECT truth FROM v_samples WHERE run = 'bench' ORDER BY array_row")
-    Y = np.array([[json.loads(t[0])[f"t{j:02d}"] for j in range(targets)] for t in truth])
-    perm = control_permutation(len(Y), 0)
-    sk: dict[tuple[int, str], tuple[float, float]] = {}
-    spent = 0.0
-    with threadpool_limits(1):
-        for layer in range(layers):
-            X = ws.read("bench", "llm", layer, tokens="last")[:, 0].astype(np.float64)
-            for j in range(targets):
-                got = []
-                for y in (Y[:, j], Y[perm, j]):
-                    t0 = time.perf_counter()
-                    m = RidgeClassifier(alpha=1.0).fit(X[fold.train], y[fold.train])
-                    spent += time.perf_counter() - t0
-                    got.append(float((m.predict(X[fold.test]) == y[fold.test]).mean()))
-                sk[(layer, f"truth:t{j:02d}")] = (got[0], got[1])
+    spent, sk = sklearn_fits(ws, layers, targets, test_fraction, lambda: RidgeClassifier(alpha=1.0), False)
     tasks = layers * targets
-    plan = parse_plan({"name": "bench-ridge", "probes": [{
-        "runs": ["bench"], "taps": ["llm"], "layers": "all", "tokens": ["last"],
-        "targets": [f"truth:t{j:02d}" for j in range(targets)], "kinds": {"ridge": {"pool": "last"}}}]})
-    path = tmp / "ridge2"
-    shutil.copytree(tmp / "ws", path)
-    rep = run_plan(plan, path, workers=2, progress=False, log=lambda s: None)
-    assert rep.failed == 0, rep.failures[:3]
-    farm = farm_scores(Workspace.open(path, readonly=True))
+    rep, farm = farm_run(tmp, "ridge2", _plan(targets, {"ridge": {"pool": "last"}}), 2)
     diffs = np.array([farm[k][0] - sk[k][0] for k in sk])
     print(f"\n(b) statistics path, kind ridge (alpha 1), the same {tasks} tasks, each with its control:")
     print(f"  sklearn RidgeClassifier, 1 fit per probe: {spent:6.2f} s  {tasks / spent:8.1f} probes/s   (fits only)")
@@ -271,6 +258,43 @@ def ridge_thousand(tmp: Path, ws: Workspace, layers: int, targets: int, test_fra
           f"   {rep.probes_per_s / (tasks / spent):.1f}x sklearn ridge (goal >= 20x; +{rep.startup_seconds:.1f} s cluster start)")
     print(f"  accuracy vs sklearn RidgeClassifier per probe: |diff| max {np.abs(diffs).max():.4f} (goal <= 0.01);"
           f" mean {np.mean([v[0] for v in farm.values()]):.4f} (the logistic probes above: {logistic_acc:.4f})")
+
+
+def seed_sharing(quick: bool) -> None:
+    """(d) Probes that differ only by seed over the same layer: one pass's XᵀX shared (the union
+    of the training sets, minus each seed's left-out rows) against one XᵀX per seed, in-process."""
+    from dataclasses import replace
+
+    from probes import parse_plan
+    from probes.farm import _Preparer, plan_tasks
+    from probes.farm_stream import build_specs, run_local
+    from probes.plan import group_tasks
+
+    n, d, layers, targets, seeds = (500, 256, 1, 2, 5) if quick else (2000, 1024, 2, 4, 5)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-seeds-"))
+    try:
+        make_workspace(tmp / "ws", n, d, layers, targets)
+        ws = Workspace.open(tmp / "ws", readonly=True)
+        plan = parse_plan({"name": "seeds", "layers_per_task": layers, "probes": [{
+            "runs": ["bench"], "taps": ["llm"], "layers": "all", "tokens": ["last"], "seeds": list(range(seeds)),
+            "targets": [f"truth:t{j:02d}" for j in range(targets)], "kinds": {"ridge": {"pool": "last"}}}]})
+        (job,) = [_Preparer(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws), plan.layers_per_task)]
+        shared = build_specs(job)
+        own = [replace(g, spec=replace(g.spec, shared=False)) for g in shared]
+        assert all(g.spec.shared for g in shared)
+        run_local(job, own)   # warm
+        took = {}
+        for name, specs in (("one XᵀX per seed", own), ("shared XᵀX", shared)):
+            t0 = time.perf_counter()
+            res = run_local(job, specs)
+            took[name] = (time.perf_counter() - t0, res)
+        a, b = took["one XᵀX per seed"], took["shared XᵀX"]
+        same = max(abs(x.score - y.score) for x, y in zip(a[1].records, b[1].records, strict=True))
+        print(f"\n(d) {len(a[1].records)} ridge probes = {layers} layers x {targets} targets x {seeds} seeds (each with its"
+              f" control), d={d}, n={n}, in-process, 1 thread: one XᵀX per seed {a[0]:.2f} s, shared {b[0]:.2f} s ="
+              f" {a[0] / b[0]:.2f}x; scores |diff| max {same:.1e}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def make_real_shape(path: Path, n: int, T: int, d: int, layers: int, chunk: int = 32, seed: int = 0) -> float:

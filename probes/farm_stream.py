@@ -20,7 +20,7 @@ import numpy as np
 from probes import stream
 from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, params_json
-from probes.kinds.ridge import RidgeProbe, gcv_pick, one_hot, regresses
+from probes.kinds.ridge import RidgeParams, RidgeProbe, gcv_pick, one_hot, regresses
 from probes.splits import control_permutation
 from probes.worker import GroupJob, GroupResult, _record, _signature
 
@@ -41,6 +41,7 @@ class SpecGroup:
     spec: stream.StreamSpec
     sigs: list[tuple[Any, ...]]             # task signatures, one per Job (all layers share it)
     jobs: list[Job]
+    kind: type[RidgeProbe] = RidgeProbe     # ridge, or a kind solving from ridge's statistics (lda, centroid)
 
 
 def is_streaming(kind_cls: type) -> bool:
@@ -57,29 +58,34 @@ def build_specs(job: GroupJob, block_rows: int | None = None) -> list[SpecGroup]
     wanted: dict[tuple[Any, ...], Any] = {}
     for t in job.tasks:
         wanted.setdefault(_signature(t), t)
-    by_params: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+    by_params: dict[tuple[str, str], list[tuple[Any, ...]]] = defaultdict(list)
     for sig, t in wanted.items():
-        by_params[params_json(t.params)].append(sig)
+        by_params[(t.kind, params_json(t.params))].append(sig)
     out = []
-    for sigs in by_params.values():
+    for (kind_name, _), sigs in by_params.items():
         first = [wanted[s] for s in sigs]
         jobs = [Job(key=t.key, target=job.targets[t.target], fold=job.folds[t.fold_id], params=t.params,
                     control=t.control == "shuffle", grid=job.grid) for t in first]
-        params = RidgeProbe.check_params(jobs[0].params)
+        kind = job.kinds[kind_name]
+        if not issubclass(kind, RidgeProbe):   # streamed kinds solve from ridge's statistics
+            raise ProbeError(f"kind {kind_name} is marked streaming but does not solve from probes/stream.py's statistics")
+        params = kind.check_params(jobs[0].params)
         levels: set[Literal["token", "sample"]] = {"token" if j.target.shape == "token" else "sample" for j in jobs}
         for level in sorted(levels):  # token and sample targets read different units: two specs
             idx = [i for i, j in enumerate(jobs) if ("token" if j.target.shape == "token" else "sample") == level]
-            spec = _spec(job, [jobs[i] for i in idx], params, level, block_rows)
-            out.append(SpecGroup(spec, [sigs[i] for i in idx], [jobs[i] for i in idx]))
+            spec = _spec(job, [jobs[i] for i in idx], kind, params, level, block_rows)
+            out.append(SpecGroup(spec, [sigs[i] for i in idx], [jobs[i] for i in idx], kind))
     return out
 
 
-def _spec(job: GroupJob, jobs: list[Job], params: Any, level: Literal["token", "sample"],
+def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, level: Literal["token", "sample"],
           block_rows: int | None) -> stream.StreamSpec:
     n = len(job.rows)
     designs: dict[tuple[bytes, bytes], dict[str, Any]] = {}
     for j, jb in enumerate(jobs):
-        regress = regresses(params, jb.target)
+        if kind.stream_solver != "ridge" and regresses(RidgeParams(), jb.target):
+            raise ProbeError(f"kind {kind.name} classifies; target {jb.target.name} holds numbers: use kind ridge")
+        regress = kind.stream_solver == "ridge" and regresses(params, jb.target)
         fold = jb.fold
         variants = [(False, jb.target)]
         if jb.control:
@@ -111,8 +117,25 @@ def _spec(job: GroupJob, jobs: list[Job], params: Any, level: Literal["token", "
               for d in designs.values()]
     info = job.arrays[0]
     rows = block_rows or default_block_rows(info, params.precision)
-    return stream.StreamSpec(job.root, job.rows, level, params.pool, tuple(params.alphas), params.standardize,
-                             params.precision, int(rows), solves, job.dense_tokens)
+    return stream.StreamSpec(job.root, job.rows, level, params.pool, kind.stream_alphas(params),
+                             bool(getattr(params, "standardize", False)), params.precision, int(rows), solves,
+                             job.dense_tokens, kind.stream_solver, shares_pass(solves))
+
+
+#: Share one pass between Solves when it accumulates at most this share of the rows that one
+#: pass per Solve would (rows cost XᵀX updates: d² each).
+SHARE_BELOW = 0.8
+
+
+def shares_pass(solves: list[stream.Solve]) -> bool:
+    """Whether Solves that differ in their split (seeds) accumulate the union of their training
+    units once plus each one's left-out units, rather than each its own training units."""
+    if len(solves) < 2:
+        return False
+    union = np.logical_or.reduce([s.train for s in solves])
+    own = sum(int(s.train.sum()) for s in solves)
+    shared = int(union.sum()) + sum(int((union & ~s.train).sum()) for s in solves)
+    return shared <= SHARE_BELOW * own
 
 
 # ----------------------------------------------------------------------------- memory plan
@@ -137,12 +160,13 @@ def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
         d = info.item_shape[-1]
         p = np.dtype(sp.precision).itemsize
         A = len(sp.alphas)
-        gram = sum(d * d * p + d * s.Y.shape[-1] * 8 for s in sp.solves)
         cols = sum(s.Y.shape[-1] for s in sp.solves)
+        gram = sum(d * d * p + d * s.Y.shape[-1] * 8 for s in sp.solves) + (d * d * p + d * cols * 8 if sp.shared else 0)
         block = sp.block_rows * vpr * (item + 4 + p)
         peaks += [(2 * gram + block, f"map (2 x {gram / MiB:.0f} MiB of XᵀX, block of {sp.block_rows} rows)"),
                   (2 * gram, "merge (2 x XᵀX)"),
-                  (gram + d * d * p + 2 * d * cols * A * 8, "solve (XᵀX + one Cholesky factor)"),
+                  (gram + (2 if sp.shared else 1) * d * d * p + 2 * d * cols * A * 8,
+                   "solve (XᵀX + one Cholesky factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
                   (sp.block_rows * vpr * (item + 4 + 8) + 2 * d * cols * A * 8, "score (a block of test rows)")]
         read += len(job.arrays) * _rows_bytes(info, len(sp.rows))
     peak, what = max(peaks)
@@ -212,7 +236,7 @@ def layers_in_flight(specs: list[SpecGroup], job: GroupJob, limit: int | None) -
     large (then a worker holds at most what plan_stream planned), more when they are small (the
     latency of one solve per layer then no longer idles the workers)."""
     d = job.arrays[0].item_shape[-1]
-    held = sum(2 * len(g.spec.solves) * d * d * np.dtype(g.spec.precision).itemsize for g in specs) or 1
+    held = sum(2 * (len(g.spec.solves) + g.spec.shared) * d * d * np.dtype(g.spec.precision).itemsize for g in specs) or 1
     room = (FIT_FRACTION * limit - WORKER_BASE) if limit else 256 * MiB
     return int(max(1, min(8, room // held)))
 
@@ -288,7 +312,7 @@ def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flop
     var = sp.solves[s].variants[v]
     W_all, b_all, gcv = sol.W[s], sol.b[s], sol.gcv[s]
     if W_all is None or b_all is None or gcv is None:
-        raise ProbeError(f"ridge on {job.target.name}: fewer than 2 labelled training rows; select more rows")
+        raise ProbeError(f"{g.kind.name} on {job.target.name}: fewer than 2 labelled training rows; select more rows")
     pick = gcv_pick(gcv[var.start : var.stop])
     by_alpha = _test_scores(sc, s, v, var)
     ctrl = None
@@ -298,15 +322,17 @@ def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flop
         control_gcv = sol.gcv[cs]
         if sol.W[cs] is not None and control_gcv is not None:
             ctrl = float(_test_scores(sc, cs, cv, cvar)[gcv_pick(control_gcv[cvar.start : cvar.stop])])
-    probe = RidgeProbe.build(job, job.fold.seed)
+    probe = g.kind.build(job, job.fold.seed)
     W, b = W_all[:, var.start : var.stop, pick], b_all[var.start : var.stop, pick]
     regress = var.classes is None
     probe.state_ = {"coef": np.ascontiguousarray(W.T), "intercept": np.ascontiguousarray(b),
                     "classes": np.zeros(0, np.int64) if var.classes is None else var.classes}
-    probe.meta_ = {"task": "regress" if regress else "classify", "alpha": sp.alphas[pick]}
-    metrics = {"alpha": sp.alphas[pick], "alphas": list(sp.alphas), "by_alpha": [float(x) for x in by_alpha],
-               "task": probe.meta_["task"], "n_train_rows": int(sol.n_train[s]), "n_test_rows": int(sc.count[s][v]),
-               "streamed": True}
+    probe.meta_ = {"task": "regress" if regress else "classify"}
+    metrics: dict[str, Any] = {"task": probe.meta_["task"], "n_train_rows": int(sol.n_train[s]),
+                               "n_test_rows": int(sc.count[s][v]), "streamed": True}
+    if sp.method == "ridge":
+        probe.meta_["alpha"] = sp.alphas[pick]
+        metrics.update(alpha=sp.alphas[pick], alphas=list(sp.alphas), by_alpha=[float(x) for x in by_alpha])
     return Outcome("r2" if regress else "accuracy", float(by_alpha[pick]), ctrl,
                    int((job.target.labelled() & job.fold.train).sum()), int((job.target.labelled() & job.fold.test).sum()),
                    metrics, probe, flops)

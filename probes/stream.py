@@ -17,13 +17,14 @@ Everything here is plain numpy/scipy on one BLAS thread; the client builds the :
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, Literal
 
 import numpy as np
 
+from probes.errors import ProbeError
 from store.location import ArrayRoot
 from store.records import ArrayInfo
 
@@ -64,6 +65,12 @@ class StreamSpec:
     block_rows: int
     solves: list[Solve]
     dense_tokens: int | None = None
+    method: Literal["ridge", "lda", "centroid"] = "ridge"   # the kind's solve (probes/kinds/*.py stream_solver)
+    #: Solves that differ only in their split (seeds) share one pass: statistics of the union of
+    #: their training units, plus of each Solve's units left out of it; a Solve's own statistics
+    #: are the union's minus its left-out part (:func:`own_stats`). Cheaper when the left-out
+    #: parts (about a test fraction each) are smaller than the training sets.
+    shared: bool = False
 
 
 @dataclass
@@ -138,35 +145,24 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     t0 = time.perf_counter()
     dtype = np.dtype(spec.precision)
     syrk, syr = _blas(spec.precision)
-    raw: list[dict[str, Any] | None] = [None] * len(spec.solves)
-    part = Part([None] * len(spec.solves))
+    designs = _designs(spec)
+    raw: list[dict[str, Any] | None] = [None] * len(designs)
+    part = Part([None] * len(designs))
     pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
     with threadpool_limits(1):
         for a in range(0, len(pos), spec.block_rows):
             idx = pos[a : a + spec.block_rows]
             U, nbytes = read_block(spec, info, spec.rows[idx])
             part.read_bytes += nbytes
-            d = U.shape[-1]
-            for s, solve in enumerate(spec.solves):
-                mask = solve.train[idx]
-                if not mask.any():
-                    continue
-                X = U[mask]
-                Y = solve.Y[idx][mask]
-                acc = raw[s]
-                if acc is None:  # shift by the first block's mean: the sums stay well conditioned
-                    acc = raw[s] = {"n": 0.0, "k": X.mean(0, dtype=np.float64), "sx": np.zeros(d), "sy": np.zeros(Y.shape[1]),
-                                    "xx": np.zeros((d, d), dtype, order="F"), "xy": np.zeros((d, Y.shape[1])),
-                                    "yy": np.zeros(Y.shape[1])}
-                Xk = X.astype(dtype, copy=False)
-                Xk -= acc["k"].astype(dtype)
-                syrk(1.0, Xk.T, beta=1.0, c=acc["xx"], trans=0, lower=0, overwrite_c=1)
-                acc["n"] += len(Xk)
-                acc["sx"] += Xk.sum(0, dtype=np.float64)
-                acc["sy"] += Y.sum(0)
-                acc["xy"] += Xk.T @ Y.astype(dtype)
-                acc["yy"] += (Y * Y).sum(0)
-                part.flops += float(len(Xk)) * d * (d + 1) + 2.0 * len(Xk) * d * Y.shape[1]
+            for s, (units, labels, gram) in enumerate(designs):
+                mask = units[idx]
+                if mask.any():
+                    X = U[mask]
+                    Y = labels(idx)[mask] if labels is not None else np.zeros((len(X), 0))
+                    acc = raw[s]
+                    if acc is None:  # shift by the first block's mean: the sums stay well conditioned
+                        acc = raw[s] = _empty(X, Y.shape[1], dtype if gram else None)
+                    part.flops += _update(acc, X, Y, dtype, syrk if gram else None)
         for s, acc in enumerate(raw):
             if acc is not None:
                 part.stats[s] = _centre(acc, syr)
@@ -175,11 +171,85 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     return part
 
 
+Design = tuple[np.ndarray, Callable[[np.ndarray], np.ndarray] | None, bool]
+
+
+def _designs(spec: StreamSpec) -> list[Design]:
+    """What a map accumulates: (units [n, R], rows -> Y or None, whether XᵀX). Own: each Solve's
+    training units, with its Y. Shared: XᵀX of the union of the training units and of each
+    Solve's left-out units, then each Solve's XᵀY on its training units (XᵀY costs the same
+    either way; only XᵀX, d² per row, is worth sharing)."""
+    def own(s: Solve) -> Callable[[np.ndarray], np.ndarray]:
+        return lambda idx: s.Y[idx]
+
+    gram = spec.method != "centroid"   # class means need no XᵀX
+    if not spec.shared:
+        return [(s.train, own(s), gram) for s in spec.solves]
+    union = np.logical_or.reduce([s.train for s in spec.solves])
+    return ([(union, None, True)] + [(union & ~s.train, None, True) for s in spec.solves]
+            + [(s.train, own(s), False) for s in spec.solves])
+
+
+def _empty(X: np.ndarray, c: int, gram: np.dtype[Any] | None) -> dict[str, Any]:
+    d = X.shape[1]
+    xx = np.zeros((d, d) if gram is not None else (0, 0), gram or np.float64, order="F")
+    return {"n": 0.0, "k": X.mean(0, dtype=np.float64), "sx": np.zeros(d), "sy": np.zeros(c), "xx": xx,
+            "xy": np.zeros((d, c)), "yy": np.zeros(c)}
+
+
+def _update(acc: dict[str, Any], X: np.ndarray, Y: np.ndarray, dtype: np.dtype[Any], syrk: Callable[..., Any] | None) -> float:
+    """Add rows X (labels Y) to an accumulator; the flops spent."""
+    Xk = X.astype(dtype, copy=False)
+    Xk -= acc["k"].astype(dtype)
+    if syrk is not None:
+        syrk(1.0, Xk.T, beta=1.0, c=acc["xx"], trans=0, lower=0, overwrite_c=1)
+    acc["n"] += len(Xk)
+    acc["sx"] += Xk.sum(0, dtype=np.float64)
+    acc["sy"] += Y.sum(0)
+    acc["xy"] += Xk.T @ Y.astype(dtype)
+    acc["yy"] += (Y * Y).sum(0)
+    d = Xk.shape[1]
+    return float(len(Xk)) * d * (d + 1) * (syrk is not None) + 2.0 * len(Xk) * d * Y.shape[1]
+
+
+def own_stats(spec: StreamSpec, stats: list[Stats | None]) -> Iterator[Stats | None]:
+    """Each Solve's statistics, one at a time (one copy of XᵀX in flight): as accumulated, or
+    (shared) its XᵀY with the XᵀX of the union minus its left-out units'."""
+    if not spec.shared:
+        yield from stats
+        return
+    S = len(spec.solves)
+    for s in range(S):
+        xy = stats[1 + S + s]
+        gram = None if stats[0] is None or xy is None else _downdate(stats[0], stats[1 + s])
+        if gram is None or xy is None:
+            yield None
+            continue
+        yield Stats(xy.n, xy.mx, xy.my, gram.xx, xy.xy, xy.yy)   # the same units: the same means
+
+
+def _downdate(T: Stats, E: Stats | None) -> Stats | None:
+    """T without the units of E (XᵀX and means): Chan's update run backwards, from
+    T = E + R + (n_E n_R / n_T) δδᵀ with δ the difference of their means."""
+    xx = np.array(T.xx, order="F")            # the solve overwrites its copy; T serves every Solve
+    if E is None:
+        return Stats(T.n, T.mx, T.my, xx, T.xy, T.yy)
+    n = T.n - E.n
+    if n < 1:
+        return None
+    mx = (T.n * T.mx - E.n * E.mx) / n
+    dx = E.mx - mx
+    xx -= E.xx
+    _blas(xx.dtype.name)[1](-E.n * n / T.n, dx.astype(xx.dtype), a=xx, lower=0, overwrite_a=1)
+    return Stats(n, mx, T.my, xx, T.xy, T.yy)
+
+
 def _centre(acc: dict[str, Any], syr: Callable[..., Any]) -> Stats:
     n = acc["n"]
     mean_k = acc["sx"] / n
     xx = acc["xx"]
-    syr(-n, mean_k.astype(xx.dtype), a=xx, lower=0, overwrite_a=1)   # Σ(x-k)(x-k)ᵀ - n m mᵀ
+    if xx.size:
+        syr(-n, mean_k.astype(xx.dtype), a=xx, lower=0, overwrite_a=1)   # Σ(x-k)(x-k)ᵀ - n m mᵀ
     my = acc["sy"] / n
     xy = acc["xy"] - n * np.outer(mean_k, my)
     yy = acc["yy"] - n * my * my
@@ -198,7 +268,8 @@ def merge(a: Part, b: Part) -> Part:
         dx, dy = y.mx - x.mx, y.my - x.my
         f = x.n * y.n / n
         x.xx += y.xx
-        _blas(x.xx.dtype.name)[1](f, dx.astype(x.xx.dtype), a=x.xx, lower=0, overwrite_a=1)
+        if x.xx.size:
+            _blas(x.xx.dtype.name)[1](f, dx.astype(x.xx.dtype), a=x.xx, lower=0, overwrite_a=1)
         x.xy += y.xy + f * np.outer(dx, dy)
         x.yy += y.yy + f * dy * dy
         x.mx += dx * (y.n / n)
@@ -240,14 +311,17 @@ def solve(spec: StreamSpec, part: Part) -> Solution:
 
     out = Solution([], [], [], [], part.flops, read_bytes=part.read_bytes)
     with threadpool_limits(1):
-        for st in part.stats:
+        for s, st in enumerate(own_stats(spec, part.stats)):
             if st is None or st.n < 2:
                 out.W.append(None)
                 out.b.append(None)
                 out.gcv.append(None)
                 out.n_train.append(0 if st is None else st.n)
                 continue
-            W, b, gcv, flops = solve_stats(st, spec.alphas, spec.standardize)
+            if spec.method == "ridge":
+                W, b, gcv, flops = solve_stats(st, spec.alphas, spec.standardize)
+            else:
+                W, b, gcv, flops = solve_classes(st, spec.solves[s], spec.method, spec.alphas[0])
             out.W.append(W)
             out.b.append(b)
             out.gcv.append(gcv)
@@ -296,6 +370,55 @@ def solve_stats(st: Stats, alphas: tuple[float, ...], standardize: bool) -> tupl
     flops = len(alphas) * (d**3 / 3 + 2.0 * d * d * c) + (4 / 3 * d**3 if eig is not None else 0.0)
     del work
     return W, b, gcv, flops
+
+
+def lda_weights(means: np.ndarray, counts: np.ndarray, scatter: np.ndarray,
+                shrinkage: float) -> tuple[np.ndarray, np.ndarray]:
+    """(W [d, K], b [K]) of LDA from class means [K, d], counts [K] and the within-class scatter."""
+    from scipy.linalg import LinAlgError, cho_factor, cho_solve
+
+    n, d = float(counts.sum()), scatter.shape[0]
+    cov = scatter / n
+    if shrinkage:
+        cov = (1.0 - shrinkage) * cov
+        cov.flat[:: d + 1] += shrinkage * np.trace(scatter / n) / d
+    try:
+        W = cho_solve(cho_factor(cov, lower=False, check_finite=False), means.T, check_finite=False)
+    except LinAlgError:
+        raise ProbeError(f"lda: the within-class covariance ({d} features, {int(n)} rows) is singular:"
+                         " set the kind's shrinkage above 0 (e.g. 0.1)") from None
+    return W, -0.5 * np.einsum("kd,dk->k", means, W) + np.log(counts / n)
+
+
+def centroid_weights(means: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(W [d, K], b [K]): arg-max of 2 xᵀμ_k - ‖μ_k‖² is the nearest mean."""
+    return 2.0 * means.T, -(means * means).sum(1)
+
+
+def solve_classes(st: Stats, solve_: Solve, method: str,
+                  shrinkage: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """(W [d, c, 1], b [c, 1], GCV zeros, flops) of LDA or nearest centroid per variant of a
+    Solve, from ridge's statistics: a ±1 class column's centred XᵀY is 2 n_k (μ_k - μ) and its
+    mean 2 n_k / n - 1 (probes/kinds/lda.py)."""
+    d, c = st.xy.shape
+    W, b = np.zeros((d, c, 1)), np.zeros((c, 1))
+    flops = 0.0
+    full = None
+    for var in solve_.variants:
+        cols = slice(var.start, var.stop)
+        counts = np.maximum(np.round(st.n * (st.my[cols] + 1.0) / 2.0), 1.0)
+        between = st.xy[:, cols] / 2.0                       # [d, K]: n_k (μ_k - μ)
+        means = st.mx[None, :] + (between / counts).T        # [K, d]
+        if method == "centroid":
+            w, bias = centroid_weights(means)
+        else:
+            if full is None:
+                upper = np.triu(st.xx.astype(np.float64))
+                full = upper + np.triu(upper, 1).T
+            w, bias = lda_weights(means, counts, full - (between / counts) @ between.T, shrinkage)
+            flops += d**3 / 3 + 2.0 * d * d * (var.stop - var.start)
+        W[:, cols, 0], b[cols, 0] = w, bias
+    return W, b, np.zeros((c, 1)), flops
 
 
 @dataclass

@@ -17,7 +17,7 @@ centred XᵀX), the reference the streamed result is tested against.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, field_validator
@@ -73,10 +73,17 @@ def gcv_pick(gcv: np.ndarray) -> int:
 class RidgeProbe(Probe):
     """X ``[n, T, d]`` (or Ragged for sample targets); y ``[n]`` or ``[n, T]`` codes or numbers."""
 
-    Params = RidgeParams
+    Params: ClassVar[type[ProbeParams]] = RidgeParams
     accepts = ("token", "sample")
     accepts_ragged = True
     streaming = True
+    #: which solve of probes/stream.py turns the streamed statistics into weights
+    stream_solver: ClassVar[Literal["ridge", "lda", "centroid"]] = "ridge"
+
+    @classmethod
+    def stream_alphas(cls, params: Any) -> tuple[float, ...]:
+        """The strengths the solve tries (the A axis of the streamed weights)."""
+        return tuple(params.alphas)
 
     def units(self, X: Any, y: Any) -> tuple[np.ndarray, np.ndarray]:
         """(rows [m, d] float64, labels [m]) of the labelled units of X."""
@@ -138,7 +145,7 @@ class RidgeProbe(Probe):
 
     @classmethod
     def evaluate(cls, Xs: list[Any], jobs: list[Job]) -> list[list[Outcome]]:
-        raise ProbeError("kind ridge trains from streamed statistics; the farm runs it through probes/stream.py")
+        raise ProbeError(f"kind {cls.name} trains from streamed statistics; the farm runs it through probes/stream.py")
 
 
 def closed_form(F: np.ndarray, Y: np.ndarray, alphas: list[float],

@@ -46,7 +46,8 @@ def test_plan_errors_say_what_is_wrong_and_how_to_fix_it():
         ({"probes": [{"targets": ["go.count"], "kinds": ["lineer"]}]}, "unknown probe kind 'lineer' — did you mean 'linear'"),
         ({"probes": [{"targets": ["go.cnt"], "kinds": ["pooled"]}]}, "unknown target 'go.cnt' — did you mean 'go.count'"),
         ({"probes": [{"targets": ["go.count"], "kinds": ["linear"]}]},
-         "kind linear learns token targets; go.count is a sample target. Kinds for sample targets: pooled"),
+         "kind linear learns token targets; go.count is a sample target."
+         " Kinds for sample targets: lda, nearest_centroid, pooled, ridge"),
         ({"probes": [{"targets": ["go.count"], "kinds": {"pooled": {"pool": "median"}}}]},
          "pool: Input should be 'mean', 'max', 'first' or 'last'"),
         ({"probes": [{"targets": ["go.count"], "kinds": {"pooled": {"Cc": 1}}}]}, "unknown parameter 'Cc' — did you mean 'C'"),
@@ -149,7 +150,7 @@ def test_cli_dry_run_lists_probes_and_bad_plans_exit_2(ws_path, tmp_path, capsys
     bad.write_text("probes:\n  - {targets: [go.count], kinds: [linear]}\n")
     assert main([str(bad), "--data", str(ws_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Kinds for sample targets: pooled" in err
+    assert err.startswith("error: ") and "Kinds for sample targets: lda, nearest_centroid, pooled, ridge" in err
     assert main([str(plan), "--data", str(tmp_path / "nowhere"), "--dry-run"]) == 2
     assert "no workspace at" in capsys.readouterr().err
 

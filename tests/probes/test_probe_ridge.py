@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +15,12 @@ from sklearn.linear_model import Ridge, RidgeClassifier
 
 from probes import ProbeError, parse_plan, run_plan
 from probes.farm import _Preparer, plan_tasks
-from probes.farm_stream import build_specs, check_fits, plan_in_memory
+from probes.farm_stream import build_specs, check_fits, plan_in_memory, run_local
 from probes.kinds import Probe
 from probes.kinds.ridge import RidgeProbe
 from probes.plan import group_tasks
 from probes.splits import hash_fold
+from probes.stream import accumulate
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
 QUIET = {"progress": False, "log": lambda s: None}
@@ -85,6 +87,47 @@ def test_streamed_ridge_equals_in_memory_and_sklearn_on_the_same_split(tmp_path)
         assert abs(score - ref.score(X[fold.test], y[fold.test])) < 1e-9
         assert abs(score - skl_acc) < 1e-9
         assert control is not None and p["metrics"]["streamed"]
+
+
+def _tensors(blob: bytes) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load
+
+    return load(blob)
+
+
+def test_seeds_share_one_pass_and_give_each_split_its_own_probe(tmp_path):
+    ws = build_workspace(tmp_path / "ws", n=96, families=("spatial",))
+    plan = parse_plan({"name": "seeds", "probes": [{
+        "runs": ["spatial"], "targets": ["truth:relation", "truth:flag_0"], "seeds": [0, 1, 2, 3],
+        "kinds": {"ridge": {"alphas": [0.5, 5.0]}, "lda": {"shrinkage": 0.1}}}]})
+    job = _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+    shared = build_specs(job, 7)
+    assert [g.spec.shared for g in shared] == [True, True] and [len(g.spec.solves) for g in shared] == [4, 4]
+    own = [replace(g, spec=replace(g.spec, shared=False)) for g in shared]
+    got, ref = run_local(job, shared), run_local(job, own)
+    assert len(got.records) == len(ref.records) == 16 and not got.failures
+    info = job.arrays[0]
+    maps = [accumulate(g.spec, info, 0, len(job.rows)).flops for g in (shared[0], own[0])]
+    trains = [s.train for s in shared[0].spec.solves]
+    union = np.logical_or.reduce(trains)
+    rows_own, rows_shared = sum(t.sum() for t in trains), union.sum() + sum((union & ~t).sum() for t in trains)
+    assert rows_shared <= 0.65 * rows_own                # XᵀX over the union + 4 test-sized sets, not 4 training sets
+    d = info.item_shape[-1]
+    assert maps[1] - maps[0] == (rows_own - rows_shared) * d * (d + 1)   # and the map did only those (XᵀY alike)
+    assert [r.params["key"] for r in got.records] == [r.params["key"] for r in ref.records]
+    assert np.allclose([(r.score, r.control_score) for r in got.records], [(r.score, r.control_score) for r in ref.records],
+                       rtol=0, atol=1e-9)
+    for key, blob in got.weights.items():
+        mine, theirs = _tensors(blob), _tensors(ref.weights[key])
+        assert all(np.abs(mine[k] - theirs[k]).max() < 1e-6 for k in ("coef", "intercept")), key
+    X = ws.read("spatial", "vision", 0, tokens="image").astype(np.float64)
+    y = np.array([json.loads(t[0])["flag_0"] for t in ws.rows(
+        "SELECT truth FROM v_samples WHERE run = 'spatial' ORDER BY array_row")])
+    for r in got.records:                                # and each seed's probe is its own split's fit
+        if r.layer == 0 and r.target == "truth:flag_0" and r.kind == "ridge":
+            fold = hash_fold(ws.select("spatial").stimuli, r.seed, 0.2)
+            fit = RidgeProbe(alphas=[0.5, 5.0]).fit(X[fold.train], y[fold.train])
+            assert np.abs(_tensors(got.weights[r.params["key"]])["coef"] - fit.state_["coef"]).max() < 1e-6
 
 
 def _big_run(path: Path, n: int, t: int, d: int) -> Workspace:
