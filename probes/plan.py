@@ -42,20 +42,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from probes.errors import PlanError, ProbeError, did_you_mean
 from probes.kinds import get_kind
 from probes.targets import get_target
+from store.config import StrictModel, check_mapping, read_yaml, validate
 
 #: Part of every probe key: bump when a change to the farm makes old results incomparable.
 KEY_VERSION = 1
 _NOT_FEATURE_TAPS = ("attn",)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Strict = StrictModel
 
 
 Layers = Literal["all"] | int | list[int] | str
@@ -209,25 +208,15 @@ class Group:
 
 
 def parse_plan(data: Any, source: str = "plan") -> Plan:
-    if not isinstance(data, dict):
-        raise PlanError(f"{source}: expected a YAML mapping at the top level (name, defaults, probes), got {type(data).__name__}")
-    try:
-        plan = Plan.model_validate(data)
-    except ValidationError as err:
-        raise _friendly(err, source) from None
+    check_mapping(data, source, PlanError, "name, defaults, probes")
+    plan = validate(Plan, data, f"{source} is not a valid probe plan", PlanError)
     import_plugins(plan.plugins)
     check_static(plan, source)
     return plan
 
 
 def load_plan(path: str | Path) -> Plan:
-    path = Path(path)
-    if not path.is_file():
-        raise PlanError(f"probe plan {path} does not exist: pass a YAML file, e.g. manifests/probes-demo.yaml")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise PlanError(f"{path} is not valid YAML: {err}") from None
+    data = read_yaml(path, PlanError, "probe plan", "manifests/probes-demo.yaml", "name, defaults, probes")
     return parse_plan(data, str(path))
 
 
@@ -278,44 +267,6 @@ def _kinds() -> dict[str, Any]:
     from probes.kinds import KINDS
 
     return KINDS
-
-
-def _friendly(err: ValidationError, source: str) -> PlanError:
-    lines = []
-    for e in err.errors():
-        loc = [p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
-        where = ".".join(str(p) for p in loc) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            key = str(loc[-1])
-            parent = _fields_at(loc[:-1])
-            lines.append(f"  {where}: unknown key {key!r}{did_you_mean(key, parent)}")
-        elif e["type"] == "missing":
-            lines.append(f"  {where}: required key is missing")
-        else:
-            lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})")
-    return PlanError(f"{source} is not a valid probe plan:\n" + "\n".join(dict.fromkeys(lines)))
-
-
-def _fields_at(loc: Sequence[Any]) -> list[str]:
-    model: type[BaseModel] = Plan
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        if part not in model.model_fields:
-            return []
-        ann = model.model_fields[part].annotation
-        inner = [a for a in _flat_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if not inner:
-            return []
-        model = inner[0]
-    return list(model.model_fields)
-
-
-def _flat_args(ann: Any) -> list[Any]:
-    args = getattr(ann, "__args__", None)
-    if not args:
-        return [ann]
-    return [x for a in args for x in _flat_args(a)]
 
 
 # ----------------------------------------------------------------------------- expansion
