@@ -23,16 +23,14 @@ what was found, with a "did you mean" for typos.
 
 from __future__ import annotations
 
-import difflib
 import re
-import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from store.config import StrictModel, check_mapping, read_yaml, validate
 from store.errors import StoreError
 from store.vocab import array_layout, check_tap
 
@@ -41,8 +39,7 @@ class ManifestError(ValueError):
     """The manifest is invalid; the message says where and how to fix it."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Strict = StrictModel
 
 
 Layers = Annotated[Literal["all"] | list[int] | int | str, Field(description="'all', an index, a list, or a range '0-3'")]
@@ -245,57 +242,9 @@ class Manifest(_Strict):
         return self
 
 
-def _friendly(err: ValidationError, source: str) -> ManifestError:
-    lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            key = str(e["loc"][-1])
-            parent = _fields_at(e["loc"][:-1])
-            hint = difflib.get_close_matches(key, parent, n=1)
-            suggestion = f" — did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(parent)}"
-            lines.append(f"  {where}: unknown key {key!r}" + suggestion)
-        elif e["type"] == "missing":
-            lines.append(f"  {where}: required key is missing")
-        else:
-            lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})")
-    return ManifestError(f"{source} is not a valid extraction manifest:\n" + "\n".join(lines))
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    """The pydantic models inside an annotation (through Optional, unions, lists and Annotated)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
-
-
-def _fields_at(loc: tuple[Any, ...]) -> list[str]:
-    candidates: list[type[BaseModel]] = [Manifest]
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        # A discriminated union puts the tag in the path: intervention.rope_scaling.alpha
-        tagged = [m for m in candidates
-                  if "kind" in m.model_fields and part in typing.get_args(m.model_fields["kind"].annotation)]
-        if tagged:
-            candidates = tagged
-            continue
-        owners = [m for m in candidates if part in m.model_fields]
-        if not owners:
-            return []
-        candidates = _models_in(owners[0].model_fields[part].annotation)
-        if not candidates:
-            return []
-    return list(candidates[0].model_fields) if len(candidates) == 1 else sorted({f for m in candidates for f in m.model_fields})
-
-
 def parse_manifest(data: Any, source: str = "manifest") -> Manifest:
-    if not isinstance(data, dict):
-        raise ManifestError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
-    try:
-        manifest = Manifest.model_validate(data)
-    except ValidationError as err:
-        raise _friendly(err, source) from None
+    check_mapping(data, source, ManifestError)
+    manifest = validate(Manifest, data, f"{source} is not a valid extraction manifest", ManifestError)
     check_sets(manifest, source)
     return manifest
 
@@ -336,13 +285,7 @@ def check_codec(codec: str) -> None:
 
 def load_manifest(path: str | Path) -> Manifest:
     """Read and validate a manifest file; relative paths inside it stay relative to the caller's cwd."""
-    path = Path(path)
-    if not path.is_file():
-        raise ManifestError(f"manifest {path} does not exist: pass a YAML file, e.g. manifests/demo.yaml")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ManifestError(f"{path} is not valid YAML: {err}") from None
+    data = read_yaml(path, ManifestError, "manifest", "manifests/demo.yaml")
     return parse_manifest(data, str(path))
 
 

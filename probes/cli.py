@@ -6,6 +6,10 @@ import argparse
 import os
 import sys
 from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from probes.plan import Plan
 
 EPILOG = """\
 examples:
@@ -53,32 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
         return 2
     from probes.errors import ProbeError
-    from probes.farm import done_keys, open_workspace, plan_tasks, run_plan
-    from probes.plan import group_tasks, load_plan
+    from probes.farm import open_workspace, plan_tasks, run_plan
+    from probes.plan import load_plan
     from store.errors import StoreError
 
     try:
         plan = load_plan(args.plan)
         if args.dry_run:
-            ws = open_workspace(args.data)
-            tasks = plan_tasks(plan, ws)
-            done = set() if args.force else done_keys(ws, sorted({t.run for t in tasks}))
-            todo = [t for t in tasks if t.key not in done]
-            groups = group_tasks(todo, plan.layers_per_task)
-            print(f"plan {plan.name} on {ws.path}: {len(tasks)} probes, {len(tasks) - len(todo)} done,"
-                  f" {len(todo)} to train in {len(groups)} Dask tasks")
-            shown = tasks if args.verbose else tasks[:40]
-            print(f"{'key':24}  {'status':6}  run / tap / layer / site / tokens -> target : kind (seed)")
-            for t in shown:
-                status = "done" if t.key in done else "todo"
-                print(f"{t.key}  {status:6}  {t.run} / {t.tap} / {t.layer} / {t.site} / {t.tokens} -> {t.record_target}"
-                      f" : {t.kind} ({t.seed})")
-            if len(shown) < len(tasks):
-                print(f"... {len(tasks) - len(shown)} more (-v lists all)")
-            _memory_plan(ws, plan, groups, args)
-            per = Counter((t.kind, t.target) for t in todo)
-            for (kind, target), n in sorted(per.items()):
-                print(f"  to train: {n:6d}  {kind} -> {target}")
+            _dry_run(plan, args)
             return 0
         if args.scheduler and not args.in_process:
             check_scheduler(args.scheduler, args.connect_timeout)
@@ -158,6 +144,34 @@ def _why(err: BaseException, timeout: float) -> str:
     if isinstance(err, (MemoryError, OverflowError, ValueError, TypeError)) and "scheme" not in str(err):
         return "the service on that port does not speak Dask's protocol"  # it read garbage as a message length
     return f"{type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''}".rstrip(": ")
+
+
+def _dry_run(plan: Plan, args: argparse.Namespace) -> None:
+    """What the run would do, by the run's own rule (probes.farm.triage): done, skipped, to train."""
+    from probes.farm import open_workspace, triage
+    from probes.plan import group_tasks
+
+    ws = open_workspace(args.data)
+    tri = triage(plan, ws, args.force)
+    groups = group_tasks(tri.todo, plan.layers_per_task)
+    print(f"plan {plan.name} on {ws.path}: {len(tri.tasks)} probes, {len(tri.done)} done,"
+          f" {len(tri.todo)} to train in {len(groups)} Dask tasks"
+          + (f", {len(tri.empty)} skipped (no samples)" if tri.empty else ""))
+    if tri.runs_note:
+        print(tri.runs_note)
+    if tri.empty:
+        print(f"skipped: {len(tri.empty)} probes, {tri.empty_reason()}")
+    shown = tri.tasks if args.verbose else tri.tasks[:40]
+    print(f"{'key':24}  {'status':7}  run / tap / layer / site / tokens -> target : kind (seed)")
+    for t in shown:
+        print(f"{t.key}  {tri.status(t):7}  {t.run} / {t.tap} / {t.layer} / {t.site} / {t.tokens} -> {t.record_target}"
+              f" : {t.kind} ({t.seed})")
+    if len(shown) < len(tri.tasks):
+        print(f"... {len(tri.tasks) - len(shown)} more (-v lists all)")
+    _memory_plan(ws, plan, groups, args)
+    per = Counter((t.kind, t.target) for t in tri.todo)
+    for (kind, target), n in sorted(per.items()):
+        print(f"  to train: {n:6d}  {kind} -> {target}")
 
 
 def _memory_plan(ws, plan, groups, args) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable
+from store.config import did_you_mean
+
+__all__ = ["PlanError", "ProbeError", "did_you_mean"]
 
 
 class ProbeError(ValueError):
@@ -12,10 +13,3 @@ class ProbeError(ValueError):
 
 class PlanError(ProbeError):
     """The probe plan is invalid (before any training starts)."""
-
-
-def did_you_mean(word: str, known: Iterable[str]) -> str:
-    known = sorted(known)
-    lower = {k.lower(): k for k in known}
-    close = difflib.get_close_matches(word.lower(), list(lower), n=1)  # 'c' should find 'C'
-    return f" — did you mean {lower[close[0]]!r}?" if close else f"; known: {', '.join(known) or 'none'}"

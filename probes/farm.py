@@ -223,6 +223,65 @@ class _Preparer:
         return counts[0]
 
 
+@dataclass
+class Triage:
+    """What a plan would do now, decided once for the run and its dry run alike: every probe, and
+    which are skipped (recorded already, or their where: selects no samples of their run)."""
+
+    tasks: list[ProbeTask]
+    done: list[ProbeTask]
+    empty: list[ProbeTask]
+    todo: list[ProbeTask]
+    no_samples: list[tuple[str, str | None]]   # (run, where) pairs that select no sample
+    runs_note: str | None = None                # what `runs: all` expanded to, and which runs are new
+
+    def empty_reason(self) -> str:
+        return "their where selects no samples in: " + "; ".join(f"{r} ({w})" for r, w in self.no_samples)
+
+    def status(self, task: ProbeTask) -> str:
+        if not hasattr(self, "_status"):
+            self._status = {**{t.key: "skipped" for t in self.empty}, **{t.key: "done" for t in self.done}}
+        return self._status.get(task.key, "todo")
+
+
+def triage(plan: Plan, ws: Workspace, force: bool = False, prep: _Preparer | None = None) -> Triage:
+    """Expand ``plan`` and sort its probes into done, empty (no samples) and to-do."""
+    tasks = plan_tasks(plan, ws)
+    recorded = set() if force else done_keys(ws, sorted({t.run for t in tasks}))
+    rest = [t for t in tasks if t.key not in recorded]
+    prep = prep or _Preparer(ws, plan)
+    pairs = sorted({(t.run, t.where) for t in rest}, key=lambda p: (p[0], p[1] or ""))
+    no_samples = [p for p in pairs if len(prep.samples(*p)[0]) == 0]  # e.g. runs: all with a where for some runs
+    empty = [t for t in rest if (t.run, t.where) in no_samples]
+    todo = [t for t in rest if (t.run, t.where) not in no_samples]
+    return Triage(tasks, [t for t in tasks if t.key in recorded], empty, todo, no_samples, runs_all_note(plan, ws))
+
+
+def runs_all_note(plan: Plan, ws: Workspace) -> str | None:
+    """``runs: all → 3 runs (1 new since the last training of this plan: x)``: a plan that names no
+    runs grows with the workspace, so a re-run after a new extraction trains more; say which."""
+    if not any(entry.runs == "all" for entry in plan.probes):
+        return None
+    runs = sorted({a.run for a in ws.arrays()})
+    last = ws.rows("SELECT max(created_at) FROM probes WHERE params->>'plan' = ?", [plan.name])[0][0]
+    head = f"runs: all → {len(runs)} run{'s' if len(runs) != 1 else ''} ({', '.join(runs)})"
+    if last is None:
+        return head + "; this plan has not been trained in this workspace yet"
+    trained = {r[0] for r in ws.rows("SELECT DISTINCT run FROM probes WHERE params->>'plan' = ?", [plan.name])}
+    created = dict(ws.rows("SELECT run, created_at FROM runs"))
+    new = [r for r in runs if r not in trained and created.get(r) is not None and created[r] > last]
+    if not new:
+        return head + "; none new since the last training of this plan"
+    return head + f"; {len(new)} new since the last training of this plan: {', '.join(new)}"
+
+
+def _recover_weights(ws: Workspace, plan: Plan, log: Callable[[str], None]) -> None:
+    published, deleted = artifacts.recover(ws.path, {r[0] for r in ws.rows("SELECT params->>'key' FROM probes")})
+    if published or deleted:
+        log(f"plan {plan.name}: a farm client died before: {published} weight file(s) of recorded probes put in place,"
+            f" {deleted} of unrecorded probes deleted")
+
+
 # ----------------------------------------------------------------------------- running
 
 
@@ -291,45 +350,66 @@ def run_plan(
     log = log or (lambda s: print(s, file=sys.stderr))
     ws = open_workspace(data)
     report = FarmReport(plan=plan.name, workspace=str(ws.path))
-    tasks = plan_tasks(plan, ws)
-    report.tasks = len(tasks)
-    published, deleted = artifacts.recover(ws.path, {r[0] for r in ws.rows("SELECT params->>'key' FROM probes")})
-    if published or deleted:
-        log(f"plan {plan.name}: a farm client died before: {published} weight file(s) of recorded probes put in place,"
-            f" {deleted} of unrecorded probes deleted")
-    done = set() if force else done_keys(ws, sorted({t.run for t in tasks}))
-    todo = [t for t in tasks if t.key not in done]
-    report.skipped = len(tasks) - len(todo)
-    groups = group_tasks(todo, plan.layers_per_task)
-    report.groups = len(groups)
-    if not todo:
-        log(f"plan {plan.name}: all {len(tasks)} probes are already in {ws.manifest_path.name}; nothing to train")
-        return report
-    prep = _Preparer(ws, plan)
-    jobs = []
-    for g in groups:  # every manifest read happens here, before any training
-        if len(prep.samples(g.run, g.where)[0]) == 0:
-            report.empty += len(g.tasks)  # e.g. runs: all with a where that fits only some runs
-            continue
-        jobs.append(prep.job(g))
-    if report.empty:
-        empty = sorted({(g.run, g.where) for g in groups if len(prep.samples(g.run, g.where)[0]) == 0})
-        log(f"plan {plan.name}: {report.empty} probes skipped, their where selects no samples in: "
-            + "; ".join(f"{r} ({w})" for r, w in empty))
-        if not jobs and not report.skipped:
-            raise ProbeError(f"plan {plan.name}: no probe has samples to train on; check the where: filters")
+    _recover_weights(ws, plan, log)
+    jobs = _jobs_to_train(plan, ws, force, report, log)
     if not jobs:
-        log(f"plan {plan.name}: nothing left to train ({report.skipped} done)")
         return report
     limit = parse_bytes(memory_limit if memory_limit is not None else plan.memory_limit)
     report.memory_limit = limit
     work = plan_work(jobs, block_rows or plan.block_rows, limit)  # refuses a plan that cannot fit, before training
     n_todo = sum(len(j.tasks) for j in jobs)
     log(f"plan {plan.name}: {n_todo} probes to train in {len(jobs)} groups ({report.skipped} already done)")
-    recorder = _Recorder(ws, flush_every, flush_size, on_record)
-    bar = _progress(n_todo, progress)
+    sink = _Collector(ws, report, _Recorder(ws, flush_every, flush_size, on_record), _progress(n_todo, progress))
+    try:
+        if in_process:
+            _run_here(work, report, sink)
+        else:
+            _run_dask(work, report, sink.take, sink.lost, scheduler or os.environ.get(ENV_SCHEDULER) or None, workers,
+                      window, log, plan.plugins, limit)
+    finally:
+        sink.bar.close()
+        sink.recorder.flush()
+    log(f"plan {plan.name}: trained {report.trained} probes in {report.seconds:.1f} s ({report.probes_per_s:.1f} probes/s)"
+        f" on {report.workers} worker(s); {report.failed} failed; {report.skipped} skipped as done")
+    for key, msg in report.failures[:5]:
+        log(f"  failed {key}: {msg.splitlines()[0]}")
+    return report
 
-    def take(res: GroupResult) -> None:
+
+def _jobs_to_train(plan: Plan, ws: Workspace, force: bool, report: FarmReport,
+                   log: Callable[[str], None]) -> list[GroupJob]:
+    """The triage, said in the log and counted in ``report``; the group jobs left to train (every
+    manifest read happens here, before any training)."""
+    prep = _Preparer(ws, plan)
+    tri = triage(plan, ws, force, prep)
+    report.tasks, report.skipped, report.empty = len(tri.tasks), len(tri.done), len(tri.empty)
+    report.groups = len(group_tasks(tri.todo + tri.empty, plan.layers_per_task))
+    if tri.runs_note:
+        log(f"plan {plan.name}: {tri.runs_note}")
+    if not tri.todo and not tri.empty:
+        log(f"plan {plan.name}: all {len(tri.tasks)} probes are already in {ws.manifest_path.name}; nothing to train")
+        return []
+    if tri.empty:
+        log(f"plan {plan.name}: {report.empty} probes skipped, {tri.empty_reason()}")
+        if not tri.todo and not report.skipped:
+            raise ProbeError(f"plan {plan.name}: no probe has samples to train on; check the where: filters")
+    if not tri.todo:
+        log(f"plan {plan.name}: nothing left to train ({report.skipped} done)")
+        return []
+    return [prep.job(g) for g in group_tasks(tri.todo, plan.layers_per_task)]
+
+
+@dataclass
+class _Collector:
+    """Takes each group's results (or its loss) into the report, the recorder and the progress bar."""
+
+    ws: Workspace
+    report: FarmReport
+    recorder: _Recorder
+    bar: Any
+
+    def take(self, res: GroupResult) -> None:
+        report = self.report
         report.rss_peak = max(report.rss_peak, res.rss_peak)
         report.read_bytes += res.read_bytes
         for w, peak in res.worker_peaks.items():
@@ -337,41 +417,32 @@ def run_plan(
         # The weights first, each whole, under a pending name; the recorder renames each into
         # place once its row is committed. A client killed in between leaves only pending files,
         # which the next run publishes (row committed) or deletes (no row): artifacts.recover.
-        pending = {key: artifacts.write(artifacts.pending_path(ws.path, key), blob) for key, blob in res.weights.items()}
-        recorder.add(res.records, pending)
+        pending = {key: artifacts.write(artifacts.pending_path(self.ws.path, key), blob)
+                   for key, blob in res.weights.items()}
+        self.recorder.add(res.records, pending)
         report.trained += len(res.records)
         report.flops += res.flops
         report.failed += len(res.failures)
         report.failures += res.failures
-        bar.update(len(res.records) + len(res.failures))
+        self.bar.update(len(res.records) + len(res.failures))
 
-    def lost(job: GroupJob, err: BaseException) -> None:
+    def lost(self, job: GroupJob, err: BaseException) -> None:
         msg = f"{type(err).__name__}: {err}"
-        report.failed += len(job.tasks)
-        report.failures += [(t.key, msg) for t in job.tasks]
-        bar.update(len(job.tasks))
+        self.report.failed += len(job.tasks)
+        self.report.failures += [(t.key, msg) for t in job.tasks]
+        self.bar.update(len(job.tasks))
 
-    try:
-        if in_process:
-            report.workers = 1
-            t0 = time.perf_counter()
-            for job, specs, _ in work:
-                try:
-                    take(run_group(job) if specs is None else farm_stream.run_local(job, specs))
-                except Exception as err:
-                    lost(job, err)
-            report.seconds = time.perf_counter() - t0
-        else:
-            _run_dask(work, report, take, lost, scheduler or os.environ.get(ENV_SCHEDULER) or None, workers, window, log,
-                      plan.plugins, limit)
-    finally:
-        bar.close()
-        recorder.flush()
-    log(f"plan {plan.name}: trained {report.trained} probes in {report.seconds:.1f} s ({report.probes_per_s:.1f} probes/s)"
-        f" on {report.workers} worker(s); {report.failed} failed; {report.skipped} skipped as done")
-    for key, msg in report.failures[:5]:
-        log(f"  failed {key}: {msg.splitlines()[0]}")
-    return report
+
+def _run_here(work: Work, report: FarmReport, sink: _Collector) -> None:
+    """Every group in this process, one after another (tests, debugging)."""
+    report.workers = 1
+    t0 = time.perf_counter()
+    for job, specs, _ in work:
+        try:
+            sink.take(run_group(job) if specs is None else farm_stream.run_local(job, specs))
+        except Exception as err:
+            sink.lost(job, err)
+    report.seconds = time.perf_counter() - t0
 
 
 def _progress(total: int, enabled: bool) -> Any:

@@ -34,28 +34,28 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import itertools
 import json
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from probes.errors import PlanError, ProbeError, did_you_mean
 from probes.kinds import get_kind
 from probes.targets import get_target
+from store.config import StrictModel, check_mapping, read_yaml, validate
 
 #: Part of every probe key: bump when a change to the farm makes old results incomparable.
 KEY_VERSION = 1
 _NOT_FEATURE_TAPS = ("attn",)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Strict = StrictModel
 
 
 Layers = Literal["all"] | int | list[int] | str
@@ -209,25 +209,15 @@ class Group:
 
 
 def parse_plan(data: Any, source: str = "plan") -> Plan:
-    if not isinstance(data, dict):
-        raise PlanError(f"{source}: expected a YAML mapping at the top level (name, defaults, probes), got {type(data).__name__}")
-    try:
-        plan = Plan.model_validate(data)
-    except ValidationError as err:
-        raise _friendly(err, source) from None
+    check_mapping(data, source, PlanError, "name, defaults, probes")
+    plan = validate(Plan, data, f"{source} is not a valid probe plan", PlanError)
     import_plugins(plan.plugins)
     check_static(plan, source)
     return plan
 
 
 def load_plan(path: str | Path) -> Plan:
-    path = Path(path)
-    if not path.is_file():
-        raise PlanError(f"probe plan {path} does not exist: pass a YAML file, e.g. manifests/probes-demo.yaml")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise PlanError(f"{path} is not valid YAML: {err}") from None
+    data = read_yaml(path, PlanError, "probe plan", "manifests/probes-demo.yaml", "name, defaults, probes")
     return parse_plan(data, str(path))
 
 
@@ -280,44 +270,6 @@ def _kinds() -> dict[str, Any]:
     return KINDS
 
 
-def _friendly(err: ValidationError, source: str) -> PlanError:
-    lines = []
-    for e in err.errors():
-        loc = [p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
-        where = ".".join(str(p) for p in loc) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            key = str(loc[-1])
-            parent = _fields_at(loc[:-1])
-            lines.append(f"  {where}: unknown key {key!r}{did_you_mean(key, parent)}")
-        elif e["type"] == "missing":
-            lines.append(f"  {where}: required key is missing")
-        else:
-            lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})")
-    return PlanError(f"{source} is not a valid probe plan:\n" + "\n".join(dict.fromkeys(lines)))
-
-
-def _fields_at(loc: Sequence[Any]) -> list[str]:
-    model: type[BaseModel] = Plan
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        if part not in model.model_fields:
-            return []
-        ann = model.model_fields[part].annotation
-        inner = [a for a in _flat_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if not inner:
-            return []
-        model = inner[0]
-    return list(model.model_fields)
-
-
-def _flat_args(ann: Any) -> list[Any]:
-    args = getattr(ann, "__args__", None)
-    if not args:
-        return [ann]
-    return [x for a in args for x in _flat_args(a)]
-
-
 # ----------------------------------------------------------------------------- expansion
 
 
@@ -354,76 +306,118 @@ def resolve_layers(spec: Layers, available: list[int], what: str) -> list[int]:
     return sorted(set(out))
 
 
+@dataclass(frozen=True)
+class Features:
+    """One stored feature array an entry selects: (run, tap, layer, site, tokens)."""
+
+    run: str
+    tap: str
+    layer: int
+    site: str
+    tokens: str
+
+
 def expand(plan: Plan, arrays: Sequence[ArrayRow]) -> list[ProbeTask]:
-    """Every probe the plan asks for, in plan order, against the arrays a workspace holds."""
+    """Every probe the plan asks for, in plan order, against the arrays a workspace holds.
+
+    Per entry, three passes: validation (runs, taps, layers and token arrays that exist, kinds
+    that can read them) resolves the feature arrays; the probes are their product with targets,
+    kinds and seeds; de-duplication keeps the first of probes that share a probes-table key.
+    """
     by_run: dict[str, list[ArrayRow]] = defaultdict(list)
     for a in arrays:
         by_run[a.run].append(a)
     tasks: list[ProbeTask] = []
     seen: dict[tuple[Any, ...], ProbeTask] = {}
-    d = plan.defaults
     for i, entry in enumerate(plan.probes):
         where = f"probes.{i}"
-        runs = sorted(by_run) if entry.runs == "all" else entry.runs
-        for run in runs:
-            if run not in by_run:
-                raise PlanError(f"{where}.runs: run {run!r} has no arrays in this workspace{did_you_mean(run, by_run)}")
-        sites = d.sites if entry.sites is None else entry.sites
-        tokens_list = entry.tokens or d.tokens
-        params = {k: kind_params(entry, k) for k in entry.kinds}
-        before = len(tasks)
-        missing: list[str] = []
-        for run in runs:
-            have = by_run[run]
-            taps = sorted({a.tap for a in have if a.tap not in _NOT_FEATURE_TAPS}) if entry.taps == "all" else entry.taps
-            for tap in taps:
-                site_list = sorted({a.site for a in have if a.tap == tap}) if sites == "all" else sites
-                for site in site_list:
-                    for tok in tokens_list:
-                        rows = [a for a in have if (a.tap, a.site, a.tokens) == (tap, site, tok)]
-                        if not rows:
-                            missing.append(f"{run}:{tap}/{site}/{tok}")
-                            continue
-                        what = f"{run} {tap}/{site}/{tok}"
-                        layers = resolve_layers(entry.layers, sorted(a.layer for a in rows), what)
-                        layout = rows[0].layout
-                        for kind in entry.kinds:
-                            cls = get_kind(kind)
-                            # Image tokens vary with image size: a selection of one size reads
-                            # as a dense [n, T, d] array (checked per group by the farm).
-                            if layout == "ragged" and not cls.accepts_ragged and tok != "image":
-                                raise PlanError(
-                                    f"{where}: {what} is ragged (a variable number of tokens per sample); kind {kind}"
-                                    " needs fixed token arrays. Use kind pooled for ragged tokens"
-                                )
-                        for layer in layers:
-                            for target in entry.targets:
-                                for kind in entry.kinds:
-                                    for seed in entry.seeds if entry.seeds is not None else d.seeds:
-                                        task = _make_task(
-                                            run=run, tap=tap, layer=layer, site=site, tokens=tok, target=target, kind=kind,
-                                            seed=seed, params=params[kind], where=entry.where, train_where=entry.train_where,
-                                            split=entry.split or d.split,
-                                            test_fraction=entry.test_fraction or d.test_fraction,
-                                            control=entry.control or d.control, tag=entry.tag,
-                                        )
-                                        pk = (run, tap, layer, site, tok, task.record_target, kind, seed)
-                                        other = seen.get(pk)
-                                        if other is not None and other.key != task.key:
-                                            raise PlanError(
-                                                f"{where}: two probes share the probes-table key {pk} but differ in"
-                                                " where/params/split; give one entry a tag: (recorded as target#tag)"
-                                            )
-                                        if other is None:
-                                            seen[pk] = task
-                                            tasks.append(task)
-        if len(tasks) == before:
+        features = select_features(entry, plan.defaults, by_run, where)
+        added = dedupe(entry_tasks(entry, plan.defaults, features), seen, where)
+        if not added:
             listing = sorted({f"{a.run}:{a.tap}/{a.site}/{a.tokens}" for a in arrays})
             raise PlanError(
-                f"{where} selects no stored array ({', '.join(missing[:6]) or 'nothing matched'}); the workspace has: "
+                f"{where} adds no probe: every probe it selects is already asked for by an earlier entry, or its seeds"
+                " list is empty; remove the entry, or give it a tag: to train it again. The workspace has: "
                 + ", ".join(listing[:12]) + (" ..." if len(listing) > 12 else "")
             )
+        tasks.extend(added)
     return tasks
+
+
+def select_features(entry: Entry, defaults: Defaults, by_run: dict[str, list[ArrayRow]],
+                    where: str) -> list[Features]:
+    """The validation pass: the feature arrays an entry selects, in plan order, or a PlanError."""
+    runs = sorted(by_run) if entry.runs == "all" else entry.runs
+    for run in runs:
+        if run not in by_run:
+            raise PlanError(f"{where}.runs: run {run!r} has no arrays in this workspace{did_you_mean(run, by_run)}")
+    sites = defaults.sites if entry.sites is None else entry.sites
+    features: list[Features] = []
+    missing: list[str] = []
+    for run in runs:
+        have = by_run[run]
+        taps = sorted({a.tap for a in have if a.tap not in _NOT_FEATURE_TAPS}) if entry.taps == "all" else entry.taps
+        for tap in taps:
+            site_list = sorted({a.site for a in have if a.tap == tap}) if sites == "all" else sites
+            for site, tok in itertools.product(site_list, entry.tokens or defaults.tokens):
+                rows = [a for a in have if (a.tap, a.site, a.tokens) == (tap, site, tok)]
+                if not rows:
+                    missing.append(f"{run}:{tap}/{site}/{tok}")
+                    continue
+                what = f"{run} {tap}/{site}/{tok}"
+                layers = resolve_layers(entry.layers, sorted(a.layer for a in rows), what)
+                _check_layout(entry, rows[0].layout, tok, what, where)
+                features.extend(Features(run, tap, layer, site, tok) for layer in layers)
+    if not features:
+        listing = sorted({f"{a.run}:{a.tap}/{a.site}/{a.tokens}" for rows in by_run.values() for a in rows})
+        raise PlanError(
+            f"{where} selects no stored array ({', '.join(missing[:6]) or 'nothing matched'}); the workspace has: "
+            + ", ".join(listing[:12]) + (" ..." if len(listing) > 12 else "")
+        )
+    return features
+
+
+def _check_layout(entry: Entry, layout: str, tokens: str, what: str, where: str) -> None:
+    for kind in entry.kinds:
+        # Image tokens vary with image size: a selection of one size reads as a dense [n, T, d]
+        # array (checked per group by the farm).
+        if layout == "ragged" and not get_kind(kind).accepts_ragged and tokens != "image":
+            raise PlanError(
+                f"{where}: {what} is ragged (a variable number of tokens per sample); kind {kind}"
+                " needs fixed token arrays. Use kind pooled for ragged tokens"
+            )
+
+
+def entry_tasks(entry: Entry, defaults: Defaults, features: Sequence[Features]) -> Iterator[ProbeTask]:
+    """The product pass: every (feature array, target, kind, seed) of an entry, in that nesting order."""
+    params = {k: kind_params(entry, k) for k in entry.kinds}
+    seeds = entry.seeds if entry.seeds is not None else defaults.seeds
+    for f, target, kind, seed in itertools.product(features, entry.targets, entry.kinds, seeds):
+        yield _make_task(
+            run=f.run, tap=f.tap, layer=f.layer, site=f.site, tokens=f.tokens, target=target, kind=kind, seed=seed,
+            params=params[kind], where=entry.where, train_where=entry.train_where, split=entry.split or defaults.split,
+            test_fraction=entry.test_fraction or defaults.test_fraction, control=entry.control or defaults.control,
+            tag=entry.tag,
+        )
+
+
+def dedupe(candidates: Iterable[ProbeTask], seen: dict[tuple[Any, ...], ProbeTask], where: str) -> list[ProbeTask]:
+    """The de-duplication pass: candidates whose probes-table key is not in ``seen`` yet (first one
+    wins, order kept; ``seen`` grows). Two probes with one table key but different identities
+    (where/params/split) cannot both be stored: a PlanError."""
+    added = []
+    for task in candidates:
+        pk = (task.run, task.tap, task.layer, task.site, task.tokens, task.record_target, task.kind, task.seed)
+        other = seen.get(pk)
+        if other is None:
+            seen[pk] = task
+            added.append(task)
+        elif other.key != task.key:
+            raise PlanError(
+                f"{where}: two probes share the probes-table key {pk} but differ in"
+                " where/params/split; give one entry a tag: (recorded as target#tag)"
+            )
+    return added
 
 
 def group_tasks(tasks: Sequence[ProbeTask], layers_per_task: int = 1) -> list[Group]:

@@ -202,7 +202,12 @@ class Family:
     task_inputs: Callable[[Mapping[str, Any], str], TaskInputs] = _image_only
 
     def make_config(self, **overrides: Any) -> Any:
-        return self.config(**overrides)
+        """The family's ``Config`` with these options, checked the way every agnosia config is:
+        an unknown option names the closest known one, a wrong type says what was expected."""
+        from store.config import validate  # the error plumbing only: reading a set needs no store
+
+        return validate(self.config, overrides, f"stimulus family {self.name} options", StimulusError,
+                        key_word="option", inline=True)
 
     def read_truth(self, truth: Mapping[str, Any], stimulus: str = "") -> Truth:
         """``truth`` through this family's schema: a typed object, or a :class:`TruthError`."""

@@ -48,7 +48,26 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type) -> Non
 def config_from_args(family: Family, args: argparse.Namespace) -> Any:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(family.config)}
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return family.config(**values)
+    return family.make_config(**values)
+
+
+def _unknown_options(parser: argparse.ArgumentParser, family: str | None, extra: list[str]) -> str:
+    """One line for options argparse did not recognise, each with the closest option of ``family``."""
+    from store.config import did_you_mean  # only on this error path: generating needs no store
+
+    sub = _subparser(parser, family)
+    known = [o for a in (sub or parser)._actions for o in a.option_strings if o.startswith("--")]
+    words = [w for w in extra if w.startswith("-")] or extra
+    hints = [f"{w.split('=')[0]!r}{did_you_mean(w.split('=')[0], known, 'known options')}" for w in words]
+    where = f"python -m stimuli {family}" if family else "python -m stimuli"
+    return f"{where}: unknown option " + "; unknown option ".join(hints)
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return None
 
 
 def _add_run_options(parser: argparse.ArgumentParser, *, out_help: str, default_n: int | None) -> None:
@@ -81,7 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        print(f"error: {_unknown_options(parser, args.family, extra)}", file=sys.stderr)
+        return 2
     try:
         if args.family == "all":
             jobs = [(get_family(name), get_family(name).config(), args.out / name) for name in family_names()]

@@ -4,7 +4,7 @@ the papers' schedule, feature standardisation, and module <-> safetensors state.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,21 +57,13 @@ def train(
 
     With ``valid`` and ``eval_every`` the best-scoring weights (higher is better) are kept and
     training stops after ``patience`` evaluations without improvement (the G2M recipe)."""
-    gen = torch.Generator().manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(iters, warmup, floor))
     info = TrainInfo()
-    best_state: dict[str, torch.Tensor] | None = None
-    bad = 0
-    order = torch.randperm(n, generator=gen)
-    pos = 0
+    keeper = _BestWeights(model, patience)
     model.train()
-    for step in range(iters):
-        if pos + min(batch_size, n) > n:
-            order, pos = torch.randperm(n, generator=gen), 0
-        idx = order[pos : pos + batch_size]
-        pos += batch_size
+    for step, idx in enumerate(_batches(n, batch_size, iters, seed)):
         loss = loss_of(idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -81,23 +73,51 @@ def train(
         sched.step()
         info.iters = step + 1
         info.final_loss = float(loss.detach())
-        if valid is not None and eval_every and (step + 1) % eval_every == 0:
-            model.eval()
-            with torch.no_grad():
-                score = valid()
-            model.train()
-            if info.best_valid is None or score > info.best_valid:
-                info.best_valid, info.best_iter, bad = score, step + 1, 0
-                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            else:
-                bad += 1
-                if bad >= patience:
-                    info.stopped_early = True
-                    break
-    if best_state is not None:
-        model.load_state_dict(best_state)
+        if valid is not None and eval_every and (step + 1) % eval_every == 0 and keeper.stop(step + 1, valid, info):
+            break
+    keeper.restore()
     model.eval()
     return info
+
+
+def _batches(n: int, batch_size: int, iters: int, seed: int) -> Iterator[torch.Tensor]:
+    """``iters`` mini-batches of sample indices: epochs of a seeded permutation, reshuffled when
+    the next full batch would run past the end."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n, generator=gen)
+    pos = 0
+    for _ in range(iters):
+        if pos + min(batch_size, n) > n:
+            order, pos = torch.randperm(n, generator=gen), 0
+        yield order[pos : pos + batch_size]
+        pos += batch_size
+
+
+class _BestWeights:
+    """Early stopping: keeps the best-scoring weights (higher is better) and says when ``patience``
+    evaluations in a row have not improved."""
+
+    def __init__(self, model: torch.nn.Module, patience: int) -> None:
+        self.model, self.patience = model, patience
+        self.state: dict[str, torch.Tensor] | None = None
+        self.bad = 0
+
+    def stop(self, step: int, valid: Callable[[], float], info: TrainInfo) -> bool:
+        self.model.eval()
+        with torch.no_grad():
+            score = valid()
+        self.model.train()
+        if info.best_valid is None or score > info.best_valid:
+            info.best_valid, info.best_iter, self.bad = score, step, 0
+            self.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            return False
+        self.bad += 1
+        info.stopped_early = self.bad >= self.patience
+        return info.stopped_early
+
+    def restore(self) -> None:
+        if self.state is not None:
+            self.model.load_state_dict(self.state)
 
 
 def stats(X: np.ndarray, standardize: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -20,18 +20,16 @@ from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 from probes import artifacts
 from probes.errors import ProbeError, did_you_mean
 from probes.splits import Fold, control_permutation
 from probes.targets import Shape, TargetValues
+from store.config import StrictModel, validate
 
 
-class ProbeParams(BaseModel):
+class ProbeParams(StrictModel):
     """Hyper-parameters of a kind; subclasses add fields with defaults."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 @dataclass(frozen=True)
@@ -134,17 +132,8 @@ class Probe:
 
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> Any:
-        try:
-            return cls.Params(**params)
-        except ValidationError as err:
-            lines = []
-            for e in err.errors():
-                where = ".".join(str(p) for p in e["loc"]) or "(params)"
-                if e["type"] == "extra_forbidden":
-                    lines.append(f"unknown parameter {where!r}{did_you_mean(str(e['loc'][-1]), cls.Params.model_fields)}")
-                else:
-                    lines.append(f"{where}: {e['msg']} (got {e.get('input')!r})")
-            raise ProbeError(f"kind {cls.name or cls.__name__} parameters: " + "; ".join(lines)) from None
+        return validate(cls.Params, params, f"kind {cls.name or cls.__name__} parameters", ProbeError,
+                        key_word="parameter", inline=True)
 
     def __repr__(self) -> str:
         given = {k: v for k, v in self.params.model_dump().items() if v != self.Params.model_fields[k].default}

@@ -79,11 +79,13 @@ FAMILY = Family(name="dots", description="white dots to count", config=Config, g
 def add_family(tmp_path, monkeypatch):
     """Write a family module into a fresh import folder and register it; undone after the test."""
     monkeypatch.setattr(stimuli, "FAMILIES", dict(stimuli.FAMILIES))
-    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    folder = tmp_path / "mods"
+    # The folder exists before it joins sys.path: an import in between would otherwise cache
+    # "no finder" for the missing folder, and the family module written later would not be found.
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
 
     def add(source: str, module: str = "dots_family") -> None:
-        folder = tmp_path / "mods"
-        folder.mkdir(exist_ok=True)
         (folder / f"{module}.py").write_text(textwrap.dedent(source))
         monkeypatch.delitem(sys.modules, module, raising=False)
         register_family("dots", module)  # the one registration line
