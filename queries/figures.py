@@ -119,13 +119,16 @@ def depth_lines(ax: Any, rows: list[dict[str, Any]], series: str, y: str, contro
     to the panel (a shuffled control far below chance would squash every other line), labelled."""
     rows = [r for r in rows if r.get("depth") is not None and r.get(y) is not None]
     low, high = ylim if ylim else (min(0.0, min((r[y] for r in rows), default=0.0)), None)
+    controls = False
     for key in sorted({str(r[series]) for r in rows}):
         pts = sorted((r["depth"], r[y], r.get(control) if control else None) for r in rows if str(r[series]) == key)
         line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=key)
         ctl = [(p[0], max(p[2], low)) for p in pts if p[2] is not None]
         if ctl:
-            ax.plot([c[0] for c in ctl], [c[1] for c in ctl], ls=":", color=line.get_color(),
-                    label=f"{key} shuffled-label control")
+            controls = True
+            ax.plot([c[0] for c in ctl], [c[1] for c in ctl], ls=":", color=line.get_color())
+    if controls:  # one legend entry for every dotted line: the legend stays readable
+        ax.plot([], [], ls=":", color="grey", label="shuffled-label control (same colour)")
     ax.set_ylim(low, high)
     ax.set_ylabel(ylabel or y)
     stage_bands(ax, rows)

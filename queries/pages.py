@@ -7,6 +7,7 @@ error. Figures come from the store only (named queries, the gap primitive, store
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def where_lost_sections(ws: Workspace, out: Path) -> list[Section]:
         name = f"lost_{run}_{target}".replace(":", "_").replace(".", "_")
         curve = table.select(["depth", "stage", "tap", "layer", "site", "group", "n", "probe_mae", "probe_r2",
                               "mean_prediction", "model_accuracy", "model_mae", "gap_mae", "selectivity"])
-        fig = figure(out, name, lambda ax, t=table: _gap_lines(ax, t), csv=f"{name}_curve.csv", caption=(
+        fig = figure(out, name, partial(_gap_lines, table=table), csv=f"{name}_curve.csv", caption=(
             f"Mean absolute error of the count read-out ({target}, ridge on the mean image token) on test stimuli"
             " per depth along the data path, one line per regime (ID seen in vision training, VE/FE past it); the"
             " dashed line of each regime's colour is the model's own answer error where it is on the panel."
@@ -222,8 +223,8 @@ def probes_section(ws: Workspace, out: Path) -> Section | None:
                       " ORDER BY run, target, depth, tap, layer")
     if not probes.num_rows:
         return None
-    rows = [{**r, "probe": f"{r['target']} ({r['kind']}, {r['tokens']}{', ' + r['series'] if r['series'] else ''})"}
-            for r in probes.to_pylist()]
+    # the series column is a hash of the probe's settings: the label names what a reader can tell apart
+    rows = [{**r, "probe": f"{r['target']} ({r['kind']}, {r['tokens']} tokens)"} for r in probes.to_pylist()]
     keys = sorted({(r["run"], r["metric"]) for r in rows})
 
     def draw(ax: Any, key: tuple[str, str]) -> None:
@@ -278,7 +279,8 @@ def tricks_page(ws: Workspace, out: Path) -> Page:
                 " found along depth (detection probe, AP@50), and how much the answer attends to the image when"
                 " it is right vs wrong (MAS).",
                 empty="no run of this study in the workspace: run `make demo` (python -m extract"
-                      " manifests/demo-counting-tricks.yaml, python -m probes manifests/probes-demo-counting-tricks.yaml)")
+                      " manifests/demo-counting-tricks.yaml, python -m probes"
+                      " manifests/probes-demo-counting-tricks.yaml)")
     cases = run_named(ws, "counting_cases")
     if cases.num_rows:
         runs = sorted(set(cases.column("run").to_pylist()))
@@ -289,7 +291,7 @@ def tricks_page(ws: Workspace, out: Path) -> Page:
     detect = ws.query("SELECT run, series, tap, layer, site, tokens, depth, stage, score, control_score, n_seeds"
                       " FROM v_probe_layers WHERE kind = 'detect' AND depth IS NOT NULL ORDER BY run, series, depth")
     if detect.num_rows:
-        rows = [{**r, "probe": r["series"] or "detect"} for r in detect.to_pylist()]
+        rows = [{**r, "probe": f"counting.boxes, probe {(r['series'] or '')[:8]}"} for r in detect.to_pylist()]
         runs = sorted({r["run"] for r in rows})
 
         def draw(ax: Any, run: str) -> None:

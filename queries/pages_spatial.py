@@ -4,6 +4,7 @@ images-as-text (relations between objects, the logit lens over image tokens)."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ def g2m_page(ws: Workspace, out: Path) -> Page:
     page = Page("g2m", "g2m: does the grid survive to the answer?",
                 "Per grid size N, the cell accuracy a spatial probe reads from the image tokens beside the"
                 " model's own cell accuracy: where they part, the grid is encoded but not written out.",
-                empty="no run of this study in the workspace: run `make g2m` (python -m extract manifests/demo-g2m.yaml,"
+                empty="no run of this study in the workspace: run `make g2m` (python -m extract"
+                      " manifests/demo-g2m.yaml,"
                       " python -m probes manifests/probes-demo-g2m.yaml)")
     runs = [r[0] for r in ws.rows("SELECT DISTINCT run FROM v_samples WHERE family = 'g2m' AND generated IS NOT NULL"
                                   " ORDER BY 1")]
@@ -87,8 +89,8 @@ def g2m_errors_section(ws: Workspace, out: Path, runs: list[str]) -> Section:
         cells = pa.Table.from_pylist([{"run": run, "grid_size": n, "row": i, "col": j, "error_rate": float(m[i, j])}
                                       for n, m in maps.items() for i in range(n) for j in range(n)])
         sec.figures.append(panels(
-            out, f"g2m_errors_{len(sec.figures)}", sorted(maps), lambda ax, n, run=run, maps=maps, p=patch: _heatmap(
-                ax, maps[n], n, p, _image_px(ws, run, n), run), table=cells, cols=min(3, len(maps)), sharex=False,
+            out, f"g2m_errors_{len(sec.figures)}", sorted(maps), partial(_model_heatmap, ws, run, maps, patch),
+            table=cells, cols=min(3, len(maps)), sharex=False,
             size=(6.4, 3.4), caption=f"{run}: the model's error rate per cell, one panel per grid size N (white"
                                      " lines: the model's patch grid)."))
         with_errors = [n for n, m in maps.items() if m.sum() > 0]
@@ -97,12 +99,16 @@ def g2m_errors_section(ws: Workspace, out: Path, runs: list[str]) -> Section:
             label, pm, n = probe[0], probe[1], max(with_errors)
             px = _image_px(ws, run, n)
             sec.figures.append(figure(
-                out, f"g2m_errors_{len(sec.figures)}", lambda ax, m=pm, n=n, p=patch, s=px, t=label: _heatmap(
-                    ax, m, n, p, s, t),
+                out, f"g2m_errors_{len(sec.figures)}", partial(_heatmap, errors=pm, n=n, patch_px=patch, image_px=px,
+                                                               run=label),
                 table=pa.Table.from_pylist([{"grid_size": n, "row": i, "col": j, "error_rate": float(pm[i, j])}
                                             for i in range(n) for j in range(n)]),
                 caption=f"{label}: the best spatial probe's error rate per cell at N = {n}, beside the model's."))
     return sec
+
+
+def _model_heatmap(ws: Workspace, run: str, maps: dict[int, np.ndarray], patch: float | None, ax: Any, n: int) -> None:
+    _heatmap(ax, maps[n], n, patch, _image_px(ws, run, n), run)
 
 
 def _image_px(ws: Workspace, run: str, n: int) -> float | None:
@@ -145,7 +151,8 @@ def images_page(ws: Workspace, out: Path) -> Page:
     page = Page("images-as-text", "images-as-text: do image tokens read as words, and is the relation kept?",
                 "Spatial accuracy of two-object scenes, the logit lens over image tokens (what vocabulary token"
                 " each patch reads as, per LLM layer) and how much a run-length compression of those tokens keeps.",
-                empty="no run of this study in the workspace: run `make demo` (python -m extract manifests/demo-spatial.yaml;"
+                empty="no run of this study in the workspace: run `make demo` (python -m extract"
+                      " manifests/demo-spatial.yaml;"
                       " python -m extract manifests/demo-compression.yaml)")
     spatial = ws.query("SELECT run, truth->>'relation' AS relation, count(*) AS n, avg(correct::INTEGER) AS accuracy,"
                        " avg(1.0 / json_array_length(truth->'options')) AS chance FROM v_samples"
@@ -218,7 +225,8 @@ def token_map_figure(ws: Workspace, out: Path, runs: list[str]) -> Any:
     maps = {layer: token_map(ws, run, layer, row) for layer in layers}
     picture = _load_image(set_path, image)
     cells = pa.Table.from_pylist([{"run": run, "array_row": row, "layer": layer, "row": i, "col": j, "token": tok}
-                                  for layer, m in maps.items() for i, line in enumerate(m) for j, tok in enumerate(line)])
+                                  for layer, m in maps.items() for i, line in enumerate(m)
+                                  for j, tok in enumerate(line)])
     return panels(out, "token_map", layers, lambda ax, layer: _token_grid(ax, maps[layer], picture, layer), table=cells,
                   cols=min(2, len(layers)), sharex=False, size=(6.4, 6.0), caption=(
                       f"Logit lens token map of {run}, sample {row}: each image token's top-1 vocabulary token,"
