@@ -88,7 +88,8 @@ def _add_study_runs(ws: Workspace) -> None:
         spans = [TokenSpans(seq_len=SEQ, image_start=IMAGE_START, image_count=IMAGE_COUNT, last_prompt=SEQ - 1)] * 4
         w.write_batch(0, {attn: [on_image] * 4}, tokens=spans, generations=gens)
     ws.record_probes([ProbeResult(run="tricks", tap=tap, layer=0, target="counting.boxes", kind="detect", score=score,
-                                  control_score=0.05, metric="ap50") for tap, score in (("vision", 0.55), ("llm", 0.28))])
+                                  control_score=0.05, metric="ap50")
+                      for tap, score in (("vision", 0.55), ("llm", 0.28))])
     pairs = [{"id": f"s{i}", "family": "spatial", "truth": {"relation": "left" if i % 2 else "above",
                                                             "options": ["a", "b", "c", "d"]}} for i in range(4)]
     with ws.writer(RunInfo(run="scenes", model="hand-built")) as w:
