@@ -18,7 +18,7 @@ REPORT ?= report
 
 PLAN ?= manifests/probes-demo.yaml
 
-.PHONY: help setup browser lint test test-fast faults stimuli extract probes info verify report toy-model toy-mas toy-g2m variants g2m demo bench clean
+.PHONY: help setup browser lint test test-fast faults stimuli extract probes info verify report toy-model toy-mas toy-g2m variants g2m tricks demo bench clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -94,6 +94,14 @@ g2m: setup ## the G2M toy over grids of N = 6 (trained), 8 and 10 into $(DATA): 
 	$(PY) -m probes manifests/probes-demo-g2m.yaml --data $(DATA) --no-progress
 	$(PY) -m queries g2m_gap --data $(DATA) --param run=toy-g2m
 
+tricks: setup ## CountingTricks and spatial scenes on the toy model into $(DATA) (88 px, its own 8 px patches), detection probes
+	$(PY) -m stimuli counting --out $(STIMULI)/counting-toy --n 4 --image-size 88 --patch-size 8 --count-min 1 \
+	  --count-max 6 --seed 3 --overwrite
+	$(PY) -m stimuli spatial --out $(STIMULI)/spatial-toy --n 48 --image-size 88 --seed 4 --overwrite
+	$(PY) -m extract manifests/demo-counting-tricks.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
+	$(PY) -m extract manifests/demo-spatial.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
+	$(PY) -m probes manifests/probes-demo-counting-tricks.yaml --data $(DATA) --no-progress
+
 report: setup ## write the HTML report of $(DATA) to $(REPORT)/index.html
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
@@ -106,6 +114,7 @@ demo: setup ## the whole pipeline on the committed toy model: stimuli, extractio
 	$(PY) -m queries attractors --data $(DATA) --param min_share=0.1
 	$(MAKE) --no-print-directory variants
 	$(MAKE) --no-print-directory g2m
+	$(MAKE) --no-print-directory tricks
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 	@echo
 	@echo "Done: $(DATA) holds every run, $(REPORT)/index.html the report. Three things to try next:"
