@@ -58,6 +58,7 @@ from extract.models.layout import Grid, SampleLayout
 from extract.scoring import score_answer
 from stimuli import get_family
 from stimuli.io import read_set
+from stimuli.progress import progress_bar
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
 IMAGE_ONLY = ("vision", "projector")
@@ -491,7 +492,5 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, 
     return gens, spans, out
 
 
-def _progress(total: int, run: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=f"extract {run}", unit="sample", disable=not enabled, dynamic_ncols=True)
+def _progress(total: int, run: str, enabled: bool) -> Any:
+    return progress_bar(total, desc=f"extract {run}", unit="sample", enabled=enabled)

@@ -41,6 +41,7 @@ from probes.plan import ArrayRow, Group, Plan, ProbeTask, expand, group_tasks
 from probes.splits import Fold, column_fold, hash_fold
 from probes.targets import SampleInfo, TargetValues, get_target, token_grid
 from probes.worker import GroupJob, GroupResult, run_group
+from stimuli.progress import progress_bar
 from store import ProbeResult, Workspace
 from store.errors import ManifestBusyError, StoreError
 
@@ -375,9 +376,7 @@ def run_plan(
 
 
 def _progress(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="probe", disable=not enabled, file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+    return progress_bar(total, unit="probe", enabled=enabled, smoothing=0.1)
 
 
 Work = list[tuple[GroupJob, Any, Any]]  # (job, stream specs or None for in-memory kinds, MemoryPlan)
