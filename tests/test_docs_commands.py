@@ -41,8 +41,6 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/adapters.md", "from collections.abc import"): f"{SYNOPSIS}: a template module for extract/models/",
     ("docs/interventions.md", "python -m lab.mas"): f"{SLOW}: fine-tunes the toy model (and rewrites its checkpoint)",
     ("docs/probes.md", "python -m probes PLAN"): f"{SYNOPSIS}: PLAN stands for a plan file",
-    ("docs/probes.md", "python -m probes manifests/probes-demo.yaml"): f"{SLOW}: starts a Dask cluster for a plan"
-                                                                       " the fixture already trained",
     ("docs/probes.md", "DASK_SCHEDULER_ADDRESS="): f"{NET}: a Dask scheduler on another host",
     ("docs/scale.md", "python -m extract MANIFEST"): f"{SYNOPSIS}: MANIFEST stands for a manifest",
     ("docs/scale.md", "python -m extract.dry_run MANIFEST"): f"{SYNOPSIS}: MANIFEST and [options]",
@@ -66,10 +64,7 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/stimuli/counting-tricks.md", "python -m stimuli counting --out sets/counting-study --n 200"):
         f"{SLOW}: 6400 scenes",
 }
-STALE: dict[tuple[str, str], str] = {
-    ("docs/probes.md", "from probes import load_plan, run_plan, load_probe"):
-        "uses `key` without defining it, and trains the 3-seed go-counting plan on every run",
-}
+STALE: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
