@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -58,6 +59,7 @@ from extract.models.layout import Grid, SampleLayout
 from extract.scoring import score_answer
 from stimuli import get_family
 from stimuli.io import read_set
+from stimuli.progress import progress_bar
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 from store.vocab import IMAGE_ONLY_TAPS, array_layout, kinds_for
 
@@ -394,6 +396,9 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
             ws.record_vocab(manifest.run, vocabulary(lm, int(lens.unembed.shape[0])))
         todo = w.todo()
         total = sum(len(r) for r in todo)
+        warning = one_chunk_warning(manifest, len(samples)) if total else None
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         bar = _progress(total, manifest.run, progress)
         for rows in todo:
             for start in range(rows.start, rows.stop, manifest.batch_size):
@@ -411,6 +416,21 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         bar.close()
         w.finish()
     return ws, computed, (correct / scored if scored else None), len(handles)
+
+
+def one_chunk_warning(manifest: Manifest, n_samples: int) -> str | None:
+    """Why a run whose one chunk holds every sample should change its ``chunk_samples``, or None.
+
+    A chunk is committed only once all its rows are written, so such a run keeps nothing if it
+    stops before its end (one such run lost 16 minutes). A run of one batch is exempt: it writes
+    every row at once, and no chunk size could commit any of them sooner.
+    """
+    if manifest.chunk_samples < n_samples or n_samples <= manifest.batch_size:
+        return None
+    quarter = n_samples // 4 // manifest.batch_size * manifest.batch_size  # whole batches fill whole chunks
+    return (f"chunk_samples {manifest.chunk_samples} >= {n_samples} samples: nothing is committed until the run ends;"
+            f" set chunk_samples below {n_samples} in the manifest (e.g. {max(quarter, manifest.batch_size)})"
+            " to commit as you go")
 
 
 def vocabulary(lm: LoadedModel, size: int) -> list[str]:
@@ -491,7 +511,5 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, 
     return gens, spans, out
 
 
-def _progress(total: int, run: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=f"extract {run}", unit="sample", disable=not enabled, dynamic_ncols=True)
+def _progress(total: int, run: str, enabled: bool) -> Any:
+    return progress_bar(total, desc=f"extract {run}", unit="sample", enabled=enabled)

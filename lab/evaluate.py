@@ -34,6 +34,7 @@ import torch
 from extract.run import answer_length, eos_ids, stop_reason
 from stimuli import goboard as G
 from stimuli.answers import parse_digit_string
+from stimuli.progress import progress_bar
 from store.records import ANSWER_KINDS, answer_kind
 
 from .processor import prompt
@@ -42,6 +43,7 @@ REGIMES = ("ID", "VE", "FE")
 TASKS = ("multimodal_num", "text_only_num", "multimodal_tf", "text_only_tf")
 # The counting-bottleneck study's generation cap (greedy, at most 10 new tokens, digits joined).
 MAX_NEW_TOKENS = 10
+PROBE_COUNTS = "1-49"  # the hidden-number probe trains on in-distribution boards only
 TASK_LABEL = {"multimodal_num": "visual count", "text_only_num": "text count",
               "multimodal_tf": "contrastive (board vs string)", "text_only_tf": "text vs text"}
 
@@ -67,10 +69,22 @@ def load(checkpoint: str) -> tuple[Any, Any]:
     return model, AutoProcessor.from_pretrained(checkpoint)
 
 
-def boards(model: Any, spec: EvalSpec, counts: str, n: int, seed: int, split: str) -> list:
-    cfg = G.Config(preset="small", board_size=model.config.board_size, cell_px=model.config.patch_size,
-                   counts=counts, variation=spec.variation)
-    return list(G.generate(cfg, n, seed, split))
+def board_config(model: Any, spec: EvalSpec, counts: str) -> G.Config:
+    return G.Config(preset="small", board_size=model.config.board_size, cell_px=model.config.patch_size,
+                    counts=counts, variation=spec.variation)
+
+
+def boards(model: Any, spec: EvalSpec, counts: str, n: int, seed: int, split: str, bar: Any = None) -> list:
+    out = []
+    for s in G.generate(board_config(model, spec, counts), n, seed, split):
+        out.append(s)
+        _advance(bar, 1)
+    return out
+
+
+def _advance(bar: Any, n: int) -> None:
+    if bar is not None:
+        bar.update(n)
 
 
 def request(s: Any, task: str) -> tuple[str, bool]:
@@ -81,7 +95,7 @@ def request(s: Any, task: str) -> tuple[str, bool]:
 
 @torch.inference_mode()
 def generate_answers(model: Any, processor: Any, stimuli: Sequence, task: str, batch_size: int,
-                     max_new_tokens: int = MAX_NEW_TOKENS) -> list[tuple[str, str]]:
+                     max_new_tokens: int = MAX_NEW_TOKENS, bar: Any = None) -> list[tuple[str, str]]:
     """(text, stop reason) per stimulus: greedy ``generate``, the text up to the first EOS id with
     special tokens stripped, the reason 'eos' or 'cap' (ran out of tokens), as the extraction
     stage records them."""
@@ -98,6 +112,7 @@ def generate_answers(model: Any, processor: Any, stimuli: Sequence, task: str, b
             _, end = answer_length(row, stop, len(row))
             text = processor.tokenizer.decode(row[:end], skip_special_tokens=True).strip()
             out.append((text, stop_reason(row, end)))
+        _advance(bar, len(chunk))
     return out
 
 
@@ -114,12 +129,13 @@ def correct(s: Any, task: str, text: str) -> bool:
 
 
 @torch.inference_mode()
-def vit_tokens(model: Any, processor: Any, stimuli: Sequence, batch_size: int) -> np.ndarray:
+def vit_tokens(model: Any, processor: Any, stimuli: Sequence, batch_size: int, bar: Any = None) -> np.ndarray:
     """ViT output tokens after the final LayerNorm, [boards, patches, d], raster order."""
     feats = []
     for i in range(0, len(stimuli), batch_size):
         px = processor.image_processor([s.image for s in stimuli[i:i + batch_size]])["pixel_values"]
         feats.append(model.vision(px)[0].float().numpy())
+        _advance(bar, min(batch_size, len(stimuli) - i))
     return np.concatenate(feats)
 
 
@@ -154,12 +170,20 @@ def hidden_numbers(probe: Any, feats: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return (pred == G.BLACK).sum(1), pred
 
 
-def evaluate(model: Any, processor: Any, spec: EvalSpec = EvalSpec()) -> dict[str, Any]:
+def steps(model: Any, spec: EvalSpec) -> int:
+    """The board-steps :func:`evaluate` advances its bar by: each test board drawn, answered in the
+    four tasks and encoded by the trained and the fresh tower (7); each probe board drawn and encoded twice (3)."""
+    n_test = G.set_size(board_config(model, spec, spec.counts), spec.per_count)
+    return 7 * n_test + 3 * G.set_size(board_config(model, spec, PROBE_COUNTS), spec.probe_boards)
+
+
+def evaluate(model: Any, processor: Any, spec: EvalSpec = EvalSpec(), bar: Any = None) -> dict[str, Any]:
+    """The model card's table; ``bar`` (a progress bar of :func:`steps` items) advances as it goes."""
     torch.manual_seed(0)
-    stimuli = boards(model, spec, spec.counts, spec.per_count, spec.seed, "test")
+    stimuli = boards(model, spec, spec.counts, spec.per_count, spec.seed, "test", bar)
     regimes = np.array([s.truth["regime"] for s in stimuli])
     truth = np.array([s.truth["count"] for s in stimuli])
-    generated = {task: generate_answers(model, processor, stimuli, task, spec.batch_size, spec.max_new_tokens)
+    generated = {task: generate_answers(model, processor, stimuli, task, spec.batch_size, spec.max_new_tokens, bar)
                  for task in TASKS}
     ok = {task: np.array([correct(s, task, t) for s, (t, _) in zip(stimuli, generated[task], strict=False)]) for task in TASKS}
     kinds = np.array([answer_kind(t, why) for t, why in generated["multimodal_num"]])
@@ -168,10 +192,10 @@ def evaluate(model: Any, processor: Any, spec: EvalSpec = EvalSpec()) -> dict[st
     n_p = np.array([-1 if v is None else v for v in visual])
 
     # Hidden-number probe: trained on separate ID boards, evaluated on every regime.
-    train_set = boards(model, spec, "1-49", spec.probe_boards, spec.seed + 1, "probe")
-    x, y = probe_training_set(train_set, vit_tokens(model, processor, train_set, spec.batch_size),
+    train_set = boards(model, spec, PROBE_COUNTS, spec.probe_boards, spec.seed + 1, "probe", bar)
+    x, y = probe_training_set(train_set, vit_tokens(model, processor, train_set, spec.batch_size, bar),
                               spec.probe_per_class, spec.seed)
-    feats = vit_tokens(model, processor, stimuli, spec.batch_size)
+    feats = vit_tokens(model, processor, stimuli, spec.batch_size, bar)
     token_truth = np.array([s.truth["labels"] for s in stimuli])
     probe = fit_probe(x, y)
     control = fit_probe(x, np.random.default_rng(spec.seed).permutation(y))
@@ -180,9 +204,9 @@ def evaluate(model: Any, processor: Any, spec: EvalSpec = EvalSpec()) -> dict[st
     # says how much of the decodability the training put there.
     torch.manual_seed(spec.seed)
     fresh = type(model)(model.config).eval()
-    xr, yr = probe_training_set(train_set, vit_tokens(fresh, processor, train_set, spec.batch_size),
+    xr, yr = probe_training_set(train_set, vit_tokens(fresh, processor, train_set, spec.batch_size, bar),
                                 spec.probe_per_class, spec.seed)
-    n_hr, _ = hidden_numbers(fit_probe(xr, yr), vit_tokens(fresh, processor, stimuli, spec.batch_size))
+    n_hr, _ = hidden_numbers(fit_probe(xr, yr), vit_tokens(fresh, processor, stimuli, spec.batch_size, bar))
     n_hc, pred_c = hidden_numbers(control, feats)
 
     table: dict[str, Any] = {}
@@ -274,14 +298,20 @@ def main(argv: list[str] | None = None) -> None:
                     help="generation cap (default 10, the counting-bottleneck study's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the result here")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.max_new_tokens < 1:
         ap.error(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
     spec = EvalSpec(args.per_count, args.counts, args.seed, args.variation, args.probe_boards,
                     max_new_tokens=args.max_new_tokens)
+    if args.no_progress:  # no bar at all: transformers' weight-loading bar too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     model, processor = load(args.checkpoint)
-    result = evaluate(model, processor, spec)
+    with progress_bar(steps(model, spec), unit="board", desc="evaluate", enabled=not args.no_progress) as bar:
+        result = evaluate(model, processor, spec, bar)
     print(markdown(result))
     if args.json:
         with open(args.json, "w") as f:

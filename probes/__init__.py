@@ -3,13 +3,13 @@
 ::
 
     from probes import load_plan, run_plan
-    report = run_plan(load_plan("manifests/probes-demo.yaml"), data="data")   # LocalCluster
+    report = run_plan(load_plan("manifests/probes-demo.yaml"), data="data")   # small plan: in this process
     ws.query("SELECT * FROM v_best_probe")                                    # results
 
 Probe kinds (``linear``, ``pooled``, ``conv_spatial``, ``detect``, ``hidden_number``) share a
 small surface (fit / predict / score / save / load) and are found by name; targets (labels
 from the stimuli's truth) likewise. A new kind is one decorated class: docs/new-probe.md.
-This package imports ``store`` only: never a model, never ``transformers``.
+This package imports ``store`` (and ``stimuli.progress`` for its bar) only: never a model, never ``transformers``.
 """
 
 from typing import Any

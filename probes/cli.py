@@ -5,15 +5,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from probes.plan import Plan
 
+from probes.cluster import AUTO, INLINE, LOCAL, SMALL_PLAN
+
 EPILOG = """\
 examples:
-  python -m probes manifests/probes-demo.yaml --data data              # LocalCluster, 2 workers
+  python -m probes manifests/probes-demo.yaml --data data              # small plan: one Dask worker in this process
+  python -m probes plan.yaml --scheduler local --workers 2             # a LocalCluster of 2 worker processes
   python -m probes plan.yaml --dry-run                                 # list the probes, train nothing
   python -m probes plan.yaml --scheduler tcp://10.0.0.5:8786           # an existing Dask cluster
   DASK_SCHEDULER_ADDRESS=tcp://10.0.0.5:8786 python -m probes plan.yaml
@@ -29,8 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("plan", help="probe plan YAML (see docs/probes.md)")
     p.add_argument("--data", default=None, help="workspace folder (default: $AGNOSIA_DATA, else ./data)")
-    p.add_argument("--scheduler", default=os.environ.get("DASK_SCHEDULER_ADDRESS"), metavar="ADDRESS",
-                   help="Dask scheduler address (default: $DASK_SCHEDULER_ADDRESS; unset: start a LocalCluster)")
+    p.add_argument("--scheduler", default=os.environ.get("DASK_SCHEDULER_ADDRESS") or AUTO, metavar="WHERE",
+                   help=f"{INLINE} (one Dask worker in this process: no start-up), {LOCAL} (a LocalCluster of worker"
+                        f" processes), {AUTO} ({INLINE} for a plan of at most {SMALL_PLAN} probes to train without"
+                        f" --workers, else {LOCAL}), or a scheduler's address (default: $DASK_SCHEDULER_ADDRESS, else"
+                        f" {AUTO})")
     p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
                    help="seconds to reach the --scheduler before giving up (default 10)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
@@ -66,11 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             _dry_run(plan, args)
             return 0
-        if args.scheduler and not args.in_process:
+        if args.scheduler not in (AUTO, INLINE, LOCAL) and not args.in_process:
             check_scheduler(args.scheduler, args.connect_timeout)
+        started = time.perf_counter()
         report = run_plan(plan, args.data, scheduler=args.scheduler, workers=args.workers, in_process=args.in_process,
                           force=args.force, progress=not args.no_progress, memory_limit=args.memory_limit,
                           block_rows=args.block_rows)
+        wall = time.perf_counter() - started
         keys = {t.key for t in plan_tasks(plan, open_workspace(args.data))}
     except (ProbeError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -78,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: finished probes are recorded; run the same command to resume", file=sys.stderr)
         return 130
-    _summary(report, args.data, keys)
+    _summary(report, args.data, keys, wall)
     return 1 if report.failed else 0
 
 
@@ -195,12 +204,16 @@ def _memory_plan(ws, plan, groups, args) -> None:
     plan_work(jobs, args.block_rows or plan.block_rows, limit)
 
 
-def _summary(report, data, keys) -> None:
+def _summary(report, data, keys, wall: float) -> None:
     from probes.farm import open_workspace
 
     rate = (f"; {report.probes_per_s:.1f} probes/s, {report.gflops_per_s:.2f} GFLOP/s on {report.workers} worker(s)"
             if report.trained else "")
     print(f"{report.trained} trained, {report.skipped} skipped (done), {report.failed} failed{rate}")
+    if report.trained or report.failed:  # the rate above is the training's alone: say where the rest went
+        print(f"wall time {wall:.1f} s: {report.startup_seconds:.1f} s starting the workers, {report.seconds:.1f} s"
+              f" training, {max(wall - report.startup_seconds - report.seconds, 0.0):.1f} s reading the plan's"
+              " rows and labels and recording results")
     if not keys:
         return
     import pyarrow as pa

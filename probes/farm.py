@@ -35,12 +35,14 @@ from typing import Any
 import numpy as np
 
 from probes import artifacts, farm_stream
+from probes.cluster import start as cluster_start
 from probes.errors import ProbeError
 from probes.kinds import get_kind
 from probes.plan import ArrayRow, Group, Plan, ProbeTask, expand, group_tasks
 from probes.splits import Fold, column_fold, hash_fold
 from probes.targets import SampleInfo, TargetValues, get_target, token_grid
 from probes.worker import GroupJob, GroupResult, run_group
+from stimuli.progress import progress_bar
 from store import ProbeResult, Workspace
 from store.errors import ManifestBusyError, StoreError
 
@@ -347,7 +349,7 @@ def run_plan(
     planned peak is checked against it before any training. ``block_rows``: samples per read
     block of streamed kinds (default: the plan's, else ~32 MiB of features).
     """
-    log = log or (lambda s: print(s, file=sys.stderr))
+    log = log or _log
     ws = open_workspace(data)
     report = FarmReport(plan=plan.name, workspace=str(ws.path))
     _recover_weights(ws, plan, log)
@@ -370,7 +372,8 @@ def run_plan(
         sink.bar.close()
         sink.recorder.flush()
     log(f"plan {plan.name}: trained {report.trained} probes in {report.seconds:.1f} s ({report.probes_per_s:.1f} probes/s)"
-        f" on {report.workers} worker(s); {report.failed} failed; {report.skipped} skipped as done")
+        f" on {report.workers} worker(s), after {report.startup_seconds:.1f} s starting them; {report.failed} failed;"
+        f" {report.skipped} skipped as done")
     for key, msg in report.failures[:5]:
         log(f"  failed {key}: {msg.splitlines()[0]}")
     return report
@@ -445,10 +448,14 @@ def _run_here(work: Work, report: FarmReport, sink: _Collector) -> None:
     report.seconds = time.perf_counter() - t0
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def _log(line: str) -> None:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="probe", disable=not enabled, file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+    tqdm.write(line, file=sys.stderr)  # above the bar, which a plain print would break in two
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    return progress_bar(total, unit="probe", enabled=enabled, smoothing=0.1)
 
 
 Work = list[tuple[GroupJob, Any, Any]]  # (job, stream specs or None for in-memory kinds, MemoryPlan)
@@ -490,35 +497,6 @@ def plan_work(jobs: list[GroupJob], block_rows: int | None, limit: int | None) -
     return work
 
 
-def _start(scheduler: str | None, workers: int | None, n_jobs: int, limit: int | None, report: FarmReport) -> tuple[Any, Any]:
-    import logging
-
-    from dask.distributed import Client, LocalCluster
-
-    # Not the process's default client: the farm names its client in every call, and a default
-    # one rewrites dask's global scheduler setting, which a caller's own client (or a farm run in a
-    # thread beside it) then restores out of order, leaving later dask work asking for a closed client.
-    cluster = None
-    if scheduler:
-        client = Client(scheduler, timeout="30s", set_as_default=False)
-        if not client.scheduler_info().get("workers"):
-            client.wait_for_workers(1, timeout=60)
-        info = client.scheduler_info().get("workers", {})
-        report.workers = len(info)
-        limits: list[int] = [int(w.get("memory_limit") or 0) for w in info.values()]
-        if limit and limits and min(limits) and min(limits) < limit:
-            client.close()
-            raise ProbeError(f"the cluster's workers have {min(limits) >> 20} MiB of memory limit, the plan was checked"
-                             f" against {limit >> 20} MiB: start them with `dask worker --memory-limit {limit >> 20}MiB`")
-    else:
-        n = workers or max(1, min(os.cpu_count() or 1, n_jobs))
-        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0",
-                               silence_logs=logging.ERROR, memory_limit=limit if limit else "auto")
-        client = Client(cluster, set_as_default=False)
-        report.workers = n
-    return client, cluster
-
-
 def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None],
               lost: Callable[[GroupJob, BaseException], None], scheduler: str | None, workers: int | None,
               window: int | None, log: Callable[[str], None], plugins: Sequence[str] = (),
@@ -526,15 +504,16 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
     from dask.distributed import as_completed
 
     started = time.perf_counter()
-    client, cluster = _start(scheduler, workers, len(work), memory_limit, report)
+    n_probes = sum(len(job.tasks) for job, _, _ in work)
+    client, cluster = cluster_start(scheduler, workers, len(work), n_probes, memory_limit, report, log)
     report.dashboard = client.dashboard_link
     light = all(specs is not None for _, specs, _ in work)  # streamed only: workers never import torch
     # Imports and first-call costs belong to start-up, not to the probes. Streamed-only plans warm
     # through probes.stream: unpickling a function of this module would import torch there.
     client.run(farm_stream.stream.warm) if light else client.run(warm_worker, list(plugins))
     report.startup_seconds = time.perf_counter() - started
-    log(f"dask: {report.workers} worker(s) at {client.scheduler.address}; dashboard {report.dashboard}"
-        + ("" if _has_bokeh() else " (pip install bokeh for its plots)"))
+    log(f"dask: {report.workers} worker(s) at {client.scheduler.address} ready in {report.startup_seconds:.1f} s;"
+        f" dashboard {report.dashboard}" + ("" if _has_bokeh() else " (pip install bokeh for its plots)"))
     t0 = time.perf_counter()
     try:
         for job, specs, _ in work:  # streamed groups: one layer's map-reduce at a time, all workers on it

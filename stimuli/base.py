@@ -190,6 +190,8 @@ class Family:
       counts per sweep cell where the family sweeps, so each family picks its own.
     - ``task_inputs(truth, task)``: what a task shows besides its question (default: the image,
       no strings); families with text-only tasks or strings to read override it.
+    - ``count(config, n)``: how many stimuli ``generate(config, n, ...)`` yields, the total of
+      the progress bar; None (the default) shows a counter without an end.
     """
 
     name: str
@@ -200,6 +202,7 @@ class Family:
     score: Callable[[str, str, str, Any], Score] = exact_match
     small_set_n: int = 16
     task_inputs: Callable[[Mapping[str, Any], str], TaskInputs] = _image_only
+    count: Callable[[Any, int], int] | None = None
 
     def make_config(self, **overrides: Any) -> Any:
         """The family's ``Config`` with these options, checked the way every agnosia config is:

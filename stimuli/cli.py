@@ -80,6 +80,7 @@ def _add_run_options(parser: argparse.ArgumentParser, *, out_help: str, default_
     parser.add_argument("--seed", type=int, default=0, help="base seed; sample i uses a seed derived from it (default: 0)")
     parser.add_argument("--split", default="test", help="split name recorded with every sample (default: test)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing set at --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             if n < 1:
                 raise StimulusError(f"--n={n}: ask for at least one sample")
             path = write_set(family, config, n=n, seed=args.seed, split=args.split, out=out,
-                             overwrite=args.overwrite or args.family == "all")
+                             overwrite=args.overwrite or args.family == "all", progress=not args.no_progress)
             meta = json.loads((path / "set.json").read_text())
             print(f"{family.name:>9}: {meta['count']:>5} stimuli in {meta['seconds']:6.2f} s -> {path}")
     except StimulusError as err:

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from stimuli.base import Family, Stimulus, StimulusError, config_dict
+from stimuli.progress import progress_bar
 
 SET_FORMAT_VERSION = 1
 TRUTH_FILE = "truth.parquet"
@@ -61,8 +62,9 @@ def write_set(
     out: str | os.PathLike[str],
     *,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> Path:
-    """Generate ``family`` with ``config`` and write it as a set folder at ``out``."""
+    """Generate ``family`` with ``config`` and write it as a set folder at ``out`` (``progress``: a bar on stderr)."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise StimulusError(
@@ -73,7 +75,10 @@ def write_set(
     tmp.mkdir(parents=True)
     try:
         started = time.perf_counter()
-        count = _write_samples(family, family.generate(config, n=n, seed=seed, split=split), tmp)
+        stimuli = family.generate(config, n=n, seed=seed, split=split)  # checks the config first
+        total = family.count(config, n) if family.count else None
+        with progress_bar(total, unit="stimulus", desc=family.name, enabled=progress, iterable=stimuli) as bar:
+            count = _write_samples(family, bar, tmp)
         meta = {
             "format_version": SET_FORMAT_VERSION,
             "family": family.name,
