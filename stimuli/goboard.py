@@ -550,7 +550,7 @@ def score_answer(task: str, text: str, answer: str, truth: GoTruth) -> Score:
 
 
 def set_size(config: Config, n: int) -> int:
-    return len(make_plan(config).counts) * n
+    return len(board_layout(config).counts) * n
 
 
 FAMILY = Family(
