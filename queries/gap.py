@@ -12,7 +12,8 @@ test samples beside what the model itself answers on the same samples, and their
   sample (a count read-out, the hidden number N_H): mean absolute error, R^2 within the group,
   and the mean prediction (a read-out that saturates shows the same value whatever the truth).
 * ``model_accuracy`` (``v_samples.correct``) and ``model_mae`` (the parsed answer vs the
-  probe's truth), then ``gap_accuracy = probe_accuracy - model_accuracy`` and
+  probe's truth, over number answers: a runaway answer, digits until the generation cap, is wrong
+  but is no number, and would put 10^9 into a mean), then ``gap_accuracy = probe_accuracy - model_accuracy`` and
   ``gap_mae = model_mae - probe_mae``: positive when the layer holds more than the model says.
 * ``selectivity``: the probe's test score minus its shuffled-label control in the probe's own
   metric (accuracy - accuracy, AP - AP), averaged over seeds. For R^2 the floor is the better of
@@ -67,7 +68,8 @@ sel AS (
 ),
 s AS (
     SELECT run, array_row, CAST(({group_by}) AS VARCHAR) AS grp, correct,
-           try_cast(trim(CAST(prediction AS VARCHAR), '"') AS DOUBLE) AS answer
+           CASE WHEN answer_kind = 'runaway' THEN NULL  -- a capped digit string is no number the model meant
+                ELSE try_cast(trim(CAST(prediction AS VARCHAR), '"') AS DOUBLE) END AS answer
     FROM v_samples
     WHERE run LIKE $run AND ({where})
 ),

@@ -85,3 +85,25 @@ def test_the_report_opens_with_where_the_count_is_lost(ws, tmp_path):
     lost = (tmp_path / "report" / "lost_r_truth_count.csv").read_text()
     assert lost.count("llm: llm.1/resid_post") == 2 and "not lost" in lost  # VE and FE lost there, ID kept
     assert (tmp_path / "report" / "lost_r_truth_count.png").stat().st_size > 0
+
+
+def test_a_runaway_answer_counts_as_wrong_but_not_as_a_number(tmp_path):
+    """An answer cut at the generation cap (digits until the cap) is no number the model meant: it
+    stays in the accuracy, as wrong, and out of the model's MAE, which one such string would
+    otherwise turn into ~10^9."""
+    ws = Workspace.open(tmp_path / "ws")
+    counts = [60, 70]
+    rows = [{"id": f"b{i}", "family": "go", "truth": {"count": c, "regime": "VE"}} for i, c in enumerate(counts)]
+    gens = [Generation(text="49", prediction=49, parse_ok=True, correct=False),
+            Generation(text="1111111111", prediction=1111111111, parse_ok=True, correct=False, stop_reason="cap")]
+    with ws.writer(RunInfo(run="r", model="m")) as w:
+        w.set_samples(w.register_stimuli(rows, dataset="go"))
+        w.array(ArraySpec(tap="llm", layer=0, site="resid_post", tokens="image", shape=(2, 4)))
+        w.record_tokens(0, [TokenSpans(seq_len=8, image_start=1, image_count=2, grid_h=1, grid_w=2)] * 2)
+        w.record_generations(0, gens)
+    ws.record_probes([ProbeResult(
+        run="r", tap="llm", layer=0, site="resid_post", target="truth:count", kind="pooled", seed=0, metric="r2",
+        score=0.5, control_score=0.0, predictions={"array_row": [0, 1], "prediction": [60.0, 70.0], "truth": [60.0, 70.0]})])
+    (row,) = gap(ws, {"group_by": "truth->>'regime'", "target": "truth:count"}).to_pylist()
+    assert row["model_accuracy"] == 0.0 and row["n"] == 2
+    assert row["model_mae"] == 11.0  # |49 - 60| alone
