@@ -159,6 +159,8 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
         "python -m probes manifests/probes-demo.yaml --data data --no-progress",
         *(f"python -m extract manifests/demo-{m}.yaml --data data --no-progress"
           for m in ("heads-visual", "heads-text")),  # the variant runs a documented command reads
+        # docs/scale.md's 6,400-grid sweep (NOT_RUN: minutes) reduced to two grids, for its dry run
+        "python -m stimuli g2m --out sets/g2m-sweep --n 1 --grid-sizes 3 64 --colors 3 --seed 0 --no-progress",
     ]
     for step in steps:
         got = subprocess.run(step, shell=True, cwd=root, env=env, capture_output=True, text=True, timeout=900)

@@ -77,9 +77,12 @@ def test_probe_farm_summary_prints_whole_run_ids(tmp_path, capsys):
     data = tmp_path / "data"
     Workspace.open(data).record_probes([ProbeResult(run=LONG, tap="llm", layer=0, target="count", kind="linear",
                                                     score=0.5, params={"key": "k0"})])
-    report = SimpleNamespace(trained=1, skipped=0, failed=0, probes_per_s=1.0, gflops_per_s=1.0, workers=1)
-    _summary(report, str(data), {"k0"})
-    assert f"{LONG} llm/resid_post" in capsys.readouterr().out
+    report = SimpleNamespace(trained=1, skipped=0, failed=0, probes_per_s=1.0, gflops_per_s=1.0, workers=1,
+                             startup_seconds=0.5, seconds=1.0)
+    _summary(report, str(data), {"k0"}, wall=2.0)
+    out = capsys.readouterr().out
+    assert f"{LONG} llm/resid_post" in out
+    assert "wall time 2.0 s: 0.5 s starting the workers, 1.0 s training, 0.5 s" in out
 
 
 def test_store_and_queries_print_one_table(ws):
