@@ -51,7 +51,7 @@ CONTROL_SHUFFLES = 5
 
 def build_g2m_processor(cfg: TrainConfig) -> ToyCounterProcessor:
     """The counter's processor with the G2M prompt's words and images of any N x N cells."""
-    return build_processor(cfg.board_size * cfg.cell_px, cfg.cell_px, extra_words=T.g2m_words(),
+    return build_processor(cfg.board_size * cfg.cell_px, cfg.cell_px, extra_words=T.G2M_WORDS,
                            variable_size=True)
 
 

@@ -48,7 +48,7 @@ def test_recipe_yaml_loads_as_g2m():
 
 def test_counter_vocabulary_and_processor_unchanged():
     # The G2M words come after the counter's vocabulary: every counter id stays where it was.
-    base, extended = T.vocabulary(), T.vocabulary(T.g2m_words())
+    base, extended = T.vocabulary(), T.vocabulary(T.G2M_WORDS)
     assert all(extended[w] == i for w, i in base.items())
     assert len(base) == 76
     proc = build_processor()
@@ -136,7 +136,7 @@ def test_checkpoint_loads_through_auto_classes(committed):
     assert processor.image_processor.variable_size
     assert processor.image_token_id == model.config.image_token_id
     assert all(processor.tokenizer.convert_tokens_to_ids(w) != processor.tokenizer.unk_token_id
-               for w in T.g2m_words())
+               for w in T.G2M_WORDS)
     assert (CKPT / "model.safetensors").stat().st_size < 1_000_000
     assert (CKPT / "README.md").read_text().count("| end-to-end Cell Accuracy |") == 1
 
