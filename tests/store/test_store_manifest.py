@@ -175,6 +175,7 @@ def test_probes_and_views_answer_common_questions(written, tmp_path):
     assert runs == [{"status": "finished", "arrays": 2, "chunks_committed": 6, "chunks_expected": 6}]
 
 
+@pytest.mark.slow
 def test_drop_run_removes_arrays_and_rows_atomically(written, tmp_path):
     ws = _copy(written, tmp_path)
     write_run(ws, run="r2", n=8)
@@ -195,6 +196,7 @@ def test_plan_counts_bytes_before_running():
         plan(samples=0, layers=1, tokens=1, dim=1)
 
 
+@pytest.mark.slow
 def test_cli_help_info_plan_query(written, tmp_path, capsys):
     out = python("-m", "store", "--help")
     assert out.returncode == 0 and all(c in out.stdout for c in ("info", "verify", "plan", "drop-run"))
