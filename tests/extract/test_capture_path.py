@@ -58,6 +58,7 @@ def _table(ws: Workspace, table: str, run: str) -> list[tuple]:
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava", "gemma3", "paligemma"])
+@pytest.mark.slow
 def test_forward_path_stores_what_generate_stores(arch, tiny_dir, g2m_set, tmp_path):
     model = tiny_dir(arch)
     data = tmp_path / "data"
