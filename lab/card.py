@@ -91,15 +91,28 @@ def render_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | N
     from .g2m import markdown as g2m_markdown
 
     train = json.loads((checkpoint / "training.json").read_text())
-    cfg = train["train_config"]
-    s1 = cfg["stage1"]
-    seconds = train.get("seconds", {})
-    total = sum(seconds.values())
-    size = (checkpoint / "model.safetensors").stat().st_size
-    spec = result["spec"]
-    model = cfg["model"]
-    sizes = ", ".join(str(n) for n in cfg["grid_sizes"])
     lines = [
+        *_g2m_recipe(checkpoint, train),
+        "",
+        *_g2m_training(train, commands),
+        "",
+        *_g2m_evaluation(checkpoint, result["spec"]),
+        "",
+        g2m_markdown(result),
+        "",
+        notes.strip(),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _g2m_recipe(checkpoint: Path, train: dict[str, Any]) -> list[str]:
+    """The card's title and recipe: size, architecture, grids, schedule, prompt and answer."""
+    cfg = train["train_config"]
+    s1, model = cfg["stage1"], cfg["model"]
+    size = (checkpoint / "model.safetensors").stat().st_size
+    sizes = ", ".join(str(n) for n in cfg["grid_sizes"])
+    return [
         "# toy-g2m: the lab's toy VLM on Grid2Matrix colour grids (study g2m)",
         "",
         "The counting lab's architecture (`model_type: toy_counter`, `import lab` registers the Auto",
@@ -119,7 +132,14 @@ def render_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | N
         "- prompt: the study's G2M prompt (`g2m.prompt`) in the toy's template; answer: the N² colour",
         "  indices in raster order, one digit token each, read by the study's parser (all integers,",
         "  exactly H·W) and scored by `g2m.score` (Exact Match, Cell Accuracy)",
-        "",
+    ]
+
+
+def _g2m_training(train: dict[str, Any], commands: list[str] | None) -> list[str]:
+    """How to retrain, the command that produced this checkpoint, and its wall time."""
+    seconds = train.get("seconds", {})
+    total = sum(seconds.values())
+    return [
         "## Training",
         "",
         "Retrain from scratch (`lab/toy-g2m.yaml`): `python -m lab.train --config lab/toy-g2m.yaml`"
@@ -131,7 +151,12 @@ def render_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | N
         "",
         "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
         + f", total {total / 60:.1f} min ({train['threads']} torch thread(s), torch {train['torch']}).",
-        "",
+    ]
+
+
+def _g2m_evaluation(checkpoint: Path, spec: dict[str, Any]) -> list[str]:
+    """The evaluation's heading and method: the command, the test grids, the probe and its controls."""
+    return [
         "## Evaluation",
         "",
         f"`python -m lab.g2m evaluate lab/checkpoints/{checkpoint.name} --per-n {spec['per_n']}`: per N,"
@@ -141,13 +166,7 @@ def render_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | N
         f" the projector input), trained per N on {spec['probe_grids']} other grids (seeds"
         f" {spec['probe_seed']}..) and tested on the same test grids; controls: shuffled training labels,"
         " and the same probe on a randomly initialised ViT of the same shape.",
-        "",
-        g2m_markdown(result),
-        "",
-        notes.strip(),
-        "",
     ]
-    return "\n".join(lines)
 
 
 def write_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | None = None,

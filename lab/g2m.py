@@ -51,7 +51,7 @@ CONTROL_SHUFFLES = 5
 
 def build_g2m_processor(cfg: TrainConfig) -> ToyCounterProcessor:
     """The counter's processor with the G2M prompt's words and images of any N x N cells."""
-    return build_processor(cfg.board_size * cfg.cell_px, cfg.cell_px, extra_words=T.g2m_words(),
+    return build_processor(cfg.board_size * cfg.cell_px, cfg.cell_px, extra_words=T.G2M_WORDS,
                            variable_size=True)
 
 
@@ -321,48 +321,14 @@ def evaluate(model: Any, processor: Any, spec: G2MEvalSpec = G2MEvalSpec(),
     for n in spec.grid_sizes:
         test = grids(model, n, spec.per_n, spec.seed, "test", spec.num_colors)
         train = grids(model, n, spec.probe_grids, spec.probe_seed, "probe", spec.num_colors)
-        texts = transcribe(model, processor, test, spec.batch_size)
-        scores = [G.score(t, s.truth["matrix"]) for t, s in zip(texts, test, strict=False)]
-        m = G.metrics(scores)
-        truth = [np.asarray(s.truth["matrix"]) for s in test]
-        reads, image_mass = readout_attention(model, processor, test, spec.batch_size)
-        lenient = sum(lenient_cells(t, g) for t, g in zip(texts, truth, strict=False)) / sum(g.size for g in truth)
-        digits = float(np.mean([len([c for c in t if c.isdigit()]) for t in texts]))
-
-        x_tr, y_tr = _tokens(model, processor, train, spec.batch_size), _labels(train)
-        x_te, y_te = _tokens(model, processor, test, spec.batch_size), _labels(test)
-        d = x_tr.shape[-1]
-        probe = fit_probe(x_tr.reshape(-1, d), y_tr.ravel())
-        # Shuffled labels map the few colour clusters to classes at random, so one control lands
-        # far from chance either way: the mean of CONTROL_SHUFFLES of them is the control.
-        controls = [fit_probe(x_tr.reshape(-1, d), rng.permutation(y_tr.ravel()))
-                    for _ in range(CONTROL_SHUFFLES)]
-        dec_tr, dec_te = (decoder_tokens(model, processor, train, spec.batch_size),
-                          decoder_tokens(model, processor, test, spec.batch_size))
-        decoder_probe = fit_probe(dec_tr.reshape(-1, d), y_tr.ravel())
-        xr_tr, xr_te = (_tokens(fresh, processor, train, spec.batch_size),
-                        _tokens(fresh, processor, test, spec.batch_size))
-        random_init = fit_probe(xr_tr.reshape(-1, d), y_tr.ravel())
+        answers = _answer_row(model, processor, test, spec.batch_size)
+        probes, (x_tr, y_tr), (x_te, y_te) = _probe_row(model, fresh, processor, train, test, spec, rng)
         if n in trained:
-            id_x.append(x_tr.reshape(-1, d))
-            id_y.append(y_tr.ravel())
+            id_x.append(x_tr)
+            id_y.append(y_tr)
         per_n[n] = (x_te, y_te)
-        p_ca, p_em = _probe_scores(probe, x_te, y_te)
-        c_ca = float(np.mean([_probe_scores(c, x_te, y_te)[0] for c in controls]))
-        dec_ca, _ = _probe_scores(decoder_probe, dec_te, y_te)
-        r_ca, _ = _probe_scores(random_init, xr_te, y_te)
-        rows[str(n)] = {
-            "n": n, "trained": n in trained, "grids": m.samples,
-            "exact_match": m.exact_match, "cell_accuracy": m.cell_accuracy,
-            "parse_failures": m.parse_failures, "lenient_cell_accuracy": lenient,
-            "digits_mean": digits, "expected_digits": n * n,
-            "probe_cell_accuracy": p_ca, "probe_exact_match": p_em,
-            "control_cell_accuracy": c_ca, "random_init_cell_accuracy": r_ca,
-            "decoder_probe_cell_accuracy": dec_ca,
-            "readout_attention": np.round(reads.astype(float), 4).tolist(), "readout_attention_best": float(reads.max()),
-            "answer_image_attention": image_mass,
-            "example": texts[0][:80],
-        }
+        metrics = {k: answers.pop(k) for k in _ANSWER_METRICS}  # evaluation.json keeps its key order
+        rows[str(n)] = {"n": n, "trained": n in trained, **metrics, "expected_digits": n * n, **probes, **answers}
     # One probe trained on the trained sizes only, tested at every N: does a cell's code move?
     if id_x:
         probe_id = fit_probe(np.concatenate(id_x), np.concatenate(id_y))
@@ -371,6 +337,53 @@ def evaluate(model: Any, processor: Any, spec: G2MEvalSpec = G2MEvalSpec(),
     return {"spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(spec).items()},
             "trained_sizes": list(trained), "chance": 1 / spec.num_colors, "per_n": rows,
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+_ANSWER_METRICS = ("grids", "exact_match", "cell_accuracy", "parse_failures", "lenient_cell_accuracy", "digits_mean")
+
+
+def _answer_row(model: Any, processor: Any, test: list[Stimulus], batch_size: int) -> dict[str, Any]:
+    """What the model writes for the test grids: the study's metrics, the lenient cell accuracy,
+    digits written, and where its read-out attends."""
+    texts = transcribe(model, processor, test, batch_size)
+    m = G.metrics([G.score(t, s.truth["matrix"]) for t, s in zip(texts, test, strict=False)])
+    truth = [np.asarray(s.truth["matrix"]) for s in test]
+    reads, image_mass = readout_attention(model, processor, test, batch_size)
+    lenient = sum(lenient_cells(t, g) for t, g in zip(texts, truth, strict=False)) / sum(g.size for g in truth)
+    return {"grids": m.samples, "exact_match": m.exact_match, "cell_accuracy": m.cell_accuracy,
+            "parse_failures": m.parse_failures, "lenient_cell_accuracy": lenient,
+            "digits_mean": float(np.mean([len([c for c in t if c.isdigit()]) for t in texts])),
+            "readout_attention": np.round(reads.astype(float), 4).tolist(),
+            "readout_attention_best": float(reads.max()),
+            "answer_image_attention": image_mass, "example": texts[0][:80]}
+
+
+def _probe_row(model: Any, fresh: Any, processor: Any, train: list[Stimulus], test: list[Stimulus],
+               spec: G2MEvalSpec, rng: np.random.Generator,
+               ) -> tuple[dict[str, float], tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Linear probes of a cell's colour on the ViT output tokens (with shuffled-label controls), on
+    the decoder's image tokens, and on a randomly initialised tower; also the flat train features and
+    labels and the test tokens, for the probe trained on every trained size."""
+    from .evaluate import fit_probe
+
+    x_tr, y_tr = _tokens(model, processor, train, spec.batch_size), _labels(train)
+    x_te, y_te = _tokens(model, processor, test, spec.batch_size), _labels(test)
+    d = x_tr.shape[-1]
+    probe = fit_probe(x_tr.reshape(-1, d), y_tr.ravel())
+    # Shuffled labels map the few colour clusters to classes at random, so one control lands
+    # far from chance either way: the mean of CONTROL_SHUFFLES of them is the control.
+    controls = [fit_probe(x_tr.reshape(-1, d), rng.permutation(y_tr.ravel())) for _ in range(CONTROL_SHUFFLES)]
+    dec_tr, dec_te = (decoder_tokens(model, processor, train, spec.batch_size),
+                      decoder_tokens(model, processor, test, spec.batch_size))
+    decoder_probe = fit_probe(dec_tr.reshape(-1, d), y_tr.ravel())
+    xr_tr, xr_te = _tokens(fresh, processor, train, spec.batch_size), _tokens(fresh, processor, test, spec.batch_size)
+    random_init = fit_probe(xr_tr.reshape(-1, d), y_tr.ravel())
+    p_ca, p_em = _probe_scores(probe, x_te, y_te)
+    scores = {"probe_cell_accuracy": p_ca, "probe_exact_match": p_em,
+              "control_cell_accuracy": float(np.mean([_probe_scores(c, x_te, y_te)[0] for c in controls])),
+              "random_init_cell_accuracy": _probe_scores(random_init, xr_te, y_te)[0],
+              "decoder_probe_cell_accuracy": _probe_scores(decoder_probe, dec_te, y_te)[0]}
+    return scores, (x_tr.reshape(-1, d), y_tr.ravel()), (x_te, y_te)
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -276,6 +276,47 @@ class ToyCounterForConditionalGeneration(ToyCounterPreTrainedModel, GenerationMi
         mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
         return mask.masked_fill(~keep, torch.finfo(dtype).min)
 
+    def _merge_images(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor,
+                      pixel_values: torch.Tensor, output_hidden_states: bool, output_attentions: bool,
+                      ) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:
+        """The text embeddings with each ``<|image|>`` slot replaced by its projected patch, in
+        raster order; also the image features and the ViT's hidden states and attentions (or None)."""
+        feats, vh, va = self.vision(pixel_values.to(inputs_embeds.dtype), output_hidden_states, output_attentions)
+        image_features = self.projector(feats)
+        if input_ids is None:
+            raise ValueError("pixel_values need input_ids with <|image|> placeholders")
+        slots = input_ids == self.config.image_token_id
+        if int(slots.sum()) != image_features.shape[0] * image_features.shape[1]:
+            raise ValueError(
+                f"{int(slots.sum())} <|image|> tokens but {image_features.shape[0]} images x"
+                f" {image_features.shape[1]} patches: expand the placeholder with the processor")
+        return inputs_embeds.masked_scatter(slots[..., None], image_features), image_features, vh or None, va or None
+
+    def _rope(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None,
+              attention_mask: torch.Tensor | None, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos/sin of each new token: given positions, else counted over the unpadded tokens
+        (left padding starts every row at 0), else ``past .. past+T``."""
+        b, t, _ = inputs_embeds.shape
+        positions: torch.Tensor
+        if position_ids is not None:
+            positions = position_ids
+        elif attention_mask is not None:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
+        else:
+            positions = torch.arange(past, past + t, device=inputs_embeds.device)[None].expand(b, t)
+        cos, sin = rope_1d(positions, self.config.head_dim, self.config.rope_theta)
+        return cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)
+
+    def _decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: Cache | None, output_attentions: bool) -> tuple[torch.Tensor, list[Any], list[Any]]:
+        """The decoder blocks then the final norm; every block's input/output and attention weights."""
+        hidden, attns = [x], []
+        for layer in self.decoder.layers:
+            x, w = layer(x, cos, sin, mask, cache, output_attentions)
+            hidden.append(x)
+            attns.append(w)
+        return self.decoder.norm(x), hidden, attns
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -300,45 +341,18 @@ class ToyCounterForConditionalGeneration(ToyCounterPreTrainedModel, GenerationMi
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.decoder.embed_tokens(input_ids)
-
         vision_hidden, vision_attns, image_features = None, None, None
         if pixel_values is not None:
-            feats, vh, va = self.vision(pixel_values.to(inputs_embeds.dtype),
-                                        output_hidden_states, output_attentions)
-            image_features = self.projector(feats)
-            vision_hidden = vh or None
-            vision_attns = va or None
-            if input_ids is None:
-                raise ValueError("pixel_values need input_ids with <|image|> placeholders")
-            slots = input_ids == self.config.image_token_id
-            if int(slots.sum()) != image_features.shape[0] * image_features.shape[1]:
-                raise ValueError(
-                    f"{int(slots.sum())} <|image|> tokens but {image_features.shape[0]} images x"
-                    f" {image_features.shape[1]} patches: expand the placeholder with the processor")
-            inputs_embeds = inputs_embeds.masked_scatter(slots[..., None], image_features)
+            inputs_embeds, image_features, vision_hidden, vision_attns = self._merge_images(
+                input_ids, inputs_embeds, pixel_values, output_hidden_states, output_attentions)
 
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         past = cache.get_seq_length() if cache is not None else 0
-        b, t, _ = inputs_embeds.shape
-        positions: torch.Tensor
-        if position_ids is not None:
-            positions = position_ids
-        elif attention_mask is not None:
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
-        else:
-            positions = torch.arange(past, past + t, device=inputs_embeds.device)[None].expand(b, t)
-        cos, sin = rope_1d(positions, self.config.head_dim, self.config.rope_theta)
-        cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)
+        t = inputs_embeds.shape[1]
+        cos, sin = self._rope(inputs_embeds, position_ids, attention_mask, past)
         mask = self._mask(attention_mask, t, past, inputs_embeds.dtype)
-
-        x = inputs_embeds
-        hidden, attns = [x], []
-        for layer in self.decoder.layers:
-            x, w = layer(x, cos, sin, mask, cache, output_attentions)
-            hidden.append(x)
-            attns.append(w)
-        x = self.decoder.norm(x)
+        x, hidden, attns = self._decode(inputs_embeds, cos, sin, mask, cache, output_attentions)
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         logits = self.lm_head(x[:, keep])
 

@@ -3,14 +3,16 @@
 One token per whitespace-separated word and one per digit, so a count is spelled digit by digit
 ("4 7") and strings are written one letter per token ("c a b ..."). The vocabulary is closed:
 special tokens, a-z, 0-9, True/False and the words of the four Go-board questions. The G2M toy
-(``lab.g2m``) appends the pieces of the G2M prompt (``g2m_words``); the counter's ids never move.
+(``lab.g2m``) appends the pieces of the G2M prompt (``G2M_WORDS``); the counter's ids never move.
+
+The word lists are frozen literals, not read from the stimulus families' prompts: a token's id is
+part of every trained checkpoint, so editing a prompt must never renumber a model's vocabulary.
+``tests/lab/test_vocabulary.py`` fails when a prompt the toys read drifts outside these lists.
 """
 
 from __future__ import annotations
 
 import string
-
-from stimuli.goboard import QUESTIONS
 
 BOS, EOS, PAD, UNK = "<|bos|>", "<|eos|>", "<|pad|>", "<|unk|>"
 USER_START, USER_END = "<|user_start|>", "<|user_end|>"
@@ -25,14 +27,25 @@ SPECIALS = (
 )
 
 
-def question_words() -> list[str]:
-    """Words of the study's questions that are not single letters or digits, in first-seen order."""
-    seen: list[str] = []
-    for question in QUESTIONS.values():
-        for word in question.split():
-            if len(word) > 1 and word not in seen:
-                seen.append(word)
-    return seen
+# The words of the Go-board questions (``stimuli.goboard.QUESTIONS``) that are not single letters
+# or digits, in first-seen order, as the toy-counter checkpoints were trained on them.
+QUESTION_WORDS = (
+    "How", "many", "black", "stones", "are", "there", "on", "the", "chessboard", "letters", "in",
+    "given", "string", "Is", "number", "of", "same", "as", "Are", "both", "input", "strings",
+)
+
+# The pieces of the G2M study prompt (``stimuli.g2m.prompt``) for every colour count, in first-seen
+# order, as the toy-g2m checkpoint was trained on them; appended after the counting vocabulary.
+G2M_WORDS = (
+    "You", "are", "a", "precise", "grid", "serialization", "engine.", "Task:", "Transcribe", "the", "3",
+    "x", "pixel", "from", "image", "into", "numerical", "matrix.", "Color", "Mapping:", "{White:", "0",
+    ",", "Red:", "1", "Blue:", "2", "}.", "Instructions:", ".", "Scan", "row", "by", "row,", "top", "to",
+    "bottom.", "For", "each", "map", "every", "cell", "using", "color", "mapping.", "Ensure", "output",
+    "has", "exactly", "rows", "and", "columns.", "Output", "Format:", "Return", "ONLY", "Python", "list",
+    "of", "lists", "(e.g.,", "[[", "],", "[", "]]).", "Do", "not", "use", "markdown,", "code", "blocks,",
+    "or", "explanations.", "Green:", "Orange:", "4", "Purple:", "5", "Yellow:", "6", "Cyan:", "7",
+    "Pink:", "8", "Brown:", "9",
+)
 
 
 def pre_tokenize(text: str) -> list[str]:
@@ -48,30 +61,24 @@ def _pre_tokenizer():
     )
 
 
-def g2m_words() -> list[str]:
-    """Pieces of the G2M study prompt (``stimuli.g2m.prompt``) for every C, first-seen order.
-
-    Added after the counting vocabulary (``build_tokenizer(extra_words=g2m_words())``), so the toy
-    reads the study's own prompt word by word; grid sizes and colour indices are digits already.
-    """
-    from stimuli import g2m
-
-    seen: list[str] = []
-    for colors in range(g2m.MIN_COLORS, g2m.MAX_COLORS + 1):
-        for piece in pre_tokenize(g2m.prompt(3, 3, colors)):
-            if piece not in seen:
-                seen.append(piece)
-    return seen
+def unknown_words(text: str, extra_words: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """Pieces of ``text`` outside ``vocabulary(extra_words)``, first-seen order: each would read as UNK."""
+    vocab = vocabulary(extra_words)
+    missing: list[str] = []
+    for piece in pre_tokenize(text):
+        if piece not in vocab and piece not in missing:
+            missing.append(piece)
+    return missing
 
 
 def vocabulary(extra_words: tuple[str, ...] | list[str] = ()) -> dict[str, int]:
     """Token -> id. Order is fixed so that ids never move between releases of the same vocab.
 
-    ``extra_words`` (e.g. :func:`g2m_words`) come after the counting vocabulary, so the counting
+    ``extra_words`` (e.g. :data:`G2M_WORDS`) come after the counting vocabulary, so the counting
     tokens keep their ids in every vocabulary.
     """
     words = [*SPECIALS, *string.ascii_lowercase, *string.digits, "True", "False", "?"]
-    words += [w for w in question_words() if w not in words]
+    words += [w for w in QUESTION_WORDS if w not in words]
     seen = set(words)
     for w in extra_words:
         if w not in seen:

@@ -421,61 +421,74 @@ def _ring(sizes: list[float], gap: float, fn: GapFn, phase: float) -> Local:
     Every pair ends at least ``gap`` apart and every object has a neighbour at exactly ``gap``;
     with varied sizes or box shapes that neighbour may be the one two steps back.
     """
-    n = len(sizes)
-    if n < 3:
+    if len(sizes) < 3:
         return _line(sizes, gap, vertical=False)
+    ring = _Ring(sizes, gap, fn, phase)
+    radius = _bisect(ring.closing, 0.0, sum(2 * r + gap for r in sizes), 40)  # perimeter-sized: closes
+    thetas = ring.place(radius)
+    assert thetas is not None
+    return [(*_Ring.point(radius, t), r) for t, r in zip(thetas, sizes, strict=False)]
 
+
+@dataclass(frozen=True)
+class _Ring:
+    """The steps of :func:`_ring` for one set of objects: angles at a radius, and how far a ring of
+    that radius is from closing."""
+
+    sizes: list[float]
+    gap: float
+    fn: GapFn
+    phase: float
+
+    @staticmethod
     def point(radius: float, theta: float) -> tuple[float, float]:
         return radius * math.cos(theta), radius * math.sin(theta)
 
-    def clear(radius: float, thetas: list[float], ks: range, theta: float, r: float) -> float:
-        x, y = point(radius, theta)
-        return min(fn(*point(radius, thetas[k]), sizes[k], x, y, r) for k in ks) - gap
+    def clear(self, radius: float, thetas: list[float], ks: range, theta: float, r: float) -> float:
+        x, y = self.point(radius, theta)
+        return min(self.fn(*self.point(radius, thetas[k]), self.sizes[k], x, y, r) for k in ks) - self.gap
 
-    def next_to(radius: float, t0: float, r_prev: float, r: float) -> float | None:
+    def next_to(self, radius: float, t0: float, r_prev: float, r: float) -> float | None:
         """The angle step that puts an object exactly ``gap`` from the previous one."""
-        if fn is circle_gap:
-            chord = r_prev + r + gap
+        if self.fn is circle_gap:
+            chord = r_prev + r + self.gap
             return 2 * math.asin(chord / (2 * radius)) if chord <= 2 * radius else None
-        x0, y0 = point(radius, t0)
+        x0, y0 = self.point(radius, t0)
 
         def f(d: float) -> float:
-            return fn(x0, y0, r_prev, *point(radius, t0 + d), r) - gap
+            return self.fn(x0, y0, r_prev, *self.point(radius, t0 + d), r) - self.gap
         return _bisect(f, 0.0, math.pi, 40) if f(math.pi) >= 0 else None
 
-    def place(radius: float) -> list[float] | None:
-        thetas = [phase]
-        for i in range(1, n):
+    def place(self, radius: float) -> list[float] | None:
+        """Each object's angle, going round from ``phase``; None if one cannot be placed."""
+        sizes, thetas = self.sizes, [self.phase]
+        for i in range(1, len(sizes)):
             t0 = thetas[-1]
-            d = next_to(radius, t0, sizes[i - 1], sizes[i])
+            d = self.next_to(radius, t0, sizes[i - 1], sizes[i])
             if d is None:
                 return None
             # A small object between big ones lets the next big one reach the one before; then
             # step on until every earlier object (but the first, settled by closing) is clear.
-            if i > 2 and clear(radius, thetas, range(1, i - 1), t0 + d, sizes[i]) < 0:
+            if i > 2 and self.clear(radius, thetas, range(1, i - 1), t0 + d, sizes[i]) < 0:
                 def f(x: float, i: int = i, t0: float = t0) -> float:
-                    return clear(radius, thetas, range(1, i), t0 + x, sizes[i])
+                    return self.clear(radius, thetas, range(1, i), t0 + x, sizes[i])
                 if f(math.pi) < 0:
                     return None
                 d = _bisect(f, d, math.pi, 40)
             thetas.append(t0 + d)
         return thetas
 
-    def closing(radius: float) -> float:
+    def closing(self, radius: float) -> float:
         # >= 0 once the ring leaves room for the first object (the root: it just fits). Object
         # 1 is left out: its gap to the first is ``gap`` by construction, and float noise
         # around that would flip the sign.
-        thetas = place(radius)
-        if thetas is None or thetas[-1] - phase >= 2 * math.pi:
+        thetas = self.place(radius)
+        if thetas is None or thetas[-1] - self.phase >= 2 * math.pi:
             return -1.0
-        x0, y0 = point(radius, phase)
-        others = [fn(x0, y0, sizes[0], *point(radius, t), sizes[k]) for k, t in enumerate(thetas) if k >= 2]
-        return min(others) - gap
-
-    radius = _bisect(closing, 0.0, sum(2 * r + gap for r in sizes), 40)  # perimeter-sized: closes
-    thetas = place(radius)
-    assert thetas is not None
-    return [(*point(radius, t), r) for t, r in zip(thetas, sizes, strict=False)]
+        x0, y0 = self.point(radius, self.phase)
+        others = [self.fn(x0, y0, self.sizes[0], *self.point(radius, t), self.sizes[k])
+                  for k, t in enumerate(thetas) if k >= 2]
+        return min(others) - self.gap
 
 
 def _cluster(sizes: list[float], gap: float, fn: GapFn, rng: np.random.Generator) -> Local:

@@ -104,6 +104,7 @@ CASES = [(arch, None) for arch in sorted(SLIDING)] + [("gemma3", "static")]
 
 
 @pytest.mark.parametrize(("arch", "cache"), CASES, ids=[a + (f"-{c}" if c else "") for a, c in CASES])
+@pytest.mark.slow
 def test_windowed_rows_equal_output_attentions(arch, cache, windowed):
     lm = windowed(arch)
     window_layers = sliding_layers(lm)
@@ -139,6 +140,7 @@ def test_windowed_rows_equal_output_attentions(arch, cache, windowed):
 
 # ------------------------------------------------------------------------------------------ the stored rows
 
+@pytest.mark.slow
 def test_stored_windowed_rows_match_spans_and_transformers(spatial_run):
     """A tiny Gemma3 run over spatial scenes (conftest): one stored row per key of the sequence the spans
     describe, equal to output_attentions, on prompts of several lengths, all longer than the window."""

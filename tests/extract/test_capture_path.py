@@ -58,6 +58,7 @@ def _table(ws: Workspace, table: str, run: str) -> list[tuple]:
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava", "gemma3", "paligemma"])
+@pytest.mark.slow
 def test_forward_path_stores_what_generate_stores(arch, tiny_dir, g2m_set, tmp_path):
     model = tiny_dir(arch)
     data = tmp_path / "data"
@@ -123,6 +124,7 @@ def test_path_is_validated(tiny_dir, g2m_set):
         manifest_for(tiny_dir("llava"), g2m_set, "r", path="forward_please")
 
 
+@pytest.mark.slow
 def test_a_run_stored_before_capture_paths_resumes_on_generate(tiny_dir, g2m_set, tmp_path):
     """A run whose config predates the recorded capture path (it ran ``generate``) is resumed, not
     refused as a settings change, and goes on as it was: on ``generate``, with no path recorded."""

@@ -27,6 +27,7 @@ def spatial_set(tmp_path_factory):
     return write_set(family, family.config(image_size=112), n=4, seed=0, split="test", out=out)
 
 
+@pytest.mark.slow
 def test_answers_end_at_eos_not_at_a_generated_pad(tiny_dir, tiny_lm, spatial_set, tmp_path):
     model = tiny_dir("idefics3")
     manifest = parse_manifest({

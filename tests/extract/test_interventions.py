@@ -42,6 +42,7 @@ def _toy_batch(toy, n=2, answers=None):
 # ------------------------------------------------------------------------------------------ heads
 
 @pytest.mark.parametrize("tap", ["llm", "vision"])
+@pytest.mark.slow
 def test_zeroing_a_head_changes_exactly_that_heads_slice(toy, tap):
     site = head_site(toy, tap, 0)
     assert (site.n_heads, site.head_dim) == (2, 16)
@@ -83,6 +84,7 @@ def test_qwen_vision_and_llm_heads_are_found(tiny_lm):
     assert vis.n_heads * vis.head_dim == lm.model.get_submodule(vis.out_proj).in_features
 
 
+@pytest.mark.slow
 def test_one_forward_per_head_covers_a_batch(toy):
     batch = _toy_batch(toy, 3, answers=["1 2", "3", "4 5"])
     sites = [head_site(toy, "llm", layer) for layer in (0, 1)]
@@ -98,6 +100,7 @@ def test_one_forward_per_head_covers_a_batch(toy):
             assert g["logit_drop"] == pytest.approx(e["logit_drop"], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_head_ablation_run_records_every_head_and_resumes(go_set, tmp_path):
     data = {"run": "heads", "model": {"path": TOY}, "stimuli": [{"set": str(go_set), "task": "multimodal_num"}],
             "intervention": {"kind": "head_ablation"}, "generation": {"max_new_tokens": 4}, "batch_size": 3}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from faultlib import Zygote, assert_same_store, committed, go_set, python, snapshot, wait_for, write_manifest
+from faultlib import assert_same_store, committed, go_set, python, snapshot, wait_for, write_manifest
 
 from store import Workspace, WorkspaceError
 
@@ -35,15 +35,6 @@ def stimuli(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def manifest(stimuli, tmp_path_factory) -> Path:
     return write_manifest(tmp_path_factory.mktemp("manifest") / "faults.yaml", stimuli)
-
-
-@pytest.fixture(scope="module")
-def zygote(tmp_path_factory):
-    z = Zygote(tmp_path_factory.mktemp("zygote"))
-    try:
-        yield z
-    finally:
-        z.close()
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from faultlib import REPO, TOY_MODEL, Zygote, env, go_set, python, write_manifest
+from faultlib import REPO, TOY_MODEL, env, go_set, python, write_manifest
 from PIL import Image
 
 from store import Workspace
@@ -40,15 +40,6 @@ N = 8  # two chunks of 4
 @pytest.fixture(scope="module")
 def stimuli(tmp_path_factory) -> Path:
     return go_set(tmp_path_factory.mktemp("stimuli") / "go-inputs", counts=f"0-{N - 1}")
-
-
-@pytest.fixture(scope="module")
-def zygote(tmp_path_factory):
-    z = Zygote(tmp_path_factory.mktemp("zygote"))
-    try:
-        yield z
-    finally:
-        z.close()
 
 
 @pytest.fixture(scope="module")

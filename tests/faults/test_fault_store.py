@@ -15,16 +15,15 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from faultlib import REPO, env, kill_at_rename, python, wait_for
 
 sys.path.insert(0, str(REPO / "tests" / "store"))
-from storetest_lib import DIM, TOKENS, dense_values, ragged_values, stimulus_rows, write_run  # noqa: E402
+from storetest_lib import dense_values, write_run  # noqa: E402
 
-from store import ArraySpec, Generation, RunInfo, Shard, TokenSpans, Workspace  # noqa: E402
+from store import ArraySpec, RunInfo, Shard, Workspace  # noqa: E402
 from store.errors import ManifestBusyError, WriterError  # noqa: E402
 
 
@@ -163,31 +162,6 @@ def test_a_writer_refused_in_the_instant_the_holder_takes_the_lock_names_it(tmp_
         holder.wait(10)
 
 
-def _write_run_pausing(ws: Workspace, pause_at: int, pause: Any, **writer_options: Any) -> None:
-    """storetest_lib.write_run's loop (same values, spans, generations), calling ``pause()`` once
-    the batch that ends at row ``pause_at`` is queued: the test decides what happens then, no clock."""
-    n, chunk, batch = 48, 8, 4
-    with ws.writer(RunInfo(run="r1", model="tiny-test", dtype="float32", chunk_samples=chunk, config={"n": n}),
-                   **writer_options) as w:
-        w.set_samples(w.register_stimuli(stimulus_rows(n), dataset="set"))
-        img = w.array(ArraySpec(tap="llm", layer=3, tokens="image", shape=(TOKENS, DIM), module="model.layers.3"))
-        ans = w.array(ArraySpec(tap="llm", layer=3, tokens="answer", shape=(DIM,), ragged=True))
-        for rows in w.todo():
-            for s in range(rows.start, rows.stop, batch):
-                e = min(s + batch, rows.stop)
-                w.write_batch(
-                    s,
-                    {img: dense_values(range(s, e)), ans: [ragged_values(i) for i in range(s, e)]},
-                    tokens=[TokenSpans(seq_len=20, image_start=2, image_count=6, grid_h=2, grid_w=3,
-                                       last_prompt=15, answer_start=16, answer_count=i % 4) for i in range(s, e)],
-                    generations=[Generation(text=str(i % 5), prediction=i % 5, parse_ok=True, correct=i % 3 == 0,
-                                            metrics={"cells_correct": i % 9, "cells_total": 9}) for i in range(s, e)],
-                )
-                if e == pause_at:
-                    pause()
-        w.finish()
-
-
 def test_manifest_held_open_by_another_process_fails_late_and_clearly_then_resumes(tmp_path):
     """Injects: once 2 chunks are committed, another process opens manifest.duckdb read-write and
     keeps it (a DuckDB CLI or notebook session) while the writer (manifest_timeout 2 s) goes on.
@@ -211,7 +185,7 @@ def test_manifest_held_open_by_another_process_fails_late_and_clearly_then_resum
 
     def writer() -> None:
         try:
-            _write_run_pausing(ws, 24, pause, manifest_timeout=2.0)
+            write_run(ws, n=48, after_batch=lambda end: pause() if end == 24 else None, manifest_timeout=2.0)
         except BaseException as err:  # noqa: BLE001 - asserted below
             outcome["error"] = err
 

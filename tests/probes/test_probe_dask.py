@@ -83,6 +83,7 @@ def local_rows(base, tmp_path_factory):
     return probe_rows(open_workspace(path))
 
 
+@pytest.mark.slow
 def test_scheduler_and_two_cli_workers_give_the_local_clusters_rows(cluster, base, local_rows, tmp_path):
     address, _ = cluster
     path = tmp_path / "ws"
@@ -94,6 +95,7 @@ def test_scheduler_and_two_cli_workers_give_the_local_clusters_rows(cluster, bas
     assert ws.rows("SELECT count(DISTINCT params->>'worker') FROM probes") == [(2,)]  # both workers took groups
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_plan_loses_nothing_and_duplicates_nothing(cluster, base, local_rows, tmp_path):
     from dask.distributed import Client
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from probetest_lib import REPO, go_family, go_features, python, write_run
 
 from probes.farm import open_workspace
 from store import Workspace
 
 
+@pytest.mark.slow
 def test_new_probe_example_runs_as_written(tmp_path):
     text = (REPO / "docs" / "new-probe.md").read_text()
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)

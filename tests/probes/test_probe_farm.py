@@ -87,6 +87,7 @@ def test_expansion_against_the_workspace(ws_path):
                                            "kinds": "pooled"}]}), ws)
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_probes_and_resumes_after_loss(ws_path):
     plan = parse_plan(PLAN)
     first = run_plan(plan, ws_path, in_process=True, **QUIET)
@@ -121,6 +122,7 @@ def test_rerun_skips_finished_probes_and_resumes_after_loss(ws_path):
     assert max(abs(a[7] - b[7]) for a, b in zip(got, rows, strict=False)) <= 0.03
 
 
+@pytest.mark.slow
 def test_plans_differing_only_in_kind_parameters_keep_both_rows(ws_path):
     # Before probes were keyed by their full identity, the second plan's C replaced the first's row.
     entry = {"runs": ["spatial"], "layers": [1], "targets": ["spatial.relation"], "control": "none"}
@@ -137,6 +139,7 @@ def test_plans_differing_only_in_kind_parameters_keep_both_rows(ws_path):
     assert per_probe[0][0] == 2 and per_probe[0][1] > 0
 
 
+@pytest.mark.slow
 def test_cli_dry_run_lists_probes_and_bad_plans_exit_2(ws_path, tmp_path, capsys):
     from probes.cli import main
 
@@ -163,6 +166,7 @@ def test_shipped_plans_are_valid(path):
     assert plan.probes
 
 
+@pytest.mark.slow
 def test_killed_farm_process_resumes_without_duplicates(tmp_path):
     import os
     import signal
@@ -206,6 +210,7 @@ def test_killed_farm_process_resumes_without_duplicates(tmp_path):
     assert probe_rows(ws) == probe_rows(open_workspace(tmp_path / "ref"))
 
 
+@pytest.mark.slow
 def test_ragged_image_tokens_of_one_size_are_probed_like_a_dense_array(tmp_path):
     """One run holding grids of two sizes (4x4 and 6x6 image tokens: a ragged image array); a
     per-size entry trains on it exactly as on a dense run of that size alone, and a selection that
@@ -251,6 +256,7 @@ def test_ragged_image_tokens_of_one_size_are_probed_like_a_dense_array(tmp_path)
         run_plan(everything, mixed.path, in_process=True, **QUIET)
 
 
+@pytest.mark.slow
 def test_workers_write_nothing_the_client_writes_each_weight_file(tmp_path):
     """A group runs where the workspace folder cannot even be created (as on a cluster node that
     only sees the arrays): it still trains and hands back the weights, which load as the probe."""
@@ -278,6 +284,7 @@ def test_workers_write_nothing_the_client_writes_each_weight_file(tmp_path):
         assert Probe.load(ws.path / row["artifact"]).name == "linear"
 
 
+@pytest.mark.slow
 def test_killed_client_leaves_no_weight_file_without_a_row(tmp_path):
     """Issue 16 item 7: weights wait under a pending name until their row commits; a client killed
     between the two leaves none under a final name, and the next run publishes or deletes them."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from probetest_lib import python
 
 CHECK = """
@@ -15,6 +16,7 @@ print('ok')
 """
 
 
+@pytest.mark.slow
 def test_importing_probes_loads_no_model_code():
     got = python("-c", CHECK)
     assert got.returncode == 0 and got.stdout.strip() == "ok", got.stderr

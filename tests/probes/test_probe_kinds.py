@@ -56,6 +56,7 @@ EXPECT = [
 
 
 @pytest.mark.parametrize("run,target,kind,metric,min_score,max_control", EXPECT, ids=[f"{e[2]}-{e[1]}" for e in EXPECT])
+@pytest.mark.slow
 def test_kind_learns_its_target_and_control_stays_near_chance(farm, run, target, kind, metric, min_score, max_control):
     _, report, rows = farm
     assert report.failed == 0, report.failures
@@ -85,6 +86,7 @@ def _predictions(ws, key):
     return {"array_row": got["array_row"], "value": got["prediction"], "truth": got["truth"], "score": got["score"]}
 
 
+@pytest.mark.slow
 def test_every_kind_stores_per_sample_test_predictions(farm):
     ws, _, rows = farm
     kinds = set()
@@ -175,6 +177,7 @@ def test_sklearn_like_surface_on_plain_arrays():
         LinearProbe(c=1.0)
 
 
+@pytest.mark.slow
 def test_pooled_reads_ragged_answer_tokens_and_linear_refuses_them(tmp_path):
     from probetest_lib import RELATIONS, D, spatial_family
 

@@ -54,6 +54,7 @@ def _ridge_plan(**extra):
     ]})
 
 
+@pytest.mark.slow
 def test_streamed_ridge_equals_in_memory_and_sklearn_on_the_same_split(tmp_path):
     ws = build_workspace(tmp_path / "ws", n=96, families=("go", "spatial"))
     rep = run_plan(_ridge_plan(), ws.path, in_process=True, block_rows=5, **QUIET)   # 5-sample blocks over 32-sample chunks
@@ -168,6 +169,7 @@ def test_group_bigger_than_worker_memory_completes_under_the_limit(tmp_path):
     assert build_specs(job, 16)[0].spec.block_rows == 16           # read in blocks, never the whole layer
 
 
+@pytest.mark.slow
 def test_impossible_plan_is_refused_before_training_naming_the_fix(tmp_path):
     ws = build_workspace(tmp_path / "ws", n=64, families=("spatial",))
     plan_file = tmp_path / "plan.yaml"

@@ -27,6 +27,7 @@ def _sklearn_acc(Xtr, ytr, Xte, yte):
     return float((pred == yte).mean()), pred
 
 
+@pytest.mark.slow
 def test_pooled_batched_matches_sklearn_per_probe_and_control():
     rng = np.random.default_rng(0)
     n, d, k = 700, 48, 12
@@ -54,6 +55,7 @@ def test_pooled_batched_matches_sklearn_per_probe_and_control():
     assert np.mean(diffs) <= 0.005
 
 
+@pytest.mark.slow
 def test_per_token_linear_matches_sklearn_on_flattened_tokens():
     rng = np.random.default_rng(1)
     n, T, d = 120, 25, 24

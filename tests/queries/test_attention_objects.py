@@ -49,6 +49,7 @@ def test_object_agreement_per_layer(ws):
     assert rows[1]["object_share"] == pytest.approx(0.25) and rows[1]["iou"] == pytest.approx(0.0)
 
 
+@pytest.mark.slow
 def test_report_section(ws, tmp_path):
     from queries.report import write_report
 

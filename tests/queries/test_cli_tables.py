@@ -49,6 +49,7 @@ def test_best_probe_averages_seeds_of_one_test_fraction_only(ws):
                     {"test_fraction": 0.5, "layer": 1, "n_seeds": 2, "score": 0.5}]
 
 
+@pytest.mark.slow
 def test_leaderboard_names_site_tokens_and_test_fraction(ws):
     board = run(ws, "probe_leaderboard").to_pylist()
     assert [(r["site"], r["tokens"], r["test_fraction"], r["n_seeds"]) for r in board] == [
@@ -57,6 +58,7 @@ def test_leaderboard_names_site_tokens_and_test_fraction(ws):
     assert out.returncode == 0 and LONG in out.stdout and "site" in out.stdout.splitlines()[0]
 
 
+@pytest.mark.slow
 def test_intervals_print_as_durations_in_every_format(ws, tmp_path):
     sql = "SELECT run, INTERVAL 78500 MILLISECOND AS took, INTERVAL 2 MONTH + INTERVAL 3 DAY AS span FROM runs"
     table = cli(ws, "--sql", sql)
@@ -69,6 +71,7 @@ def test_intervals_print_as_durations_in_every_format(ws, tmp_path):
     assert cli(ws, "--sql", sql, "--format", "parquet", "--out", str(tmp_path / "t.parquet")).returncode == 0
 
 
+@pytest.mark.slow
 def test_probe_farm_summary_prints_whole_run_ids(tmp_path, capsys):
     from types import SimpleNamespace
 

@@ -82,6 +82,7 @@ def test_alignment_table(ws):
     assert rows[False]["grids"] == 2 and rows[False]["cell_accuracy"] == 0.0
 
 
+@pytest.mark.slow
 def test_report_draws_the_error_map(ws, tmp_path):
     from queries.report import write_report
 
@@ -91,6 +92,7 @@ def test_report_draws_the_error_map(ws, tmp_path):
     assert bias.splitlines()[1].startswith('"r",4,4,0.9375,')
 
 
+@pytest.mark.slow
 def test_report_draws_the_probe_map_beside_the_models(ws, tmp_path):
     from queries.report import _probe_error_map, write_report
     from store import ProbeResult

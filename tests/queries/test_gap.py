@@ -62,6 +62,7 @@ def test_gap_returns_the_depth_where_the_count_is_lost(ws):
     assert lost["ID"]["lost_at"] == "not lost"  # in-range counts survive to the last layer
 
 
+@pytest.mark.slow
 def test_gap_groups_by_any_expression_and_bad_sql_is_one_clear_error(ws, capsys):
     rows = gap(ws, {"group_by": "(truth->>'count')::INT >= 100", "where": "correct = false"}).to_pylist()
     assert {r["group"] for r in rows} == {"true", "false"} and sum(r["n"] for r in rows if r["depth"] == 0) == 6
@@ -76,6 +77,7 @@ def test_gap_groups_by_any_expression_and_bad_sql_is_one_clear_error(ws, capsys)
     assert "error: gap on" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_report_opens_with_where_the_count_is_lost(ws, tmp_path):
     from queries.report import write_report
 

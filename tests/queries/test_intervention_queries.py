@@ -56,6 +56,7 @@ def test_critical_heads(ws):
     assert first[(0, 0)] == 1.0 and first[(1, 1)] == 0.0  # head (1,1) flips the second digit only
 
 
+@pytest.mark.slow
 def test_interventions_compares_variants(tmp_path):
     ws = Workspace.open(tmp_path / "ws")
     _stimuli(ws, "plain", 2, generations=[Generation(text="1", correct=True), Generation(text="1", correct=True)])

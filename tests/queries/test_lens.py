@@ -47,12 +47,14 @@ def ws(tmp_path):
     return ws
 
 
+@pytest.mark.slow
 def test_token_map_reads_the_stored_states(ws):
     m0, m1 = token_map(ws, "r", 0, 0), token_map(ws, "r", 1, 0)
     assert m0[0][:2] == ["red", "red"] and m0[1][:2] == ["red", "red"] and m0[3][3] == "."
     assert m1[0][0] == " circle" and m1[2][2] == "."
 
 
+@pytest.mark.slow
 def test_layer_table(ws):
     rows = {r["layer"]: r for r in layer_table(ws, "r").to_pylist()}
     # raster runs: layer 0 = red red . . red red . . . ... -> runs: [rr][..][rr][.........] = 4 / 16

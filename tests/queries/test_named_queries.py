@@ -90,6 +90,7 @@ def test_accuracy_counts_every_sample(go_ws):
         table(go_ws, "accuracy", run="'nope'")
 
 
+@pytest.mark.slow
 def test_g2m_metrics_use_the_papers_denominators(tmp_path):
     g2m = get_family("g2m")
     set_path = write_set(g2m, g2m.config(grid_sizes=(3, 6), colors=(3,)), n=2, seed=0, split="test",
@@ -102,6 +103,7 @@ def test_g2m_metrics_use_the_papers_denominators(tmp_path):
     assert (rows[6]["exact_match"], rows[6]["cell_accuracy"], rows[6]["parse_failures"]) == (0.0, 0.0, 2)
 
 
+@pytest.mark.slow
 def test_every_named_query_runs_fast_on_a_workspace(go_ws):
     for name, query in available().items():
         required = {p.name: "always49" for p in query.params if p.default is None}  # e.g. two run ids to compare
@@ -121,6 +123,7 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "queries", *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_cli_is_read_only(go_ws):
     data = str(go_ws.path)
     refused = cli("--data", data, "--sql", "DELETE FROM generations")
@@ -128,6 +131,7 @@ def test_cli_is_read_only(go_ws):
     assert go_ws.rows("SELECT count(*) FROM generations") == [(24,)]
 
 
+@pytest.mark.slow
 def test_cli_formats(go_ws, tmp_path):
     data = str(go_ws.path)
     out = cli("--data", data, "counting_regimes", "--format", "csv")

@@ -97,12 +97,14 @@ def _add_study_runs(ws: Workspace) -> None:
         w.record_generations(0, [Generation(text="A", prediction="A", parse_ok=True, correct=i < 3) for i in range(4)])
 
 
+@pytest.mark.slow
 def test_modality_attention_share_of_known_attention(workspace):
     mas = modality_attention_share(workspace, "always49").to_pylist()
     assert [r["layer"] for r in mas] == [0, 1]
     assert mas[0]["mas"] == pytest.approx(1.0, abs=1e-3) and mas[1]["mas"] == pytest.approx(0.5, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_report_tables_show_the_boundary_attractor(workspace, tmp_path):
     index = write_report(workspace.path, tmp_path / "report")
     attractors = (tmp_path / "report" / "attractors.csv").read_text()

@@ -35,6 +35,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "queries", *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_a_run_parameter_naming_no_run_is_one_line_with_did_you_mean(ws):
     out = cli("counting_regimes", "--data", str(ws.path), "--param", "run=toy-go")
     assert out.returncode == 2 and out.stdout == ""

@@ -70,6 +70,7 @@ def findings(path: Path) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_code_that_reads_stores_never_unpickles():
     found = {str(p.relative_to(ROOT)): f for d in SCANNED for p in sorted((ROOT / d).rglob("*.py"))
              if (f := findings(p))}
@@ -84,6 +85,7 @@ def test_the_scan_catches_what_it_looks_for(tmp_path):
     assert len(findings(bad)) == 6
 
 
+@pytest.mark.slow
 def test_probe_artifacts_are_safetensors(workspace):
     probe = get_kind("linear")(random_state=0)
     probe.state_ = {"weight": np.arange(6, dtype=np.float32).reshape(2, 3)}

@@ -63,6 +63,7 @@ def _tamper(workspace, sql):
 
 
 @pytest.mark.parametrize("bad", ["../../outside/x", "/tmp/outside", "r1/llm/0/../../../../outside", "r1//llm"])
+@pytest.mark.slow
 def test_a_tampered_zarr_path_in_the_manifest_is_refused(workspace, tmp_path, bad):
     outside = workspace.parent / "outside"
     outside.mkdir(exist_ok=True)

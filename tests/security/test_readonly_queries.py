@@ -31,6 +31,7 @@ def test_writes_through_the_queries_cli_are_refused(workspace, sql, capsys):
     assert digest(workspace) == before
 
 
+@pytest.mark.slow
 def test_file_writes_through_sql_are_refused_inside_and_outside_the_store(workspace, tmp_path, capsys):
     """A read-only DuckDB connection would still write files (COPY TO, EXPORT DATABASE, ATTACH):
     over a chunk of the store, or anywhere else. Readers run with file system access off."""

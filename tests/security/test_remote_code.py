@@ -40,6 +40,7 @@ def test_manifests_default_to_no_remote_code():
     assert asked.model.trust_remote_code is True
 
 
+@pytest.mark.slow
 def test_a_model_shipping_code_is_refused_before_its_code_runs(tmp_path):
     marker = tmp_path / "ran"
     folder = code_shipping_model(tmp_path / "custom", marker)

@@ -98,6 +98,7 @@ def _rows_as_samples(rows: list[dict]) -> list[SampleInfo]:
     return [SampleInfo(r["id"], r["family"], r["split"], r["truth"], r["params"]) for r in rows]
 
 
+@pytest.mark.slow
 def test_a_dummy_family_works_through_generation_scoring_and_targets(add_family, tmp_path, capsys):
     from extract.run import collect_samples
 
@@ -215,6 +216,7 @@ print(loaded())
 """
 
 
+@pytest.mark.slow
 def test_reading_and_scoring_a_set_imports_only_its_family(tmp_path):
     family = get_family("spatial")
     out = write_set(family, family.config(), n=4, seed=0, split="test", out=tmp_path / "spatial")

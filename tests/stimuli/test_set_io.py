@@ -79,6 +79,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "stimuli", *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_cli_writes_a_set_and_refuses_bad_values(tmp_path):
     ok = run_cli("g2m", "--n", "2", "--grid-sizes", "3", "9", "--colors", "4", "--out", str(tmp_path / "s"))
     assert ok.returncode == 0, ok.stderr

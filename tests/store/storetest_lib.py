@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,13 @@ def write_run(
     chunk: int = 8,
     batch: int = 4,
     sleep: float = 0.0,
+    after_batch: Callable[[int], None] | None = None,
     **writer_options: Any,
 ) -> dict[str, Any]:
-    """The reference extraction loop: resumable, with dense + ragged arrays, spans, generations."""
+    """The reference extraction loop: resumable, with dense + ragged arrays, spans, generations.
+
+    ``after_batch(end_row)`` runs once each batch is queued: a fault test decides there what
+    happens next (pause, hold a lock), with no clock."""
     with ws.writer(RunInfo(run=run, model="tiny-test", dtype="float32", chunk_samples=chunk,
                            config={"n": n}), **writer_options) as w:
         keys = w.register_stimuli(stimulus_rows(n), dataset="set")
@@ -77,6 +82,8 @@ def write_run(
                 )
                 if sleep:
                     time.sleep(sleep)
+                if after_batch is not None:
+                    after_batch(e)
         w.finish()
         return {"todo": [[r.start, r.stop] for r in todo], "took_over": None if w.took_over is None else w.took_over.pid,
                 "chunks_written": w.stats.chunks_written}

@@ -175,6 +175,7 @@ def test_probes_and_views_answer_common_questions(written, tmp_path):
     assert runs == [{"status": "finished", "arrays": 2, "chunks_committed": 6, "chunks_expected": 6}]
 
 
+@pytest.mark.slow
 def test_drop_run_removes_arrays_and_rows_atomically(written, tmp_path):
     ws = _copy(written, tmp_path)
     write_run(ws, run="r2", n=8)
@@ -206,6 +207,7 @@ def test_size_estimate_equals_the_bytes_the_store_writes(tmp_path):
     assert est.raw_bytes == image.bytes == 12 * image.item_shape[0] * image.item_shape[1] * 2
 
 
+@pytest.mark.slow
 def test_cli_help_info_size_query(written, tmp_path, capsys):
     out = python("-m", "store", "--help")
     assert out.returncode == 0 and all(c in out.stdout for c in ("info", "verify", "size", "drop-run"))

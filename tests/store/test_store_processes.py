@@ -22,6 +22,7 @@ def _committed(ws: Workspace) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_kill_9_mid_run_then_resume_holds_every_row_once(tmp_path):
     path = tmp_path / "ws"
     ws = Workspace.open(path)
@@ -70,6 +71,7 @@ def test_kill_9_mid_run_then_resume_holds_every_row_once(tmp_path):
     assert not list((path / "arrays").rglob("*.partial"))
 
 
+@pytest.mark.slow
 def test_second_writer_gets_the_holder_pid_and_readers_read_meanwhile(tmp_path):
     path = tmp_path / "ws"
     ws = Workspace.open(path)
@@ -88,6 +90,7 @@ def test_second_writer_gets_the_holder_pid_and_readers_read_meanwhile(tmp_path):
     assert ws.verify().ok
 
 
+@pytest.mark.slow
 def test_reader_process_reads_while_writer_process_writes(tmp_path):
     path = tmp_path / "ws"
     ws = Workspace.open(path)
@@ -117,6 +120,7 @@ def test_reader_process_reads_while_writer_process_writes(tmp_path):
     assert ws.verify().ok
 
 
+@pytest.mark.slow
 def test_plain_duckdb_and_plain_zarr_read_the_workspace_without_agnosia(tmp_path):
     path = tmp_path / "ws"
     write_run(Workspace.open(path), n=16)
@@ -147,6 +151,7 @@ def test_plain_duckdb_and_plain_zarr_read_the_workspace_without_agnosia(tmp_path
     assert lines[2] == "[0, 0, 1, 3, 6, 6, 7, 9, 12] (12, 8)"
 
 
+@pytest.mark.slow
 def test_store_never_imports_torch(tmp_path):
     code = (
         "import sys\n"
@@ -166,6 +171,7 @@ def test_store_never_imports_torch(tmp_path):
     assert out.stdout.strip() == "66.0"
 
 
+@pytest.mark.slow
 def test_xarray_opens_an_array_group_without_agnosia(tmp_path):
     """Runs only where xarray is installed (it is not in requirements.lock)."""
     xr = pytest.importorskip("xarray")

@@ -27,6 +27,7 @@ def _open_run(tmp_path, n=20, chunk=8, **run_kw):
     return ws, w
 
 
+@pytest.mark.slow
 def test_reference_run_round_trips_dense_ragged_spans_and_generations(tmp_path):
     ws = Workspace.open(tmp_path / "ws")
     write_run(ws, n=40, chunk=8, batch=3)  # batches straddle chunk boundaries
@@ -45,6 +46,7 @@ def test_reference_run_round_trips_dense_ragged_spans_and_generations(tmp_path):
     assert cells == [(360,)]
 
 
+@pytest.mark.slow
 def test_select_by_sql_reads_only_those_rows(tmp_path):
     ws = Workspace.open(tmp_path / "ws")
     write_run(ws, n=40, chunk=8)
@@ -62,6 +64,7 @@ def test_select_by_sql_reads_only_those_rows(tmp_path):
     assert lazy.numblocks[0] == len({r // 8 for r in expect})
 
 
+@pytest.mark.slow
 def test_float32_stored_exactly_and_float16_passthrough(tmp_path):
     ws, w = _open_run(tmp_path)
     x32 = np.random.default_rng(0).standard_normal((20, 3, 4)).astype(np.float32)
@@ -76,6 +79,7 @@ def test_float32_stored_exactly_and_float16_passthrough(tmp_path):
     assert np.array_equal(ws.read("r", "vision", 1, tokens="all"), x16)
 
 
+@pytest.mark.slow
 def test_bf16_from_torch_and_raw_bits_under_both_policies(tmp_path):
     t = (torch.randn(20, 3, 4) * 100).to(torch.bfloat16)
     exact = t.float().numpy()
@@ -106,6 +110,7 @@ def test_bf16_from_torch_and_raw_bits_under_both_policies(tmp_path):
     assert z.dtype == np.uint16 and z.attrs["stored_dtype"] == "bfloat16"
 
 
+@pytest.mark.slow
 def test_overflow_errors_by_default_and_is_counted_when_clipped(tmp_path):
     big = np.full((8, 2, 2), 1.0, np.float32)
     big[0, 0, 0] = 1e6
@@ -129,6 +134,7 @@ def test_overflow_errors_by_default_and_is_counted_when_clipped(tmp_path):
     assert ws.rows("SELECT n_clipped FROM v_arrays WHERE run = 'c'") == [(1,)]
 
 
+@pytest.mark.slow
 def test_nan_and_inf_are_stored_and_counted_per_chunk(tmp_path):
     x = np.zeros((16, 2, 2), np.float16)
     x[1, 0, 0], x[9, 1, 1], x[10, 0, 1] = np.nan, np.inf, -np.inf
@@ -144,6 +150,7 @@ def test_nan_and_inf_are_stored_and_counted_per_chunk(tmp_path):
     assert rep.ok and any("NaN/inf" in m or "nonfinite" in m for m in rep.warnings)
 
 
+@pytest.mark.slow
 def test_codecs_lossless_and_bitround_bounds(tmp_path):
     x = (np.random.default_rng(1).standard_normal((16, 32, 16)) * 3).astype(np.float16)
     ws, w = _open_run(tmp_path, n=16, chunk=8)
@@ -195,6 +202,7 @@ def test_shape_and_row_errors_say_expected_and_got(tmp_path):
     assert ws.read("r", "llm", 0, tokens="last", committed_only=True).shape == (0, 2, 2)
 
 
+@pytest.mark.slow
 def test_resume_in_process_skips_committed_chunks_and_refuses_changed_settings(tmp_path):
     ws = Workspace.open(tmp_path / "ws")
     ws_ref = Workspace.open(tmp_path / "ref")
@@ -212,6 +220,7 @@ def test_resume_in_process_skips_committed_chunks_and_refuses_changed_settings(t
         ws.writer(RunInfo(run="r1", model="other", chunk_samples=8))
 
 
+@pytest.mark.slow
 def test_batches_out_of_order_and_checksums_match_what_zarr_reads(tmp_path):
     import google_crc32c
 

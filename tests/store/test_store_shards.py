@@ -37,6 +37,7 @@ def test_shard_parse_and_ownership():
             Shard.parse(bad)
 
 
+@pytest.mark.slow
 def test_two_shards_in_turn_equal_one_writer(tmp_path):
     ref = Workspace.open(tmp_path / "ref")
     write_run(ref, n=44, chunk=8)  # 6 chunks, the last partial
@@ -55,6 +56,7 @@ def test_two_shards_in_turn_equal_one_writer(tmp_path):
     _assert_same(_snapshot(ws), _snapshot(ref))
 
 
+@pytest.mark.slow
 def test_shards_interleaved_in_one_process(tmp_path):
     """Both shards open at once (their locks coexist), batches interleaved, commits interleaved."""
     ws = Workspace.open(tmp_path / "ws")
@@ -83,6 +85,7 @@ def test_shards_interleaved_in_one_process(tmp_path):
     assert ws.verify().ok
 
 
+@pytest.mark.slow
 def test_a_shard_cannot_write_another_shards_rows(tmp_path):
     ws = Workspace.open(tmp_path / "ws")
     from storetest_lib import stimulus_rows
@@ -102,6 +105,7 @@ def test_a_shard_cannot_write_another_shards_rows(tmp_path):
     assert ws.rows("SELECT chunk FROM chunks") == [(1,)]
 
 
+@pytest.mark.slow
 def test_locks_between_shards_and_plain_writers(tmp_path):
     ws = Workspace.open(tmp_path / "ws")
     info = RunInfo(run="r1", model="tiny-test", chunk_samples=4)
@@ -125,6 +129,7 @@ def test_locks_between_shards_and_plain_writers(tmp_path):
         plain.close()
 
 
+@pytest.mark.slow
 def test_shard_processes_write_concurrently(tmp_path):
     """Two real processes, each a shard, at once: the same run as one writer makes, value for value."""
     path = tmp_path / "ws"

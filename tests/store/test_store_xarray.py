@@ -26,6 +26,7 @@ def write(ws: Workspace, run: str, rows: list[int]) -> list[str]:
     return keys
 
 
+@pytest.mark.slow
 def test_a_site_group_opens_in_xarray_indexed_by_stimulus(tmp_path):
     ws = Workspace.open(tmp_path / "ws")
     keys_a = write(ws, "a", list(range(8)))

@@ -44,6 +44,8 @@ def registry() -> dict[str, type[Adapter]]:
     if not _loaded:
         for name in _FAMILY_MODULES:
             importlib.import_module(f"{__name__}.{name}")
+        for cls in set(_REGISTRY.values()):
+            cls.register_auto_classes()
         _loaded = True
     return dict(_REGISTRY)
 

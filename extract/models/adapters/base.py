@@ -149,6 +149,13 @@ class Adapter:
         return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     @classmethod
+    def register_auto_classes(cls) -> None:
+        """Register with the transformers Auto classes a family transformers does not ship (the toy).
+
+        Called once by ``registry()``, before any config is read; a family transformers knows needs nothing.
+        """
+
+    @classmethod
     def load_processor(cls, source: str, **kwargs: Any) -> Any:
         from transformers import AutoProcessor
 

@@ -5,14 +5,15 @@
 ``decoder.layers.N``, ``decoder.norm``, ``lm_head``. Prompts use the study's own template
 (``<|bos|> <|user_start|> <|image_start|> <|image|> <|image_end|> <|question_start|> Q ...``),
 not a chat template.
+
+``lab`` is imported only inside methods: the toy's code lives outside extract, and extract reaches it
+through this adapter alone (tests/test_import_graph.py), so importing extract never loads it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-
-import lab  # noqa: F401  (registers the toy model with the transformers Auto classes)
 
 from .. import layout
 from ..layout import ImageGeometry
@@ -32,6 +33,10 @@ class ToyCounterAdapter(Adapter):
     final_norm = "decoder.norm"
     lm_head = "lm_head"
     uses_chat_template = False
+
+    @classmethod
+    def register_auto_classes(cls) -> None:
+        import lab  # noqa: F401  (importing lab registers the toy model with the transformers Auto classes)
 
     def geometry(self, inputs: Mapping[str, Any]) -> list[ImageGeometry]:
         # One patch per board intersection (or grid cell): the counter's boards are always
