@@ -267,7 +267,9 @@ def test_disk_full_during_the_run_is_a_clear_error_and_resumes(zygote, manifest,
     assert "disk full / file too large while writing" in err[0]
     assert "free space" in err[0] and "re-run the same command to resume" in err[0]
     if where == "chunk":
-        assert f"{data}/arrays/toy/" in err[0], err[0]
+        # The writer holds one manifest connection for seconds at a time, so its write-ahead log can
+        # pass 4 KiB before the next chunk file does: which file fails first is timing, not a fault.
+        assert f"{data}/arrays/toy/" in err[0] or f"{data}/manifest.duckdb" in err[0], err[0]
     else:
         assert f"{data}/manifest.duckdb" in err[0], err[0]
     ws = Workspace.open(data, readonly=True)
