@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from terminal_lib import run_in_terminal
 
 from stimuli import get_family
 from stimuli.io import write_set
+
+pytestmark = pytest.mark.slow  # spawns extraction or Dask processes per test
 
 REPO = Path(__file__).resolve().parents[2]
 

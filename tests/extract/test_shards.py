@@ -16,6 +16,8 @@ from stimuli import get_family
 from stimuli.io import write_set
 from store import Workspace
 
+pytestmark = pytest.mark.slow  # spawns extraction or Dask processes per test
+
 REPO = Path(__file__).resolve().parents[2]
 
 

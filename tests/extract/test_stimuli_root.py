@@ -10,10 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from extract.manifest import load_manifest, parse_manifest, with_stimuli_root
 from stimuli import get_family
 from stimuli.io import write_set
 from store import Workspace
+
+pytestmark = pytest.mark.slow  # spawns extraction or Dask processes per test
 
 REPO = Path(__file__).resolve().parents[2]
 

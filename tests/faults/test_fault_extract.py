@@ -22,6 +22,8 @@ from faultlib import assert_same_store, committed, go_set, python, snapshot, wai
 
 from store import Workspace, WorkspaceError
 
+pytestmark = pytest.mark.slow  # fault injection drives real extraction or farm processes; `make faults` runs these
+
 N = 80           # samples: 20 chunks of 4 per array, 40 batches of 2
 CHUNK = 4
 KILLS = 10       # seeded kill points, each followed by a resume

@@ -34,6 +34,8 @@ from PIL import Image
 
 from store import Workspace
 
+pytestmark = pytest.mark.slow  # fault injection drives real extraction or farm processes; `make faults` runs these
+
 N = 8  # two chunks of 4
 
 

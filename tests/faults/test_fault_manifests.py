@@ -15,6 +15,8 @@ from faultlib import TOY_MODEL, go_set, python, write_manifest
 from extract.__main__ import main
 from store import Workspace
 
+pytestmark = pytest.mark.slow  # fault injection drives real extraction or farm processes; `make faults` runs these
+
 GOOD = {
     "run": "toy",
     "model": {"path": str(TOY_MODEL), "dtype": "float32", "device": "cpu"},

@@ -16,6 +16,8 @@ import pytest
 import yaml
 from faultlib import REPO, env, wait_for
 
+pytestmark = pytest.mark.slow  # fault injection drives real extraction or farm processes; `make faults` runs these
+
 sys.path.insert(0, str(REPO / "tests" / "probes"))
 from probetest_lib import build_spatial_layers, probe_rows  # noqa: E402
 

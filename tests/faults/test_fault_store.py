@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 from faultlib import REPO, env, kill_at_rename, python, wait_for
 
+pytestmark = pytest.mark.slow  # fault injection drives real extraction or farm processes; `make faults` runs these
+
 sys.path.insert(0, str(REPO / "tests" / "store"))
 from storetest_lib import dense_values, write_run  # noqa: E402
 

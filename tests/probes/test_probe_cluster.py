@@ -15,6 +15,8 @@ from probes import parse_plan, run_plan
 from probes.cluster import INLINE, LOCAL, SMALL_PLAN, resolve
 from probes.farm import open_workspace
 
+pytestmark = pytest.mark.slow  # spawns extraction or Dask processes per test
+
 PLAN = {"name": "cluster", "probes": [
     {"runs": ["spatial"], "targets": ["truth:relation", "truth:flag_0"], "kinds": ["pooled"]},
     {"runs": ["spatial"], "targets": ["truth:flag_1"], "kinds": {"ridge": {"pool": "mean"}}},  # streamed

@@ -18,6 +18,8 @@ from probes.farm import run_plan
 from probes.plan import load_plan
 from store import Workspace
 
+pytestmark = pytest.mark.slow  # a real object store and Dask workers per test
+
 REPO = Path(__file__).resolve().parents[2]
 TOY = REPO / "lab" / "checkpoints" / "toy-counter"
 

@@ -12,6 +12,8 @@ import zarr
 from store import ArraySpec, RunInfo, StoreError, Workspace, WorkspaceError
 from store.location import check_url
 
+pytestmark = pytest.mark.slow  # a real object store and Dask workers per test
+
 N, CHUNK, TOKENS, DIM = 20, 8, 5, 6
 
 
