@@ -58,15 +58,7 @@ def save_table(out: Path, name: str, table: pa.Table) -> str:
 def figure(out: Path, name: str, draw: Callable[[Any], None], caption: str, table: pa.Table | None = None,
            csv: str | None = None, size: tuple[float, float] = (6.4, 3.6)) -> Figure:
     """One axes drawn by ``draw``; ``table`` (the numbers drawn) is written beside it as name.csv."""
-    fig, ax = plt.subplots(figsize=size, dpi=100)
-    draw(ax)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / f"{name}.png")
-    plt.close(fig)
-    if table is not None:
-        csv = save_table(out, name, table)
-    return Figure(f"{name}.png", caption, csv)
+    return panels(out, name, [None], lambda ax, _: draw(ax), caption, table, csv, size=size)
 
 
 def panels(out: Path, name: str, keys: Sequence[Any], draw: Callable[[Any, Any], None], caption: str,
