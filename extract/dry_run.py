@@ -9,7 +9,7 @@ layer counts, hidden sizes and parameter counts come from the real module tree. 
   that limit, the other prompts are the length of a processed prompt of their image size plus the
   difference of the two texts' token counts: an estimate, and the dry run says so;
 * from ``config.json`` alone (a folder holding only config files, such as
-  ``manifests/configs/qwen2.5-vl-7b-instruct``), the family adapter's ``plan_geometry`` computes the
+  ``manifests/configs/qwen2.5-vl-7b-instruct``), the family adapter's ``config_geometry`` computes the
   image tokens from the config and ``preprocessor_config.json`` if present (Qwen: (H/14)*(W/14)/4
   after the processor's resize; LLaVA-1.5: 576), and the text of the prompt is estimated at
   :data:`CHARS_PER_TOKEN` characters per token plus :data:`TEMPLATE_TOKENS` tokens of chat template.
@@ -367,7 +367,7 @@ def estimate_prompt_tokens(prompt: str, image_tokens: int) -> int:
 
 def estimated_layout(lm: LoadedModel, sample: DrySample, settings: dict[str, Any]) -> SampleLayout:
     """A SampleLayout from config alone: the adapter's planned geometry, estimated text around it."""
-    geometry = (lm.adapter.plan_geometry(sample.width, sample.height, settings) if sample.has_image
+    geometry = (lm.adapter.config_geometry(sample.width, sample.height, settings) if sample.has_image
                 else ImageGeometry.none())
     seq = estimate_prompt_tokens(" ".join((*sample.strings, sample.prompt)), geometry.llm_tokens)
     start = TEMPLATE_TOKENS // 2  # where the image sits does not change any size
@@ -543,7 +543,7 @@ def array_estimates(lm: LoadedModel, request: dict[str, list[str]], samples: Seq
             if spec.tap == "attn":  # one [heads] row per key of the prompt (last) or per answer query x key
                 per = heads * (seqs if kind == "last" else answers * (seqs + answers))
                 basis = prompt_basis if kind == "last" else (BOUND if exact else ESTIMATE)
-            elif kind == "image":  # its size decides an image's tokens: the processor's or plan_geometry's
+            elif kind == "image":  # its size decides an image's tokens: the processor's or config_geometry's
                 per = np.array([(extent(g) if (g := lay.grid(spec.tap, spec.site_name)) else len(lay.image_positions))
                                 for lay in layouts], dtype=np.int64) * dim
                 basis = EXACT

@@ -28,11 +28,11 @@ from .capture import (
     resolve_tap,
 )
 from .errors import (
+    ConfigGeometryError,
     InputError,
     ModelError,
     ModelNotFoundError,
     NonFiniteActivationError,
-    PlanningError,
     TapError,
     UnknownArchitectureError,
     UntrustedCodeError,
@@ -44,8 +44,9 @@ from .readout import FinalNorm, Readout, readout
 from .taps import SITES, TAPS, TOKEN_KINDS, CaptureKey, TapSpec
 
 __all__ = [
-    "Adapter", "Batch", "CaptureKey", "CaptureResult", "FinalNorm", "GridSegment", "ImageGeometry", "InputError",
-    "LoadedModel", "ModelError", "ModelNotFoundError", "NonFiniteActivationError", "PlanningError", "RaggedTokens", "Readout",
+    "Adapter", "Batch", "CaptureKey", "CaptureResult", "ConfigGeometryError", "FinalNorm", "GridSegment",
+    "ImageGeometry", "InputError", "LoadedModel", "ModelError", "ModelNotFoundError", "NonFiniteActivationError",
+    "RaggedTokens", "Readout",
     "SITES", "SampleLayout", "TAPS", "TOKEN_KINDS", "TapError", "TapSpec", "UnknownArchitectureError", "UntrustedCodeError",
     "adapter_class", "adapter_for", "capture", "capture_first_token", "capture_generate", "forward_answer_blockers",
     "hook_points", "load_model", "open_image", "resolve_points",

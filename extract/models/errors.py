@@ -31,8 +31,9 @@ class NonFiniteActivationError(ModelError, FloatingPointError):
     """A captured activation holds NaN or inf."""
 
 
-class PlanningError(ModelError, NotImplementedError):
-    """A dry run cannot size this model from its config alone (it needs the processor files)."""
+class ConfigGeometryError(ModelError, NotImplementedError):
+    """The adapter cannot give an image's geometry from ``config.json`` alone (its image tokens need
+    the processor files), so a dry run cannot size this model without them."""
 
 
 class UntrustedCodeError(ModelError, ValueError):

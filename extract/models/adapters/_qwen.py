@@ -52,7 +52,7 @@ class QwenAdapter(Adapter):
             out.append(ImageGeometry(vision=patch, projector_in=patch, projector_out=merged, llm=merged, n_views=t))
         return out
 
-    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+    def config_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
         """Qwen's processor resizes to multiples of ``patch * merge`` within [min_pixels, max_pixels]
         (transformers' own ``smart_resize``), then cuts ``patch`` px patches: (H/14)*(W/14)/4 LLM
         tokens for the released 14 px models."""

@@ -76,7 +76,7 @@ class Adapter:
         """One ImageGeometry per sample, from the processor's outputs (before the forward)."""
         raise NotImplementedError
 
-    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+    def config_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
         """The geometry the family's processor would give one ``width`` x ``height`` image, from the
         config and the image processor's settings alone (``preprocessor_config.json`` as a dict, ``{}``
         when the folder has none): no tokenizer, no processor, no weights.
@@ -86,10 +86,10 @@ class Adapter:
         :meth:`geometry` reads (``image_grid_thw``, a ``pixel_values`` shape, image-token ids) and call
         it, so the two cannot drift apart; the tests check each against the real processor.
         """
-        from ..errors import PlanningError
+        from ..errors import ConfigGeometryError
 
-        raise PlanningError(
-            f"{self.family}: planning from config.json alone is not implemented for this family (its image"
+        raise ConfigGeometryError(
+            f"{self.family}: image geometry from config.json alone is not implemented for this family (its image"
             " tokens depend on the processor's tiling); put the tokenizer and processor files in the model"
             " folder (or use the hub id) and the dry run runs the real processor on the first stimulus"
         )

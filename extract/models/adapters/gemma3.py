@@ -53,13 +53,13 @@ class Gemma3Adapter(Adapter):
             out.append(ImageGeometry(patches, patches, tokens, tokens, n_views=n))
         return out
 
-    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+    def config_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
         """One view at the tower's size pooled to ``mm_tokens_per_image`` tokens (256 in the released
         models). Pan-and-scan crops depend on the processor's crop rule and are not planned."""
         import torch
 
         if image_processor.get("do_pan_and_scan"):
-            return super().plan_geometry(width, height, image_processor)
+            return super().config_geometry(width, height, image_processor)
         ids = torch.full((1, int(self.config.mm_tokens_per_image)), self.image_token_id)
         return self.geometry({"input_ids": ids})[0]
 

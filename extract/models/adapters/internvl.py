@@ -47,7 +47,7 @@ class InternVLAdapter(Adapter):
             out.append(ImageGeometry(patches, shuffled, shuffled, shuffled, n_views=n))
         return out
 
-    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+    def config_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
         """The processor's best tiling of ``image_size`` tiles (transformers' ``get_optimal_tiled_canvas``)
         plus a thumbnail when it cuts more than one tile; 256 tokens per tile for 448 px, 14 px patches
         and pixel shuffle 0.5. InternVLProcessor crops to patches by default whatever the saved image

@@ -75,7 +75,7 @@ class LlavaAdapter(ClipTowerAdapter):
             fed = (GridSegment(self.vision_prefix_tokens, height // patch, width // patch),)
         return [ImageGeometry(vision=patches, projector_in=fed, projector_out=fed, llm=fed) for _ in range(n)]
 
-    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+    def config_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
         """CLIP's processor resizes and centre-crops every image to the tower's ``image_size``:
         (336/14)^2 = 576 image tokens for LLaVA-1.5, whatever the stimulus size."""
         import torch

@@ -35,7 +35,7 @@ class PaliGemmaAdapter(Adapter):
         grid = layout.single(height // patch, width // patch)
         return [ImageGeometry(grid, grid, grid, grid) for _ in range(inputs["pixel_values"].shape[0])]
 
-    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+    def config_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
         """SigLIP's processor resizes every image to the tower's ``image_size`` (no crop, no tiles)."""
         import torch
 

@@ -46,7 +46,7 @@ class ToyCounterAdapter(Adapter):
         n = inputs["pixel_values"].shape[0]
         return [ImageGeometry(vision=grid, projector_in=grid, projector_out=grid, llm=grid) for _ in range(n)]
 
-    def plan_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
+    def config_geometry(self, width: int, height: int, image_processor: Mapping[str, Any]) -> ImageGeometry:
         """One token per patch: board intersections for the counter, grid cells for the G2M toy."""
         import torch
 

@@ -1,9 +1,9 @@
-"""Planning at scale: dry runs from config.json alone (no weights, no tokenizer), checked by hand.
+"""Dry runs at scale: config.json alone (no weights, no tokenizer), checked by hand.
 
 The committed folders in manifests/configs/ hold only the public config files of real models.
-Their plans must run without weights, reproduce the published parameter counts, and give the
-numbers a hand computation from the config values gives. Each family's ``plan_geometry`` (what
-the planner uses without a processor) must equal what the real processor produces.
+Their dry runs must run without weights, reproduce the published parameter counts, and give the
+numbers a hand computation from the config values gives. Each family's ``config_geometry`` (what
+the dry run uses without a processor) must equal what the real processor produces.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from extract.dry_run import (
     meta_model,
 )
 from extract.manifest import parse_manifest
-from extract.models import PlanningError, prepare_batch
+from extract.models import ConfigGeometryError, prepare_batch
 from extract.scale_table import MODELS, g2m_sweep
 from stimuli import g2m, get_family
 from stimuli.io import read_set, write_set
@@ -156,22 +156,22 @@ def test_the_sweep_planner_sees_what_the_generator_writes(g2m_512):
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "internvl", "gemma3", "paligemma",
                                   "toy_counter"])
-def test_plan_geometry_equals_the_real_processor(arch, tiny_dir, tiny_lm):
+def test_config_geometry_equals_the_real_processor(arch, tiny_dir, tiny_lm):
     lm = tiny_lm(arch)
     settings, _ = image_processor_settings(tiny_dir(arch))
     w0, h0, _ = IMAGE_ALL[arch]
     sizes = [(w0, h0)] if arch == "toy_counter" else [(w0, h0), (200, 150), (37, 300)]
     for w, h in sizes:
         real = prepare_batch(lm, [noise_image(w, h, 0)], ["how many?"]).layouts[0].geometry
-        planned = lm.adapter.plan_geometry(w, h, settings)
-        assert (planned.vision, planned.projector_in, planned.projector_out, planned.llm, planned.n_views,
-                planned.llm_tokens) == (real.vision, real.projector_in, real.projector_out, real.llm, real.n_views,
+        got = lm.adapter.config_geometry(w, h, settings)
+        assert (got.vision, got.projector_in, got.projector_out, got.llm, got.n_views,
+                got.llm_tokens) == (real.vision, real.projector_in, real.projector_out, real.llm, real.n_views,
                                         real.llm_tokens), (arch, w, h)
 
 
-def test_families_without_a_config_only_plan_say_so(tiny_lm):
-    with pytest.raises(PlanningError, match="processor files"):
-        tiny_lm("llava_next").adapter.plan_geometry(56, 56, {})
+def test_families_without_config_geometry_say_so(tiny_lm):
+    with pytest.raises(ConfigGeometryError, match="processor files"):
+        tiny_lm("llava_next").adapter.config_geometry(56, 56, {})
 
 
 def test_a_processor_folder_still_plans_with_its_processor(tiny_dir, g2m_512):
