@@ -173,8 +173,8 @@ def hidden_numbers(probe: Any, feats: np.ndarray) -> tuple[np.ndarray, np.ndarra
 def steps(model: Any, spec: EvalSpec) -> int:
     """The board-steps :func:`evaluate` advances its bar by: each test board drawn, answered in the
     four tasks and encoded by the trained and the fresh tower (7); each probe board drawn and encoded twice (3)."""
-    n_test = G.set_size(board_config(model, spec, spec.counts), spec.per_count)
-    return 7 * n_test + 3 * G.set_size(board_config(model, spec, PROBE_COUNTS), spec.probe_boards)
+    n_test = G.FAMILY.set_size(board_config(model, spec, spec.counts), spec.per_count)
+    return 7 * n_test + 3 * G.FAMILY.set_size(board_config(model, spec, PROBE_COUNTS), spec.probe_boards)
 
 
 def evaluate(model: Any, processor: Any, spec: EvalSpec = EvalSpec(), bar: Any = None) -> dict[str, Any]:

@@ -190,8 +190,9 @@ class Family:
       counts per sweep cell where the family sweeps, so each family picks its own.
     - ``task_inputs(truth, task)``: what a task shows besides its question (default: the image,
       no strings); families with text-only tasks or strings to read override it.
-    - ``count(config, n)``: how many stimuli ``generate(config, n, ...)`` yields, the total of
-      the progress bar; None (the default) shows a counter without an end.
+    - ``cells(config)``: how many sweep cells ``config`` spans (1 where the family does not sweep);
+      :meth:`set_size` is ``n`` per cell, the total of the progress bar. None (the default): the
+      family does not say, and the bar counts without an end.
     """
 
     name: str
@@ -202,7 +203,7 @@ class Family:
     score: Callable[[str, str, str, Any], Score] = exact_match
     small_set_n: int = 16
     task_inputs: Callable[[Mapping[str, Any], str], TaskInputs] = _image_only
-    count: Callable[[Any, int], int] | None = None
+    cells: Callable[[Any], int] | None = None
 
     def make_config(self, **overrides: Any) -> Any:
         """The family's ``Config`` with these options, checked the way every agnosia config is:
@@ -211,6 +212,13 @@ class Family:
 
         return validate(self.config, overrides, f"stimulus family {self.name} options", StimulusError,
                         key_word="option", inline=True)
+
+    def set_size(self, config: Any, n: int) -> int:
+        """How many stimuli ``generate(config, n, ...)`` yields: ``n`` per sweep cell."""
+        if self.cells is None:
+            raise StimulusError(f"stimulus family {self.name} does not say how many cells a config spans"
+                                " (Family(cells=...)), so its set size is known only once generated")
+        return self.cells(config) * n
 
     def read_truth(self, truth: Mapping[str, Any], stimulus: str = "") -> Truth:
         """``truth`` through this family's schema: a typed object, or a :class:`TruthError`."""

@@ -797,16 +797,12 @@ def score_answer(task: str, text: str, answer: str, truth: CountingTruth) -> Sco
     return compare(parse_number(text), truth.count)
 
 
-def set_size(config: Config, n: int) -> int:
-    return len(config.cases) * n
-
-
 FAMILY = Family(
     name="counting",
     description="CountingTricks: count shapes placed against the patch grid (32 cases, counting-tricks)",
     config=Config,
     generate=generate,
-    count=set_size,
+    cells=lambda config: len(config.cases),
     truth=CountingTruth,
     score=score_answer,
     small_set_n=4,  # per case: 4 x 32 cases

@@ -388,16 +388,12 @@ def score_answer(task: str, text: str, answer: str, truth: G2MTruth) -> Score:
     )
 
 
-def set_size(config: Config, n: int) -> int:
-    return len(config.grid_sizes) * len(config.colors) * n
-
-
 FAMILY = Family(
     name="g2m",
     description="Grid2Matrix colour grids: N×N cells of C palette colours to transcribe (study g2m)",
     config=Config,
     generate=generate,
-    count=set_size,
+    cells=lambda config: len(config.grid_sizes) * len(config.colors),
     truth=G2MTruth,
     score=score_answer,
     small_set_n=8,  # per (grid size, colour count) cell

@@ -549,16 +549,12 @@ def score_answer(task: str, text: str, answer: str, truth: GoTruth) -> Score:
     return exact_match(task, text, answer, truth)
 
 
-def set_size(config: Config, n: int) -> int:
-    return len(board_layout(config).counts) * n
-
-
 FAMILY = Family(
     name=NAME,
     description="Go boards with exact black-stone counts, text twins and contrastive pairs (counting-bottleneck)",
     config=Config,
     generate=generate,
-    count=set_size,
+    cells=lambda config: len(board_layout(config).counts),  # one per black-stone count
     truth=GoTruth,
     score=score_answer,
     small_set_n=2,  # per count: 2 x 121 counts of the default sweep

@@ -76,7 +76,7 @@ def write_set(
     try:
         started = time.perf_counter()
         stimuli = family.generate(config, n=n, seed=seed, split=split)  # checks the config first
-        total = family.count(config, n) if family.count else None
+        total = family.set_size(config, n) if family.cells else None
         with progress_bar(total, unit="stimulus", desc=family.name, enabled=progress, iterable=stimuli) as bar:
             count = _write_samples(family, bar, tmp)
         meta = {

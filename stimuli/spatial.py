@@ -357,16 +357,12 @@ def score_answer(task: str, text: str, answer: str, truth: SpatialTruth) -> Scor
     return compare(parse_choice_letter(text), answer)
 
 
-def set_size(config: Config, n: int) -> int:
-    return n
-
-
 FAMILY = Family(
     name=NAME,
     description="two objects left/right/above/below or front/behind, 4-way multiple choice (images-as-text)",
     config=Config,
     generate=generate,
-    count=set_size,
+    cells=lambda config: 1,  # no sweep: n in all
     truth=SpatialTruth,
     score=score_answer,
     small_set_n=64,  # in all: 16 of each relation

@@ -12,6 +12,7 @@ import pytest
 from terminal_lib import run_in_terminal
 
 from stimuli import family_names, get_family
+from stimuli.base import Family, StimulusError
 
 REPO = Path(__file__).resolve().parents[2]
 G2M = ["-m", "stimuli", "g2m", "--n", "3", "--grid-sizes", "3", "4", "--colors", "3", "--image-size", "32"]
@@ -45,5 +46,15 @@ def test_each_familys_count_is_what_it_generates(name: str) -> None:
              "counting": {"cases": ("1A", "2B", "9A")},
              "spatial": {}}[name]
     config = family.config(**small)
-    assert family.count is not None
-    assert family.count(config, 2) == sum(1 for _ in family.generate(config, n=2, seed=0, split="test"))
+    assert family.set_size(config, 2) == sum(1 for _ in family.generate(config, n=2, seed=0, split="test"))
+
+
+def test_a_family_declares_its_cells_and_family_multiplies_by_n() -> None:
+    """The "n per sweep cell" rule lives in Family.set_size alone; a family gives only its cells."""
+    g2m = get_family("g2m")
+    swept = Family(name="swept", description="", config=g2m.config, generate=g2m.generate,
+                   cells=lambda config: len(config.grid_sizes) + 1)
+    assert swept.set_size(g2m.config(grid_sizes=(3, 4, 5)), 7) == 28
+    silent = Family(name="silent", description="", config=g2m.config, generate=g2m.generate)
+    with pytest.raises(StimulusError, match=r"silent does not say how many cells.*Family\(cells=...\)"):
+        silent.set_size(g2m.config(), 2)
