@@ -4,6 +4,7 @@ images-as-text (relations between objects, the logit lens over image tokens)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from queries import gap
-from queries.figures import Page, Section, figure, lines, panels
+from queries.figures import Figure, Page, Section, figure, lines, panels
 from queries.g2m import alignment_table, bias_table, error_maps
 from queries.named import run as run_named
 from store import StoreError, Workspace
@@ -185,29 +186,44 @@ def lens_sections(ws: Workspace, out: Path) -> list[Section]:
     """Logit lens per LLM layer for runs that stored image-token states and a vocabulary."""
     from queries.lens import layer_table
 
-    runs = [r[0] for r in ws.rows(
-        "SELECT DISTINCT a.run FROM activations a WHERE a.tap = 'llm' AND a.tokens = 'image'"
-        " AND EXISTS (SELECT 1 FROM vocab v WHERE v.run = a.run) ORDER BY 1")]
-    rows = []
-    for run in runs:
+    def lens_rows(run: str) -> list[dict[str, Any]]:
         try:
-            table = layer_table(ws, run, where=f"array_row < {LENS_SAMPLES}")
+            return layer_table(ws, run, where=f"array_row < {LENS_SAMPLES}").to_pylist()
         except StoreError:
-            continue  # a run stored without its logit lens: nothing to read through
-        rows += [{"run": run, **r} for r in table.to_pylist()]
-    if not rows:
+            return []  # a run stored without its logit lens: nothing to read through
+
+    runs, lens = _per_run_table(ws, "SELECT DISTINCT a.run FROM activations a WHERE a.tap = 'llm'"
+                                " AND a.tokens = 'image' AND EXISTS (SELECT 1 FROM vocab v WHERE v.run = a.run)"
+                                " ORDER BY 1", lens_rows)
+    if lens is None:
         return []
-    lens = pa.Table.from_pylist(rows)
     sec = Section("Logit lens over image tokens", tables=[("logit_lens", lens)])
     token_fig = token_map_figure(ws, out, runs)
     if token_fig is not None:
         sec.figures.append(token_fig)
-    sec.figures.append(figure(out, "logit_lens", lambda ax: lines(
-        ax, lens, "layer", "retained_ratio", "LLM layer", "run-length retained ratio"), csv="logit_lens.csv",
+    sec.figures.append(_per_layer_figure(
+        out, "logit_lens", lens, "retained_ratio", "run-length retained ratio", csv="logit_lens.csv",
         caption="Share of image tokens a run-length compression of their top-1 tokens would keep, per LLM layer"
                 " (no final norm except at the last layer), one line per run; the table adds, over object patches,"
                 f" the share naming the object's colour or shape. First {LENS_SAMPLES} samples per run."))
     return [sec]
+
+
+def _per_run_table(ws: Workspace, runs_sql: str,
+                   rows_of: Callable[[str], list[dict[str, Any]]]) -> tuple[list[str], pa.Table | None]:
+    """The runs ``runs_sql`` selects, and one table of ``rows_of(run)`` over them with a ``run``
+    column first (None: no run gave a row)."""
+    runs = [r[0] for r in ws.rows(runs_sql)]
+    rows = [{"run": run, **r} for run in runs for r in rows_of(run)]
+    return runs, pa.Table.from_pylist(rows) if rows else None
+
+
+def _per_layer_figure(out: Path, name: str, table: pa.Table, y: str, ylabel: str, caption: str,
+                      csv: str | None = None) -> Figure:
+    """``y`` per LLM layer, one line per run; ``table`` beside it as name.csv unless ``csv`` names a
+    section table already written."""
+    return figure(out, name, lambda ax: lines(ax, table, "layer", y, "LLM layer", ylabel), caption,
+                  table=None if csv else table, csv=csv)
 
 
 def token_map_figure(ws: Workspace, out: Path, runs: list[str]) -> Any:
@@ -263,17 +279,13 @@ def object_attention_sections(ws: Workspace, out: Path) -> list[Section]:
     """Attention–object agreement per layer for runs with last-query attention over scenes with objects."""
     from queries.attention import object_agreement
 
-    runs = [r[0] for r in ws.rows(
-        "SELECT DISTINCT a.run FROM activations a JOIN v_samples s USING (run) WHERE a.tap = 'attn'"
-        " AND a.tokens = 'last' AND s.family IN ('counting', 'spatial') ORDER BY 1")]
-    rows = []
-    for run in runs:
-        rows += [{"run": run, **r} for r in object_agreement(ws, run).to_pylist() if r["samples"]]
-    if not rows:
+    _, table = _per_run_table(
+        ws, "SELECT DISTINCT a.run FROM activations a JOIN v_samples s USING (run) WHERE a.tap = 'attn'"
+            " AND a.tokens = 'last' AND s.family IN ('counting', 'spatial') ORDER BY 1",
+        lambda run: [r for r in object_agreement(ws, run).to_pylist() if r["samples"]])
+    if table is None:
         return []
-    table = pa.Table.from_pylist(rows)
-    return [Section("Attention on objects", figures=[figure(
-        out, "object_attention", lambda ax: lines(ax, table, "layer", "object_share", "LLM layer",
-                                                  "attention on objects"), table=table, caption=(
+    return [Section("Attention on objects", figures=[_per_layer_figure(
+        out, "object_attention", table, "object_share", "attention on objects", caption=(
             "Share of the last prompt token's image attention on object patches per LLM layer, one line per run;"
             " the CSV adds the IoU of the patches attended above the uniform level with the object patches."))])]

@@ -55,3 +55,13 @@ def test_report_section(ws, tmp_path):
 
     index = write_report(ws.path, tmp_path / "report").read_text()
     assert "object_attention.png" in index and "Attention on objects" in index
+
+
+def test_the_section_draws_the_object_share_per_layer_and_writes_its_numbers(ws, tmp_path):
+    from queries.pages_spatial import object_attention_sections
+
+    (sec,) = object_attention_sections(ws, tmp_path)
+    (fig,) = sec.figures
+    assert (fig.png, fig.csv) == ("object_attention.png", "object_attention.csv")
+    csv = (tmp_path / "object_attention.csv").read_text().splitlines()
+    assert csv[0].startswith('"run","layer"') and len(csv) == 3  # run r, layers 0 and 1

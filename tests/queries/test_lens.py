@@ -79,3 +79,18 @@ def test_helpers():
     assert matches("circ", "a circle x")  # a word's prefix matches, as in the study
     assert not matches(".", "red") and not matches("  ", "red")
     assert sorted(object_patches([0, 0, 31, 31], (64, 64), (4, 4)).tolist()) == [0, 1, 4, 5]
+
+
+@pytest.mark.slow
+def test_the_report_section_draws_the_lens_per_layer_of_each_run(ws, tmp_path):
+    from queries.pages_spatial import lens_sections
+
+    (sec,) = lens_sections(ws, tmp_path)
+    assert sec.title == "Logit lens over image tokens"
+    (name, table), = sec.tables
+    assert name == "logit_lens" and set(table.column("run").to_pylist()) == {"r"}
+    assert sorted(table.column("layer").to_pylist()) == [0, 1]
+    per_layer = sec.figures[-1]
+    # the numbers are the section's table (logit_lens.csv), not a second copy beside the figure
+    assert (per_layer.png, per_layer.csv) == ("logit_lens.png", "logit_lens.csv")
+    assert (tmp_path / "logit_lens.png").stat().st_size > 0 and not (tmp_path / "logit_lens.csv").exists()
