@@ -58,7 +58,7 @@ from extract.run import collect_samples, tap_request
 from store import RunInfo
 from store.dtypes import default_stored, stored_bytes, tensor_stored
 from store.sizing import CODEC_RATIO, array_bytes, human
-from store.vocab import array_layout
+from store.vocab import HEAD_TAPS, array_layout
 
 CHARS_PER_TOKEN = 4  # text-token estimate without a tokenizer (English BPE: 3.5-4.5 characters per token)
 TEMPLATE_TOKENS = 32  # chat template turns, system prompt, image start/end markers (estimate)
@@ -537,10 +537,10 @@ def array_estimates(lm: LoadedModel, request: dict[str, list[str]], samples: Seq
     for name, kinds in request.items():
         spec = TapSpec.parse(name)
         spec = TapSpec(spec.tap, spec.layer % lm.adapter.n_layers(spec.tap), spec.site)
-        dim = 0 if spec.tap == "attn" else hidden_size(lm, spec)  # attention rows have no hidden width
+        dim = 0 if spec.tap in HEAD_TAPS else hidden_size(lm, spec)  # attention rows have no hidden width
         for kind in kinds:
             layout = array_layout(spec.tap, kind, same_size_images=uniform)
-            if spec.tap == "attn":  # one [heads] row per key of the prompt (last) or per answer query x key
+            if spec.tap in HEAD_TAPS:  # one [heads] row per key of the prompt (last) or per answer query x key
                 per = heads * (seqs if kind == "last" else answers * (seqs + answers))
                 basis = prompt_basis if kind == "last" else (BOUND if exact else ESTIMATE)
             elif kind == "image":  # its size decides an image's tokens: the processor's or config_geometry's

@@ -49,10 +49,10 @@ from probes.errors import PlanError, ProbeError, did_you_mean
 from probes.kinds import get_kind
 from probes.targets import get_target
 from store.config import StrictModel, check_mapping, read_yaml, validate
+from store.vocab import HEAD_TAPS
 
 #: Part of every probe key: bump when a change to the farm makes old results incomparable.
 KEY_VERSION = 1
-_NOT_FEATURE_TAPS = ("attn",)
 
 
 _Strict = StrictModel
@@ -356,7 +356,7 @@ def select_features(entry: Entry, defaults: Defaults, by_run: dict[str, list[Arr
     missing: list[str] = []
     for run in runs:
         have = by_run[run]
-        taps = sorted({a.tap for a in have if a.tap not in _NOT_FEATURE_TAPS}) if entry.taps == "all" else entry.taps
+        taps = sorted({a.tap for a in have if a.tap not in HEAD_TAPS}) if entry.taps == "all" else entry.taps
         for tap in taps:
             site_list = sorted({a.site for a in have if a.tap == tap}) if sites == "all" else sites
             for site, tok in itertools.product(site_list, entry.tokens or defaults.tokens):

@@ -17,6 +17,8 @@ from typing import Any
 
 import duckdb
 
+from store.vocab import stack_of
+
 #: Stage names in data-path order (the report draws a band per stage).
 STAGES = ("vision", "merger", "projector", "llm", "logits")
 
@@ -27,7 +29,7 @@ def depth_of(tap: str, layer: int, site: str, n_vision: int, n_llm: int) -> tupl
         return (n_vision, "merger") if site == "pre_merger" else (layer, "vision")
     if tap == "projector":
         return n_vision + (1 if site == "in" else 2), "projector"
-    if tap in ("llm", "attn"):
+    if stack_of(tap) == "llm":
         return n_vision + 3 + layer, "llm"
     if tap == "logits":
         return n_vision + 3 + n_llm, "logits"
@@ -38,8 +40,8 @@ def layer_counts(config: dict[str, Any], arrays: list[tuple[str, int, str]]) -> 
     """(vision blocks, LLM blocks) of a run: from its config, else from its deepest stored layer."""
     given = config.get("layer_counts") or {}
     lens = (config.get("logit_lens") or {}).get("n_layers")
-    deepest_v = max((layer for tap, layer, _ in arrays if tap == "vision"), default=-1) + 1
-    deepest_l = max((layer for tap, layer, _ in arrays if tap in ("llm", "attn")), default=-1) + 1
+    deepest_v = max((layer for tap, layer, _ in arrays if stack_of(tap) == "vision"), default=-1) + 1
+    deepest_l = max((layer for tap, layer, _ in arrays if stack_of(tap) == "llm"), default=-1) + 1
     n_vision = int(given.get("vision") or deepest_v)
     n_llm = int(given.get("llm") or lens or deepest_l)
     return n_vision, max(n_llm, deepest_l)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 
 from store.errors import StoreError
+from store.vocab import HEAD_TAPS
 
 # Names become Zarr path segments and SQL literals: keep them boring.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -204,7 +205,7 @@ class ArraySpec:
             return ("dim",)
         if len(self.shape) == 2:
             return ("token", "dim")
-        if len(self.shape) == 3 and self.tap == "attn":
+        if len(self.shape) == 3 and self.tap in HEAD_TAPS:
             return ("head", "query", "key")
         return tuple(f"dim{i}" for i in range(len(self.shape)))
 

@@ -31,18 +31,20 @@ class Tap:
     #: Whether a manifest's ``taps:`` list may name it (attention has its own block; logits are
     #: read through the stored unembedding, not captured per sample).
     listed: bool = True
+    #: The block stack its ``layer`` indexes ("vision" or "llm" blocks); None: one module, layer 0.
+    stack: str | None = None
 
 
 TAP_TABLE: dict[str, Tap] = {
     # Output of a vision-encoder block; ``pre_merger`` is the merger input after the merger's own
     # pre-norm, raster-ordered (Qwen family only, last block only): G2M's vision tap.
-    "vision": Tap(("resid_post", "pre_merger"), image_only=True),
+    "vision": Tap(("resid_post", "pre_merger"), image_only=True, stack="vision"),
     # The connector between vision tower and LLM: what goes in, what comes out.
     "projector": Tap(("out", "in"), image_only=True),
     # Output of an LLM decoder block (the residual stream after the block).
-    "llm": Tap(("resid_post",)),
+    "llm": Tap(("resid_post",), stack="llm"),
     # Attention probabilities of an LLM self-attention module, only for chosen query rows.
-    "attn": Tap(("probs",), row="head", listed=False),
+    "attn": Tap(("probs",), row="head", listed=False, stack="llm"),
     # The LM head's output.
     "logits": Tap(("out",), listed=False),
 }
@@ -54,6 +56,11 @@ FAMILY_SITES = frozenset({"pre_merger"})
 IMAGE_ONLY_TAPS = frozenset(name for name, tap in TAP_TABLE.items() if tap.image_only)
 #: The taps a manifest's ``taps:`` list may name.
 LISTED_TAPS: tuple[str, ...] = tuple(name for name, tap in TAP_TABLE.items() if tap.listed)
+#: Taps whose rows are one [heads] vector per key (attention probabilities), not hidden states: no
+#: probe reads them as features, and a dense one is laid out [head, query, key].
+HEAD_TAPS = frozenset(name for name, tap in TAP_TABLE.items() if tap.row == "head")
+#: The block stacks a layer index counts in, data-path order (the keys of a run's layer counts).
+STACKS: tuple[str, ...] = tuple(dict.fromkeys(tap.stack for tap in TAP_TABLE.values() if tap.stack))
 
 #: Token kinds: which positions of a sample are kept.
 #:   image  - the image tokens (vision/projector taps: every vision token of the image)
@@ -83,6 +90,13 @@ def check_tap(tap: str, site: str | None = None, *, listed: bool = False) -> str
     if site not in sites:
         raise StoreError(f"tap {tap!r} has no site {site!r}{did_you_mean(site, sites)}")
     return site
+
+
+def stack_of(tap: str) -> str | None:
+    """The block stack ``tap``'s layer indexes (see :data:`STACKS`); None for a one-module tap or
+    a word outside the vocabulary."""
+    known = TAP_TABLE.get(tap)
+    return known.stack if known else None
 
 
 def kinds_for(tap: str, kinds: Iterable[str]) -> tuple[str, ...]:

@@ -335,7 +335,7 @@ class Recorder:
     def _hook(self, points: list[Point]) -> Any:
         def store(x: torch.Tensor) -> None:
             for point in points:
-                if point.spec.tap in ("vision", "projector"):
+                if point.spec.tap in IMAGE_ONLY_TAPS:
                     self._store_image(point, x)
                 else:
                     self._store_sequence(point, x)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from store.vocab import TAPS
+
 
 @dataclass(frozen=True)
 class GridSegment:
@@ -121,6 +123,6 @@ class SampleLayout:
             return self.geometry.vision
         if tap == "projector":
             return self.geometry.projector_in if site == "in" else self.geometry.projector_out
-        if tap in ("llm", "logits", "attn"):
+        if tap in TAPS:  # every other tap reads the LLM's sequence
             return self.geometry.llm
         return None

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from store.vocab import STACKS
+
 from .adapters import Adapter, adapter_class, registry
 from .compat import patch_processors_without_torchvision, register_capture_attention
 from .errors import DeviceError, ModelNotFoundError, UnknownArchitectureError, UntrustedCodeError, WeightsError
@@ -61,7 +63,7 @@ class LoadedModel:
             "device": str(self.device),
             "attn_implementation": self.attn_implementation,
             "versions": dict(self.versions),
-            "layers": {tap: self.adapter.n_layers(tap) for tap in ("vision", "llm")},
+            "layers": {tap: self.adapter.n_layers(tap) for tap in STACKS},
         }
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from probes import PlanError, parse_plan
 from probes.plan import ArrayRow, expand
+from store.vocab import HEAD_TAPS
 
 ARRAYS = [ArrayRow(run, tap, layer, "resid_post", "image", "dense")
           for run in ("a", "b") for tap in ("vision", "llm") for layer in (0, 1)]
@@ -44,3 +45,12 @@ def test_validation_refuses_before_any_probe_is_made():
                                    "kinds": ["ridge"]}]})
     with pytest.raises(PlanError, match=r"probes.0 selects no stored array \(a:llm/resid_post/last"):
         expand(plan, ARRAYS)
+
+
+def test_taps_all_reads_every_stored_tap_but_the_attention_heads():
+    arrays = [*ARRAYS, ArrayRow("a", "attn", 0, "probs", "last", "ragged"),
+              ArrayRow("a", "llm", 0, "resid_post", "last", "dense")]
+    plan = parse_plan({"probes": [{"runs": ["a"], "taps": "all", "sites": "all", "layers": [0],
+                                   "tokens": ["image", "last"], "targets": ["go.count"], "kinds": ["pooled"]}]})
+    taps = {t.tap for t in expand(plan, arrays)}
+    assert taps == {"vision", "llm"} and not taps & HEAD_TAPS

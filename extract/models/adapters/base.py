@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from store.vocab import stack_of
+
 from ..layout import ImageGeometry
 from ..taps import FAMILY_SITES, SITES
 
@@ -49,9 +51,11 @@ class Adapter:
         return self.model.get_submodule(path)
 
     def n_layers(self, tap: str) -> int:
-        if tap == "vision":
+        """How many layers ``tap`` (or a stack, "vision" or "llm") indexes."""
+        stack = stack_of(tap)
+        if stack == "vision":
             return len(self._layer_list(self.vision_layers))
-        if tap in ("llm", "attn"):
+        if stack == "llm":
             return len(self._layer_list(self.llm_layers))
         return 1  # projector, logits: one module
 
