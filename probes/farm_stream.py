@@ -98,7 +98,7 @@ def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, l
             else:
                 y = np.asarray(tv.values).reshape(n, -1).astype(np.int64)
                 labelled = y >= 0
-            train, test = fold.train[:, None] & labelled, fold.test[:, None] & labelled
+            train, test = kind.stream_units(y, labelled, fold, params, fold.seed)
             d = designs.setdefault((train.tobytes(), test.tobytes()), {"train": train, "test": test, "cols": [], "codes": [],
                                                                        "variants": []})
             start = sum(c.shape[-1] for c in d["cols"])
@@ -119,7 +119,8 @@ def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, l
     rows = block_rows or default_block_rows(info, params.precision)
     return stream.StreamSpec(job.root, job.rows, level, params.pool, kind.stream_alphas(params),
                              bool(getattr(params, "standardize", False)), params.precision, int(rows), solves,
-                             job.dense_tokens, kind.stream_solver, shares_pass(solves))
+                             job.dense_tokens, kind.stream_solver, shares_pass(solves),
+                             kind.stream_count_class(params))
 
 
 #: Share one pass between Solves when it accumulates at most this share of the rows that one
@@ -321,7 +322,9 @@ def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flop
         cvar = sp.solves[cs].variants[cv]
         control_gcv = sol.gcv[cs]
         if sol.W[cs] is not None and control_gcv is not None:
-            ctrl = float(_test_scores(sc, cs, cv, cvar)[gcv_pick(control_gcv[cvar.start : cvar.stop])])
+            cpick = gcv_pick(control_gcv[cvar.start : cvar.stop])
+            ctrl = float(_test_scores(sc, cs, cv, cvar)[cpick] if sp.count_class is None
+                         else _exact(*_counts(sp, sc, cs, cv, cpick)[1:]))
     probe = g.kind.build(job, job.fold.seed)
     W, b = W_all[:, var.start : var.stop, pick], b_all[var.start : var.stop, pick]
     regress = var.classes is None
@@ -333,9 +336,39 @@ def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flop
     if sp.method == "ridge":
         probe.meta_["alpha"] = sp.alphas[pick]
         metrics.update(alpha=sp.alphas[pick], alphas=list(sp.alphas), by_alpha=[float(x) for x in by_alpha])
+    if sp.count_class is not None:   # hidden_number_ridge: N_H per test board against its count
+        return _count_outcome(g, j, sol, sc, (s, v, pick), ctrl, metrics, flops, probe)
     return Outcome("r2" if regress else "accuracy", float(by_alpha[pick]), ctrl,
                    int((job.target.labelled() & job.fold.train).sum()), int((job.target.labelled() & job.fold.test).sum()),
                    metrics, probe, flops)
+
+
+def _counts(sp: stream.StreamSpec, sc: stream.Scores, s: int, v: int, pick: int) -> tuple[np.ndarray, ...]:
+    """(positions, predicted counts, true counts) of a variant's test samples."""
+    solve = sp.solves[s]
+    tested = np.flatnonzero(solve.test.any(1))
+    truth = (solve.codes[tested, :, v] == sp.count_class).sum(1)
+    return tested, sc.per_sample[s][tested, v, pick], truth.astype(np.float64)
+
+
+def _exact(n_h: np.ndarray, n_g: np.ndarray) -> float:
+    return float((n_h == n_g).mean()) if len(n_g) else float("nan")
+
+
+def _count_outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, at: tuple[int, int, int],
+                   ctrl: float | None, metrics: dict[str, Any], flops: float, probe: Any) -> Outcome:
+    """The score of a counting kind: exact match of each test sample's count of predicted units."""
+    from probes.kinds.base import PerSample
+    from probes.kinds.hidden_number import count_metrics
+
+    s, v, pick = at
+    tested, n_h, n_g = _counts(g.spec, sc, s, v, pick)
+    var = g.spec.solves[s].variants[v]
+    metrics |= count_metrics(n_h, n_g) | {"token_accuracy": float(_test_scores(sc, s, v, var)[pick])}
+    job = g.jobs[j]
+    boards = int((job.target.labelled() & job.fold.train).sum())
+    return Outcome(g.kind.metric, _exact(n_h, n_g), ctrl, boards, len(tested), metrics, probe, flops,
+                   predictions=PerSample(tested, n_h, n_g, (n_h == n_g).astype(np.float64)))
 
 
 def _test_scores(sc: stream.Scores, s: int, v: int, var: stream.Variant) -> np.ndarray:

@@ -71,6 +71,9 @@ class StreamSpec:
     #: are the union's minus its left-out part (:func:`own_stats`). Cheaper when the left-out
     #: parts (about a test fraction each) are smaller than the training sets.
     shared: bool = False
+    #: Count per sample the test units predicted as this class (hidden_number_ridge's N_H: tokens
+    #: predicted black per board); None: no per-sample counts.
+    count_class: int | None = None
 
 
 @dataclass
@@ -430,6 +433,7 @@ class Scores:
     sse: list[np.ndarray]        # [V, A]
     sy: list[np.ndarray]         # [V]
     syy: list[np.ndarray]        # [V]
+    per_sample: list[np.ndarray] = field(default_factory=list)   # [n, V, A] counts (count_class), else [0, V, A]
     flops: float = 0.0
     read_bytes: int = 0
     rss_peak: int = 0
@@ -438,8 +442,9 @@ class Scores:
 def empty_scores(spec: StreamSpec) -> Scores:
     A = len(spec.alphas)
     V = [len(s.variants) for s in spec.solves]
+    n = len(spec.rows) if spec.count_class is not None else 0
     return Scores([np.zeros((v, A)) for v in V], [np.zeros(v) for v in V], [np.zeros((v, A)) for v in V],
-                  [np.zeros(v) for v in V], [np.zeros(v) for v in V])
+                  [np.zeros(v) for v in V], [np.zeros(v) for v in V], [np.zeros((n, v, A)) for v in V])
 
 
 def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) -> Scores:
@@ -468,6 +473,8 @@ def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) ->
                 P = (X @ W.reshape(W.shape[0], -1)).reshape(len(X), W.shape[1], A) + b[None]
                 out.flops += 2.0 * X.shape[0] * X.shape[1] * W.shape[1] * A
                 _tally(out, s, solve_, P, Y, codes)
+                if spec.count_class is not None:
+                    _count(out.per_sample[s], solve_, P, idx[np.nonzero(mask)[0]], spec.count_class)
     out.rss_peak = _rss()
     return out
 
@@ -486,8 +493,18 @@ def _tally(out: Scores, s: int, solve_: Solve, P: np.ndarray, Y: np.ndarray, cod
             out.count[s][v] += len(y)
 
 
+def _count(into: np.ndarray, solve_: Solve, P: np.ndarray, sample: np.ndarray, cls: int) -> None:
+    """Add each unit predicted ``cls`` to its sample's count, per variant and alpha (``into`` [n, V, A])."""
+    for v, var in enumerate(solve_.variants):
+        if var.classes is None or not len(var.classes):
+            continue
+        hit = var.classes[P[:, var.start : var.stop].argmax(1)] == cls      # [m, A]
+        for a in range(hit.shape[1]):
+            into[:, v, a] += np.bincount(sample, weights=hit[:, a], minlength=len(into))
+
+
 def add_scores(a: Scores, b: Scores) -> Scores:
-    for f in ("hits", "count", "sse", "sy", "syy"):
+    for f in ("hits", "count", "sse", "sy", "syy", "per_sample"):
         for x, y in zip(getattr(a, f), getattr(b, f), strict=False):
             x += y
     a.flops += b.flops
