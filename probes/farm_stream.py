@@ -119,7 +119,8 @@ def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, l
     rows = block_rows or default_block_rows(info, params.precision)
     return stream.StreamSpec(job.root, job.rows, level, params.pool, kind.stream_alphas(params),
                              bool(getattr(params, "standardize", False)), params.precision, int(rows), solves,
-                             job.dense_tokens, kind.stream_solver, shares_pass(solves),
+                             job.dense_tokens, kind.stream_solver,
+                             kind.stream_solver != "centroid" and shares_pass(solves),   # no XᵀX to share
                              kind.stream_count_class(params))
 
 
@@ -162,13 +163,16 @@ def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
         p = np.dtype(sp.precision).itemsize
         A = len(sp.alphas)
         cols = sum(s.Y.shape[-1] for s in sp.solves)
-        gram = sum(d * d * p + d * s.Y.shape[-1] * 8 for s in sp.solves) + (d * d * p + d * cols * 8 if sp.shared else 0)
+        xx = 0 if sp.method == "centroid" else d * d * p        # class means need no XᵀX (stream._designs)
+        gram = sum(xx + d * s.Y.shape[-1] * 8 for s in sp.solves) + (xx + d * cols * 8 if sp.shared else 0)
         block = sp.block_rows * vpr * (item + 4 + p)
-        peaks += [(2 * gram + block, f"map (2 x {gram / MiB:.0f} MiB of XᵀX, block of {sp.block_rows} rows)"),
-                  (2 * gram, "merge (2 x XᵀX)"),
-                  (gram + (2 if sp.shared else 1) * d * d * p + 2 * d * cols * A * 8,
-                   "solve (XᵀX + one Cholesky factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
-                  (sp.block_rows * vpr * (item + 4 + 8) + 2 * d * cols * A * 8, "score (a block of test rows)")]
+        counts = len(sp.rows) * sum(len(s.variants) for s in sp.solves) * A * 8 if sp.count_class is not None else 0
+        peaks += [(2 * gram + block, f"map (2 x {gram / MiB:.0f} MiB of statistics, block of {sp.block_rows} rows)"),
+                  (2 * gram, "merge (2 x statistics)"),
+                  (gram + (2 if sp.shared else 1) * xx + 2 * d * cols * A * 8,
+                   "solve (statistics + one factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
+                  (sp.block_rows * vpr * (item + 4 + 8) + 2 * d * cols * A * 8 + 2 * counts,
+                   "score (a block of test rows)")]
         read += len(job.arrays) * _rows_bytes(info, len(sp.rows))
     peak, what = max(peaks)
     return MemoryPlan(read, WORKER_BASE + peak, what)
@@ -237,7 +241,8 @@ def layers_in_flight(specs: list[SpecGroup], job: GroupJob, limit: int | None) -
     large (then a worker holds at most what plan_stream planned), more when they are small (the
     latency of one solve per layer then no longer idles the workers)."""
     d = job.arrays[0].item_shape[-1]
-    held = sum(2 * (len(g.spec.solves) + g.spec.shared) * d * d * np.dtype(g.spec.precision).itemsize for g in specs) or 1
+    held = sum(2 * (len(g.spec.solves) + g.spec.shared) * d * d * np.dtype(g.spec.precision).itemsize
+               for g in specs if g.spec.method != "centroid") or 1
     room = (FIT_FRACTION * limit - WORKER_BASE) if limit else 256 * MiB
     return int(max(1, min(8, room // held)))
 

@@ -52,3 +52,34 @@ def test_streamed_hidden_number_equals_in_memory_on_the_same_plan(tmp_path):
         assert [r[1] for r in stored] == list(ref.hidden_number(X[fold.test]).astype(float))
         assert [r[2] for r in stored] == list(counts[fold.test].astype(float))
     assert max(r[2] for r in rows) > 0.5 > max(r[3] for r in rows)   # the strong layer counts; controls do not
+
+
+def _job(ws, plan):
+    from probes.farm import _Preparer, plan_tasks
+    from probes.plan import group_tasks
+
+    return _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+
+
+def test_centroid_plan_needs_no_gram_matrix(tmp_path):
+    from probes.farm_stream import build_specs, plan_stream
+    from probes.stream import accumulate
+
+    ws = build_workspace(tmp_path / "ws", n=96, families=("spatial",))
+    plans = {}
+    for seeds in ([0], [0, 1, 2, 3]):
+        plan = parse_plan({"name": "c", "probes": [{"runs": ["spatial"], "targets": ["truth:relation"], "seeds": seeds,
+                                                     "kinds": {"ridge": {}, "nearest_centroid": {}}}]})
+        job = _job(ws, plan)
+        specs = {g.kind.name: g for g in build_specs(job, 7)}
+        plans[len(seeds)] = {k: plan_stream([g], job) for k, g in specs.items()}
+        d = job.arrays[0].item_shape[-1]
+        centroid = specs["nearest_centroid"].spec
+        assert not centroid.shared                       # several seeds: nothing to share without XᵀX
+        rows = sum(int(s.train.sum()) for s in centroid.solves)
+        cols = centroid.solves[0].Y.shape[-1]
+        assert accumulate(centroid, job.arrays[0], 0, len(job.rows)).flops == 2.0 * rows * d * cols   # no XᵀX
+    one = plans[1]
+    # one design, float64: the map holds its XᵀX and the merge partner's; a centroid plan holds neither
+    assert one["ridge"].peak_bytes - one["nearest_centroid"].peak_bytes == 2 * d * d * 8
+    assert plans[4]["nearest_centroid"].peak_bytes < plans[4]["ridge"].peak_bytes - 2 * d * d * 8
