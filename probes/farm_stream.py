@@ -117,11 +117,12 @@ def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, l
               for d in designs.values()]
     info = job.arrays[0]
     rows = block_rows or default_block_rows(info, params.precision)
+    lw = getattr(params, "shrinkage", None) == "auto"      # lda: per-class moments, nothing shared
     return stream.StreamSpec(job.root, job.rows, level, params.pool, kind.stream_alphas(params),
                              bool(getattr(params, "standardize", False)), params.precision, int(rows), solves,
                              job.dense_tokens, kind.stream_solver,
-                             kind.stream_solver != "centroid" and shares_pass(solves),   # no XᵀX to share
-                             kind.stream_count_class(params))
+                             kind.stream_solver != "centroid" and not lw and shares_pass(solves),   # no XᵀX to share
+                             kind.stream_count_class(params), lw)
 
 
 #: Share one pass between Solves when it accumulates at most this share of the rows that one
@@ -163,13 +164,16 @@ def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
         p = np.dtype(sp.precision).itemsize
         A = len(sp.alphas)
         cols = sum(s.Y.shape[-1] for s in sp.solves)
-        xx = 0 if sp.method == "centroid" else d * d * p        # class means need no XᵀX (stream._designs)
+        xx = 0 if sp.method == "centroid" or sp.ledoit_wolf else d * d * p   # class means need no XᵀX (stream._designs)
         gram = sum(xx + d * s.Y.shape[-1] * 8 for s in sp.solves) + (xx + d * cols * 8 if sp.shared else 0)
+        if sp.ledoit_wolf:   # 3 float64 d×d moments per class per variant (probes/moments.py)
+            gram += sum(3 * d * d * 8 * len(v.classes if v.classes is not None else []) for s in sp.solves
+                        for v in s.variants)
         block = sp.block_rows * vpr * (item + 4 + p)
         counts = len(sp.rows) * sum(len(s.variants) for s in sp.solves) * A * 8 if sp.count_class is not None else 0
         peaks += [(2 * gram + block, f"map (2 x {gram / MiB:.0f} MiB of statistics, block of {sp.block_rows} rows)"),
                   (2 * gram, "merge (2 x statistics)"),
-                  (gram + (2 if sp.shared else 1) * xx + 2 * d * cols * A * 8,
+                  (gram + (2 if sp.shared else 1) * xx + 2 * d * cols * A * 8 + (5 * d * d * 8 if sp.ledoit_wolf else 0),
                    "solve (statistics + one factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
                   (sp.block_rows * vpr * (item + 4 + 8) + 2 * d * cols * A * 8 + 2 * counts,
                    "score (a block of test rows)")]
@@ -242,7 +246,10 @@ def layers_in_flight(specs: list[SpecGroup], job: GroupJob, limit: int | None) -
     latency of one solve per layer then no longer idles the workers)."""
     d = job.arrays[0].item_shape[-1]
     held = sum(2 * (len(g.spec.solves) + g.spec.shared) * d * d * np.dtype(g.spec.precision).itemsize
-               for g in specs if g.spec.method != "centroid") or 1
+               for g in specs if g.spec.method != "centroid")
+    held += sum(6 * d * d * 8 * len(v.classes if v.classes is not None else []) for g in specs if g.spec.ledoit_wolf
+                for s in g.spec.solves for v in s.variants)
+    held = held or 1
     room = (FIT_FRACTION * limit - WORKER_BASE) if limit else 256 * MiB
     return int(max(1, min(8, room // held)))
 

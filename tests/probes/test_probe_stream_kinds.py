@@ -83,3 +83,63 @@ def test_centroid_plan_needs_no_gram_matrix(tmp_path):
     # one design, float64: the map holds its XᵀX and the merge partner's; a centroid plan holds neither
     assert one["ridge"].peak_bytes - one["nearest_centroid"].peak_bytes == 2 * d * d * 8
     assert plans[4]["nearest_centroid"].peak_bytes < plans[4]["ridge"].peak_bytes - 2 * d * d * 8
+
+
+def _sklearn_lda(F: np.ndarray, y: np.ndarray):
+    from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
+
+    return LinearDiscriminantAnalysis(solver="lsqr", shrinkage="auto").fit(F, y)
+
+
+def _same_as_sklearn(probe, ref) -> None:
+    coef, icpt = probe.state_["coef"], probe.state_["intercept"]
+    if len(probe.state_["classes"]) == 2:   # sklearn keeps the difference of the two class columns
+        coef, icpt = coef[1:] - coef[:1], icpt[1:] - icpt[:1]
+    assert np.abs(coef - ref.coef_).max() < 1e-6 and np.abs(icpt - ref.intercept_).max() < 1e-6
+
+
+def test_lda_ledoit_wolf_matches_sklearn_in_memory():
+    from probes.kinds.lda import LDAProbe
+
+    rng = np.random.default_rng(3)
+    for k, n, d in ((2, 60, 40), (4, 300, 12)):                     # d near n: where shrinkage matters
+        y = rng.integers(0, k, n)
+        X = rng.standard_normal((k, d))[y] + rng.standard_normal((n, d)) * rng.uniform(0.2, 3.0, d) + 20.0
+        X[:, 1] += 2 * X[:, 0]
+        X = X.astype(np.float32).astype(np.float64)                 # the kind pools features as float32
+        mine = LDAProbe(shrinkage="auto").fit(X[:, None, :], y)
+        ref = _sklearn_lda(X, y)
+        _same_as_sklearn(mine, ref)
+        assert (mine.predict(X[:, None, :]) == ref.predict(X)).all()
+
+
+def test_streamed_lda_ledoit_wolf_equals_sklearn_on_the_same_plan(tmp_path):
+    from probes.farm_stream import build_specs, plan_stream
+
+    ws = build_workspace(tmp_path / "ws", n=96, families=("go", "spatial"))
+    plan = parse_plan({"name": "lw", "probes": [
+        {"runs": ["go"], "targets": ["go.intersection"], "kinds": {"lda": {"shrinkage": "auto"}}},
+        {"runs": ["spatial"], "targets": ["truth:relation", "truth:flag_0"], "seeds": [0, 1],
+         "kinds": {"lda": {"shrinkage": "auto"}}}]})
+    rep = run_plan(plan, ws.path, in_process=True, block_rows=5, **QUIET)   # 5-sample blocks over 32-sample chunks
+    assert rep.trained == 10 and rep.failed == 0, rep.failures
+    for run, layer, target, seed, score, artifact in ws.rows(
+            "SELECT run, layer, target, seed, score, artifact FROM probes ORDER BY 1, 2, 3, 4"):
+        fold = hash_fold(ws.select(run).stimuli, seed, 0.2)
+        X = ws.read(run, "vision", layer, tokens="image").astype(np.float64)
+        key = "labels" if target == "go.intersection" else target.split(":")[1]
+        vals = [json.loads(t[0])[key] for t in ws.rows(
+            f"SELECT truth FROM v_samples WHERE run = '{run}' ORDER BY array_row")]
+        y = np.array(vals) if key == "labels" else np.array([sorted(set(vals)).index(v) for v in vals])
+        F = X.reshape(-1, X.shape[-1]) if y.ndim == 2 else X.mean(1)
+        tr = np.repeat(fold.train, y.shape[1]) if y.ndim == 2 else fold.train
+        te = np.repeat(fold.test, y.shape[1]) if y.ndim == 2 else fold.test
+        ref = _sklearn_lda(F[tr], y.reshape(-1)[tr])
+        _same_as_sklearn(Probe.load(ws.path / artifact), ref)
+        assert abs(score - float((ref.predict(F[te]) == y.reshape(-1)[te]).mean())) < 1e-9, (run, layer, target)
+    job = _job(ws, parse_plan({"name": "p", "probes": [{"runs": ["spatial"], "targets": ["truth:relation"],
+                                                        "kinds": {"lda": {"shrinkage": "auto"}, "ridge": {}}}]}))
+    specs = {g.kind.name: g for g in build_specs(job, 7)}
+    d, k = job.arrays[0].item_shape[-1], 4 * 2                      # 4 relations, the target and its control
+    planned = {name: plan_stream([g], job).peak_bytes for name, g in specs.items()}
+    assert planned["lda"] - planned["ridge"] >= 2 * k * 3 * d * d * 8 - 2 * d * d * 8   # the moments, not one XᵀX
