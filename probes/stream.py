@@ -448,7 +448,7 @@ def solve_classes(st: Stats, solve_: Solve, method: str,
     W, b = np.zeros((d, c, 1)), np.zeros((c, 1))
     flops = 0.0
     full = None
-    for var in solve_.variants:
+    for v, var in enumerate(solve_.variants):
         cols = slice(var.start, var.stop)
         counts = np.maximum(np.round(st.n * (st.my[cols] + 1.0) / 2.0), 1.0)
         between = st.xy[:, cols] / 2.0                       # [d, K]: n_k (μ_k - μ)
@@ -456,7 +456,7 @@ def solve_classes(st: Stats, solve_: Solve, method: str,
         if method == "centroid":
             w, bias = centroid_weights(means)
         elif st.moments is not None:      # Ledoit–Wolf: each class's own shrunk covariance, prior-weighted
-            w, bias = lda_solve(means, counts, lw_covariance(st.moments[solve_.variants.index(var)], counts))
+            w, bias = lda_solve(means, counts, lw_covariance(st.moments[v], counts))
             flops += d**3 / 3 + 2.0 * d * d * (var.stop - var.start)
         else:
             if full is None:
