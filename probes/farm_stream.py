@@ -172,8 +172,10 @@ def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
         block = sp.block_rows * vpr * (item + 4 + p)
         counts = len(sp.rows) * sum(len(s.variants) for s in sp.solves) * A * 8 if sp.count_class is not None else 0
         moving = 8 * d * d * 8 if sp.ledoit_wolf else 0   # Moments.moved's d×d temporaries (merge, solve)
-        peaks += [(2 * gram + block, f"map (2 x {gram / MiB:.0f} MiB of statistics, block of {sp.block_rows} rows)"),
-                  (2 * gram + moving, "merge (2 x statistics)"),
+        held = (f"lda shrinkage auto's per-class moments, {gram / MiB:.0f} MiB (a fixed shrinkage needs one XᵀX)"
+                if sp.ledoit_wolf else f"{gram / MiB:.0f} MiB of statistics")
+        peaks += [(2 * gram + block, f"map (2 x {held}, block of {sp.block_rows} rows)"),
+                  (2 * gram + moving, f"merge (2 x {held})"),
                   (gram + (2 if sp.shared else 1) * xx + 2 * d * cols * A * 8 + moving,
                    "solve (statistics + one factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
                   (sp.block_rows * vpr * (item + 4 + 8) + 2 * d * cols * A * 8 + 2 * counts,

@@ -143,3 +143,16 @@ def test_streamed_lda_ledoit_wolf_equals_sklearn_on_the_same_plan(tmp_path):
     d, k = job.arrays[0].item_shape[-1], 4 * 2                      # 4 relations, the target and its control
     planned = {name: plan_stream([g], job).peak_bytes for name, g in specs.items()}
     assert planned["lda"] - planned["ridge"] >= 2 * k * 3 * d * d * 8 - 2 * d * d * 8   # the moments, not one XᵀX
+
+
+def test_lda_auto_plan_over_the_limit_names_the_fixed_shrinkage(tmp_path):
+    import pytest
+
+    from probes import ProbeError
+
+    ws = build_workspace(tmp_path / "ws", n=64, families=("spatial",))
+    plan = {"name": "m", "probes": [{"runs": ["spatial"], "targets": ["truth:relation"],
+                                     "kinds": {"lda": {"shrinkage": "auto"}}}]}
+    with pytest.raises(ProbeError, match=r"lda shrinkage auto's per-class moments.*a fixed shrinkage needs one XᵀX"):
+        run_plan(parse_plan({**plan, "memory_limit": "200MiB"}), ws.path, in_process=True, **QUIET)
+    assert ws.rows("SELECT count(*) FROM probes")[0][0] == 0
