@@ -340,6 +340,37 @@ def sequential_read(ws: Workspace) -> tuple[int, float]:
     return total, time.perf_counter() - t0
 
 
+#: (model, LLM layers, d) of docs/scale.md's rows, all LLM layers x image tokens over the G2M sweep
+#: (6,400 samples x 324 image tokens, float16).
+SCALE_MODELS = (("Qwen2.5-VL-7B", 28, 3584), ("Qwen2.5-VL-72B", 80, 8192))
+SWEEP_SAMPLES, SWEEP_TOKENS = 6400, 324
+
+
+def scale_rows(gflops: float, read_mib_s: float, workers: tuple[int, ...] = (1, 16, 64)) -> list[str]:
+    """docs/scale.md's probe rows from the constants per worker: ``gflops`` (achieved XᵀX GFLOP/s of
+    the per-token pass) and ``read_mib_s`` (feature MiB/s of the pooled pass). Time = work / (N x
+    constant); memory per worker = probes/farm_stream.py's plan of one ridge design (float32 /
+    float64 XᵀX, a 32 MiB block) and of nearest_centroid (no XᵀX)."""
+    from probes.farm_stream import BLOCK_BYTES, WORKER_BASE
+
+    out = []
+    rows = SWEEP_SAMPLES * SWEEP_TOKENS
+    for name, layers, d in SCALE_MODELS:
+        flop = layers * rows * d * (d + 1)                     # syrk: d(d+1) per row, one seed
+        read = layers * rows * d * 2                            # float16 bytes of every layer
+        token = ", ".join(f"{_hours(flop / (n * gflops * 1e9))} on {n}" for n in workers)
+        pooled = ", ".join(f"{_hours(read / (n * read_mib_s * 2**20))} on {n}" for n in workers)
+        mem = [(WORKER_BASE + 2 * d * d * p + BLOCK_BYTES) / 2**20 for p in (4, 8)]
+        centroid = (WORKER_BASE + BLOCK_BYTES) / 2**20
+        out.append(f"| {name} | {flop / 1e12:,.0f} TFLOP: {token} | {read / 2**30:,.0f} GiB: {pooled} |"
+                   f" {mem[0]:,.0f} / {mem[1]:,.0f} MiB (nearest_centroid {centroid:,.0f} MiB) |")
+    return out
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+
+
 def real_shape(quick: bool) -> None:
     """(a) The farm over a store of real-model shape, 2 workers under a memory limit."""
     from probes import parse_plan, run_plan
@@ -364,6 +395,7 @@ def real_shape(quick: bool) -> None:
             "per token (g2m.cell_color, every token a row; XᵀX-bound), layers 0-1":
                 {"layers": [0, 1], "targets": ["g2m.cell_color"], "kinds": {"ridge": {"precision": "float32"}}},
         }
+        constants: dict[str, Any] = {}
         for what, entry in plans.items():
             plan = parse_plan({"name": "real", "memory_limit": limit,
                                "probes": [{"runs": ["real"], "tokens": ["image"], **entry}]})
@@ -378,6 +410,15 @@ def real_shape(quick: bool) -> None:
                   f" read {rep.read_bytes / 2**30:.2f} GiB at {rate / 2**20:.0f} MiB/s = {rate / seq:.2f}x sequential fromfile"
                   f" (goal >= 0.5x); {rep.gflops_per_s:.1f} GFLOP/s = {rep.gflops_per_s / peak2:.0%} of the 2-thread peak"
                   f" (goal >= 50%); peak RSS per worker {peaks} MiB vs limit {limit}; best score {best[0]}, control {best[1]}")
+            constants["per token" if what.startswith("per token") else "pooled"] = rep
+        g = constants["per token"].gflops_per_s / 2
+        r = constants["pooled"].read_bytes / constants["pooled"].seconds / 2 / 2**20
+        print(f"  docs/scale.md's probe rows from these constants per worker: G = {g:.1f} GFLOP/s (per-token XᵀX),"
+              f" R = {r:.0f} MiB/s (pooled read); time on 1 / 16 / 64 workers, memory per worker:")
+        print("| model, all LLM layers x image tokens | per-token ridge, 1 seed | pooled ridge | memory per worker"
+              " (float32 / float64) |")
+        for line in scale_rows(g, r):
+            print(line)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -406,8 +447,25 @@ def demo_store(tmp: Path) -> Path:
     return tmp / "demo"
 
 
+def shared_passes(plan: Any, data: Path) -> tuple[int, int]:
+    """(streamed parameter sets whose seeds share one XᵀX pass, all of them) over the plan's groups."""
+    from probes.farm import _Preparer, open_workspace, plan_tasks, split_streaming
+    from probes.farm_stream import build_specs, is_streaming
+    from probes.plan import group_tasks
+
+    ws = open_workspace(data)
+    prep = _Preparer(ws, plan)
+    specs = []
+    for group in group_tasks(plan_tasks(plan, ws), plan.layers_per_task):
+        for job in split_streaming(prep.job(group)):
+            if all(is_streaming(job.kinds[t.kind]) for t in job.tasks):
+                specs += [g.spec for g in build_specs(job)]
+    return sum(sp.shared for sp in specs), len(specs)
+
+
 def many_probes(quick: bool) -> None:
-    """(c) Thousands: layers x token positions x targets x seeds (each with its control) over the demo store."""
+    """(c) Thousands: layers x token positions x targets x seeds (each with its control) over the
+    demo store; the seeds of a parameter set share one XᵀX pass (probes/farm_stream.py shares_pass)."""
     from probes import parse_plan, run_plan
     from probes.farm import open_workspace, plan_tasks
 
@@ -416,23 +474,26 @@ def many_probes(quick: bool) -> None:
         t0 = time.perf_counter()
         data = demo_store(tmp)
         built = time.perf_counter() - t0
-        seeds = list(range(2 if quick else 100))   # 58 probes per seed over the demo arrays
+        seeds = list(range(2 if quick else 100))   # 64 probes per seed over the demo arrays
         sample_targets = ["truth:regime", "go.count"]
         entries = [{"taps": "all", "sites": "all", "tokens": ["image"], "targets": sample_targets, "tag": pool,
                     "kinds": {"ridge": {"pool": pool}}, "seeds": seeds} for pool in ("mean", "max", "first", "last")]
         entries.append({"taps": ["llm"], "tokens": ["last"], "targets": sample_targets, "kinds": {"ridge": {"pool": "last"}},
                         "seeds": seeds})
         entries.append({"taps": "all", "sites": "all", "tokens": ["image"], "targets": ["go.intersection"],
-                        "kinds": {"ridge": {}}, "seeds": seeds})
+                        "kinds": {"ridge": {}, "hidden_number_ridge": {}}, "seeds": seeds})
         plan = parse_plan({"name": "many", "layers_per_task": 8, "defaults": {"test_fraction": 0.25}, "probes": [
             {**e, "where": "family = 'go'"} for e in entries]})
         n = len(plan_tasks(plan, open_workspace(data)))
+        shared, sets = shared_passes(plan, data)
         t1 = time.perf_counter()
         rep = run_plan(plan, data, workers=2, progress=False, log=lambda s: None)
         wall = time.perf_counter() - t1
         assert rep.failed == 0, rep.failures[:3]
         print(f"\n(c) {n} probes over the demo store (built in {built:.0f} s): taps x sites x layers x 4 poolings / last"
-              f" token / every image token x targets x {len(seeds)} seeds, each with its shuffled-label control; kind ridge:")
+              f" token / every image token x targets x {len(seeds)} seeds, each with its shuffled-label control; kinds"
+              f" ridge and hidden_number_ridge (N_H); seeds share one XᵀX pass in {shared} of {sets} streamed parameter"
+              " sets per group:")
         print(f"  {rep.trained} trained on 2 workers in {wall:.1f} s wall ({rep.startup_seconds:.1f} s cluster start,"
               f" {rep.seconds:.1f} s training) = {rep.trained / wall:.1f} probes/s wall, {rep.probes_per_s:.1f} probes/s"
               f" training; {rep.read_bytes / 2**20:.0f} MiB of features read")

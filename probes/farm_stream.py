@@ -98,7 +98,7 @@ def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, l
             else:
                 y = np.asarray(tv.values).reshape(n, -1).astype(np.int64)
                 labelled = y >= 0
-            train, test = fold.train[:, None] & labelled, fold.test[:, None] & labelled
+            train, test = kind.stream_units(y, labelled, fold, params, fold.seed)
             d = designs.setdefault((train.tobytes(), test.tobytes()), {"train": train, "test": test, "cols": [], "codes": [],
                                                                        "variants": []})
             start = sum(c.shape[-1] for c in d["cols"])
@@ -117,9 +117,12 @@ def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, l
               for d in designs.values()]
     info = job.arrays[0]
     rows = block_rows or default_block_rows(info, params.precision)
+    lw = getattr(params, "shrinkage", None) == "auto"      # lda: per-class moments, nothing shared
     return stream.StreamSpec(job.root, job.rows, level, params.pool, kind.stream_alphas(params),
                              bool(getattr(params, "standardize", False)), params.precision, int(rows), solves,
-                             job.dense_tokens, kind.stream_solver, shares_pass(solves))
+                             job.dense_tokens, kind.stream_solver,
+                             kind.stream_solver != "centroid" and not lw and shares_pass(solves),   # no XᵀX to share
+                             kind.stream_count_class(params), lw)
 
 
 #: Share one pass between Solves when it accumulates at most this share of the rows that one
@@ -161,13 +164,22 @@ def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
         p = np.dtype(sp.precision).itemsize
         A = len(sp.alphas)
         cols = sum(s.Y.shape[-1] for s in sp.solves)
-        gram = sum(d * d * p + d * s.Y.shape[-1] * 8 for s in sp.solves) + (d * d * p + d * cols * 8 if sp.shared else 0)
+        xx = 0 if sp.method == "centroid" or sp.ledoit_wolf else d * d * p   # class means need no XᵀX (stream._designs)
+        gram = sum(xx + d * s.Y.shape[-1] * 8 for s in sp.solves) + (xx + d * cols * 8 if sp.shared else 0)
+        if sp.ledoit_wolf:   # 3 float64 d×d moments per class per variant (probes/moments.py)
+            gram += sum(3 * d * d * 8 * len(v.classes if v.classes is not None else []) for s in sp.solves
+                        for v in s.variants)
         block = sp.block_rows * vpr * (item + 4 + p)
-        peaks += [(2 * gram + block, f"map (2 x {gram / MiB:.0f} MiB of XᵀX, block of {sp.block_rows} rows)"),
-                  (2 * gram, "merge (2 x XᵀX)"),
-                  (gram + (2 if sp.shared else 1) * d * d * p + 2 * d * cols * A * 8,
-                   "solve (XᵀX + one Cholesky factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
-                  (sp.block_rows * vpr * (item + 4 + 8) + 2 * d * cols * A * 8, "score (a block of test rows)")]
+        counts = len(sp.rows) * sum(len(s.variants) for s in sp.solves) * A * 8 if sp.count_class is not None else 0
+        moving = 8 * d * d * 8 if sp.ledoit_wolf else 0   # Moments.moved's d×d temporaries (merge, solve)
+        held = (f"lda shrinkage auto's per-class moments, {gram / MiB:.0f} MiB (a fixed shrinkage needs one XᵀX)"
+                if sp.ledoit_wolf else f"{gram / MiB:.0f} MiB of statistics")
+        peaks += [(2 * gram + block, f"map (2 x {held}, block of {sp.block_rows} rows)"),
+                  (2 * gram + moving, f"merge (2 x {held})"),
+                  (gram + (2 if sp.shared else 1) * xx + 2 * d * cols * A * 8 + moving,
+                   "solve (statistics + one factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
+                  (sp.block_rows * vpr * (item + 4 + 8) + 2 * d * cols * A * 8 + 2 * counts,
+                   "score (a block of test rows)")]
         read += len(job.arrays) * _rows_bytes(info, len(sp.rows))
     peak, what = max(peaks)
     return MemoryPlan(read, WORKER_BASE + peak, what)
@@ -236,7 +248,11 @@ def layers_in_flight(specs: list[SpecGroup], job: GroupJob, limit: int | None) -
     large (then a worker holds at most what plan_stream planned), more when they are small (the
     latency of one solve per layer then no longer idles the workers)."""
     d = job.arrays[0].item_shape[-1]
-    held = sum(2 * (len(g.spec.solves) + g.spec.shared) * d * d * np.dtype(g.spec.precision).itemsize for g in specs) or 1
+    held = sum(2 * (len(g.spec.solves) + g.spec.shared) * d * d * np.dtype(g.spec.precision).itemsize
+               for g in specs if g.spec.method != "centroid")
+    held += sum(6 * d * d * 8 * len(v.classes if v.classes is not None else []) for g in specs if g.spec.ledoit_wolf
+                for s in g.spec.solves for v in s.variants)
+    held = held or 1
     room = (FIT_FRACTION * limit - WORKER_BASE) if limit else 256 * MiB
     return int(max(1, min(8, room // held)))
 
@@ -321,7 +337,9 @@ def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flop
         cvar = sp.solves[cs].variants[cv]
         control_gcv = sol.gcv[cs]
         if sol.W[cs] is not None and control_gcv is not None:
-            ctrl = float(_test_scores(sc, cs, cv, cvar)[gcv_pick(control_gcv[cvar.start : cvar.stop])])
+            cpick = gcv_pick(control_gcv[cvar.start : cvar.stop])
+            ctrl = float(_test_scores(sc, cs, cv, cvar)[cpick] if sp.count_class is None
+                         else _exact(*_counts(sp, sc, cs, cv, cpick)[1:]))
     probe = g.kind.build(job, job.fold.seed)
     W, b = W_all[:, var.start : var.stop, pick], b_all[var.start : var.stop, pick]
     regress = var.classes is None
@@ -333,9 +351,39 @@ def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flop
     if sp.method == "ridge":
         probe.meta_["alpha"] = sp.alphas[pick]
         metrics.update(alpha=sp.alphas[pick], alphas=list(sp.alphas), by_alpha=[float(x) for x in by_alpha])
+    if sp.count_class is not None:   # hidden_number_ridge: N_H per test board against its count
+        return _count_outcome(g, j, sol, sc, (s, v, pick), ctrl, metrics, flops, probe)
     return Outcome("r2" if regress else "accuracy", float(by_alpha[pick]), ctrl,
                    int((job.target.labelled() & job.fold.train).sum()), int((job.target.labelled() & job.fold.test).sum()),
                    metrics, probe, flops)
+
+
+def _counts(sp: stream.StreamSpec, sc: stream.Scores, s: int, v: int, pick: int) -> tuple[np.ndarray, ...]:
+    """(positions, predicted counts, true counts) of a variant's test samples."""
+    solve = sp.solves[s]
+    tested = np.flatnonzero(solve.test.any(1))
+    truth = (solve.codes[tested, :, v] == sp.count_class).sum(1)
+    return tested, sc.per_sample[s][tested, v, pick], truth.astype(np.float64)
+
+
+def _exact(n_h: np.ndarray, n_g: np.ndarray) -> float:
+    return float((n_h == n_g).mean()) if len(n_g) else float("nan")
+
+
+def _count_outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, at: tuple[int, int, int],
+                   ctrl: float | None, metrics: dict[str, Any], flops: float, probe: Any) -> Outcome:
+    """The score of a counting kind: exact match of each test sample's count of predicted units."""
+    from probes.kinds.base import PerSample
+    from probes.kinds.hidden_number import count_metrics
+
+    s, v, pick = at
+    tested, n_h, n_g = _counts(g.spec, sc, s, v, pick)
+    var = g.spec.solves[s].variants[v]
+    metrics |= count_metrics(n_h, n_g) | {"token_accuracy": float(_test_scores(sc, s, v, var)[pick])}
+    job = g.jobs[j]
+    boards = int((job.target.labelled() & job.fold.train).sum())
+    return Outcome(g.kind.metric, _exact(n_h, n_g), ctrl, boards, len(tested), metrics, probe, flops,
+                   predictions=PerSample(tested, n_h, n_g, (n_h == n_g).astype(np.float64)))
 
 
 def _test_scores(sc: stream.Scores, s: int, v: int, var: stream.Variant) -> np.ndarray:

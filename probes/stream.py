@@ -25,6 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from probes.errors import ProbeError
+from probes.moments import Moments
 from store.location import ArrayRoot
 from store.records import ArrayInfo
 
@@ -71,6 +72,12 @@ class StreamSpec:
     #: are the union's minus its left-out part (:func:`own_stats`). Cheaper when the left-out
     #: parts (about a test fraction each) are smaller than the training sets.
     shared: bool = False
+    #: Count per sample the test units predicted as this class (hidden_number_ridge's N_H: tokens
+    #: predicted black per board); None: no per-sample counts.
+    count_class: int | None = None
+    #: lda's ``shrinkage: auto``: each variant's per-class moments up to the fourth (probes/moments.py)
+    #: instead of the pooled XᵀX; never shared between Solves.
+    ledoit_wolf: bool = False
 
 
 @dataclass
@@ -83,6 +90,7 @@ class Stats:
     xx: np.ndarray               # [d, d] precision dtype
     xy: np.ndarray               # float64 [d, c]
     yy: np.ndarray               # float64 [c]
+    moments: list[list[Moments | None]] | None = None   # ledoit_wolf: [variant][class]
 
 
 @dataclass
@@ -163,6 +171,8 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
                     if acc is None:  # shift by the first block's mean: the sums stay well conditioned
                         acc = raw[s] = _empty(X, Y.shape[1], dtype if gram else None)
                     part.flops += _update(acc, X, Y, dtype, syrk if gram else None)
+                    if spec.ledoit_wolf:
+                        part.flops += _add_moments(acc, spec.solves[s], X, spec.solves[s].codes[idx][mask])
         for s, acc in enumerate(raw):
             if acc is not None:
                 part.stats[s] = _centre(acc, syr)
@@ -182,7 +192,7 @@ def _designs(spec: StreamSpec) -> list[Design]:
     def own(s: Solve) -> Callable[[np.ndarray], np.ndarray]:
         return lambda idx: s.Y[idx]
 
-    gram = spec.method != "centroid"   # class means need no XᵀX
+    gram = spec.method != "centroid" and not spec.ledoit_wolf   # class means (and LW's moments) need no XᵀX
     if not spec.shared:
         return [(s.train, own(s), gram) for s in spec.solves]
     union = np.logical_or.reduce([s.train for s in spec.solves])
@@ -210,6 +220,20 @@ def _update(acc: dict[str, Any], X: np.ndarray, Y: np.ndarray, dtype: np.dtype[A
     acc["yy"] += (Y * Y).sum(0)
     d = Xk.shape[1]
     return float(len(Xk)) * d * (d + 1) * (syrk is not None) + 2.0 * len(Xk) * d * Y.shape[1]
+
+
+def _add_moments(acc: dict[str, Any], solve_: Solve, X: np.ndarray, codes: np.ndarray) -> float:
+    """Add rows X to each variant's per-class moments (``codes`` [m, V]: each variant's class)."""
+    lw = acc.setdefault("lw", [[None] * len(v.classes if v.classes is not None else []) for v in solve_.variants])
+    flops = 0.0
+    for v, var in enumerate(solve_.variants):
+        for k, cls in enumerate(var.classes if var.classes is not None else []):
+            rows = X[codes[:, v] == cls]
+            if len(rows):
+                if lw[v][k] is None:
+                    lw[v][k] = Moments.empty(rows.mean(0, dtype=np.float64))
+                flops += lw[v][k].add(rows)
+    return flops
 
 
 def own_stats(spec: StreamSpec, stats: list[Stats | None]) -> Iterator[Stats | None]:
@@ -253,7 +277,7 @@ def _centre(acc: dict[str, Any], syr: Callable[..., Any]) -> Stats:
     my = acc["sy"] / n
     xy = acc["xy"] - n * np.outer(mean_k, my)
     yy = acc["yy"] - n * my * my
-    return Stats(n, acc["k"] + mean_k, my, xx, xy, yy)
+    return Stats(n, acc["k"] + mean_k, my, xx, xy, yy, acc.get("lw"))
 
 
 def merge(a: Part, b: Part) -> Part:
@@ -267,6 +291,9 @@ def merge(a: Part, b: Part) -> Part:
         n = x.n + y.n
         dx, dy = y.mx - x.mx, y.my - x.my
         f = x.n * y.n / n
+        if x.moments is not None and y.moments is not None:
+            x.moments = [[q if p is None else p if q is None else p.merge(q) for p, q in zip(a_, b_, strict=True)]
+                         for a_, b_ in zip(x.moments, y.moments, strict=True)]
         x.xx += y.xx
         if x.xx.size:
             _blas(x.xx.dtype.name)[1](f, dx.astype(x.xx.dtype), a=x.xx, lower=0, overwrite_a=1)
@@ -375,19 +402,36 @@ def solve_stats(st: Stats, alphas: tuple[float, ...], standardize: bool) -> tupl
 def lda_weights(means: np.ndarray, counts: np.ndarray, scatter: np.ndarray,
                 shrinkage: float) -> tuple[np.ndarray, np.ndarray]:
     """(W [d, K], b [K]) of LDA from class means [K, d], counts [K] and the within-class scatter."""
-    from scipy.linalg import LinAlgError, cho_factor, cho_solve
-
     n, d = float(counts.sum()), scatter.shape[0]
     cov = scatter / n
     if shrinkage:
         cov = (1.0 - shrinkage) * cov
         cov.flat[:: d + 1] += shrinkage * np.trace(scatter / n) / d
+    return lda_solve(means, counts, cov)
+
+
+def lda_solve(means: np.ndarray, counts: np.ndarray, cov: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(W [d, K], b [K]) of LDA from class means, counts and the (shrunk) within-class covariance."""
+    from scipy.linalg import LinAlgError, cho_factor, cho_solve
+
+    n, d = float(counts.sum()), cov.shape[0]
     try:
         W = cho_solve(cho_factor(cov, lower=False, check_finite=False), means.T, check_finite=False)
     except LinAlgError:
         raise ProbeError(f"lda: the within-class covariance ({d} features, {int(n)} rows) is singular:"
                          " set the kind's shrinkage above 0 (e.g. 0.1)") from None
     return W, -0.5 * np.einsum("kd,dk->k", means, W) + np.log(counts / n)
+
+
+def lw_covariance(moments: list[Moments | None], counts: np.ndarray) -> np.ndarray:
+    """Σ_k (n_k / n) Σ_k with Σ_k each class's Ledoit–Wolf-shrunk covariance (scikit-learn's ``_class_cov``)."""
+    cov = np.zeros((len(moments[0].shift),) * 2) if moments and moments[0] is not None else None
+    for m, n_k in zip(moments, counts, strict=True):
+        if m is None or cov is None:
+            raise ProbeError("lda shrinkage auto: a class has no training rows; select rows holding every class")
+        cov += (n_k / counts.sum()) * m.covariance()[1]
+    assert cov is not None, "at least one class"
+    return cov
 
 
 def centroid_weights(means: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -404,13 +448,16 @@ def solve_classes(st: Stats, solve_: Solve, method: str,
     W, b = np.zeros((d, c, 1)), np.zeros((c, 1))
     flops = 0.0
     full = None
-    for var in solve_.variants:
+    for v, var in enumerate(solve_.variants):
         cols = slice(var.start, var.stop)
         counts = np.maximum(np.round(st.n * (st.my[cols] + 1.0) / 2.0), 1.0)
         between = st.xy[:, cols] / 2.0                       # [d, K]: n_k (μ_k - μ)
         means = st.mx[None, :] + (between / counts).T        # [K, d]
         if method == "centroid":
             w, bias = centroid_weights(means)
+        elif st.moments is not None:      # Ledoit–Wolf: each class's own shrunk covariance, prior-weighted
+            w, bias = lda_solve(means, counts, lw_covariance(st.moments[v], counts))
+            flops += d**3 / 3 + 2.0 * d * d * (var.stop - var.start)
         else:
             if full is None:
                 upper = np.triu(st.xx.astype(np.float64))
@@ -430,6 +477,7 @@ class Scores:
     sse: list[np.ndarray]        # [V, A]
     sy: list[np.ndarray]         # [V]
     syy: list[np.ndarray]        # [V]
+    per_sample: list[np.ndarray] = field(default_factory=list)   # [n, V, A] counts (count_class), else [0, V, A]
     flops: float = 0.0
     read_bytes: int = 0
     rss_peak: int = 0
@@ -438,8 +486,9 @@ class Scores:
 def empty_scores(spec: StreamSpec) -> Scores:
     A = len(spec.alphas)
     V = [len(s.variants) for s in spec.solves]
+    n = len(spec.rows) if spec.count_class is not None else 0
     return Scores([np.zeros((v, A)) for v in V], [np.zeros(v) for v in V], [np.zeros((v, A)) for v in V],
-                  [np.zeros(v) for v in V], [np.zeros(v) for v in V])
+                  [np.zeros(v) for v in V], [np.zeros(v) for v in V], [np.zeros((n, v, A)) for v in V])
 
 
 def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) -> Scores:
@@ -468,6 +517,8 @@ def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) ->
                 P = (X @ W.reshape(W.shape[0], -1)).reshape(len(X), W.shape[1], A) + b[None]
                 out.flops += 2.0 * X.shape[0] * X.shape[1] * W.shape[1] * A
                 _tally(out, s, solve_, P, Y, codes)
+                if spec.count_class is not None:
+                    _count(out.per_sample[s], solve_, P, idx[np.nonzero(mask)[0]], spec.count_class)
     out.rss_peak = _rss()
     return out
 
@@ -486,8 +537,17 @@ def _tally(out: Scores, s: int, solve_: Solve, P: np.ndarray, Y: np.ndarray, cod
             out.count[s][v] += len(y)
 
 
+def _count(into: np.ndarray, solve_: Solve, P: np.ndarray, sample: np.ndarray, cls: int) -> None:
+    """Add each unit predicted ``cls`` to its sample's count, per variant and alpha (``into`` [n, V, A])."""
+    for v, var in enumerate(solve_.variants):
+        if var.classes is None or not len(var.classes):
+            continue
+        hit = var.classes[P[:, var.start : var.stop].argmax(1)] == cls      # [m, A]
+        np.add.at(into[:, v, :], sample, hit.astype(np.float64))            # O(units), not O(samples), per block
+
+
 def add_scores(a: Scores, b: Scores) -> Scores:
-    for f in ("hits", "count", "sse", "sy", "syy"):
+    for f in ("hits", "count", "sse", "sy", "syy", "per_sample"):
         for x, y in zip(getattr(a, f), getattr(b, f), strict=False):
             x += y
     a.flops += b.flops

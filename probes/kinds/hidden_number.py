@@ -14,7 +14,7 @@ N_H with the board's true count, over all test boards, with the same per regime
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -23,8 +23,10 @@ from pydantic import Field
 from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, PerSample, register_kind
 from probes.kinds.linear import LinearParams, LinearProbe
+from probes.kinds.ridge import RidgeParams, RidgeProbe, closed_form, one_hot
 from probes.logreg import solve_columns
 from probes.splits import control_permutation
+from probes.targets import Shape
 
 REGIMES = ((49, "ID"), (99, "VE"), (None, "FE"))
 
@@ -158,3 +160,68 @@ def count_metrics(n_h: np.ndarray, counts: np.ndarray) -> dict[str, Any]:
                      "mean_abs_error": float(np.abs(n_h[m] - counts[m]).mean())}
     out["per_regime"] = per
     return out
+
+
+class HiddenNumberRidgeParams(RidgeParams):
+    task: Literal["classify"] = Field("classify", description="always classify (black / white / empty per token)")
+    black: int = Field(0, ge=0, description="class code of 'black' in the token labels")
+    train_max_count: int | None = Field(49, ge=0, description="train on boards with at most this many black stones")
+    per_board: int = Field(2, ge=0, description="training tokens per board (study: 2); 0 = every token")
+
+
+@register_kind("hidden_number_ridge")
+class HiddenNumberRidgeProbe(RidgeProbe):
+    """The N_H probe as a statistics kind: the same boards, tokens and N_H as ``hidden_number``,
+    with ridge's least-squares classifier (scikit-learn's ``RidgeClassifier``) in place of the
+    logistic one, so the farm trains it from one streamed pass (probes/stream.py counts each
+    test board's tokens predicted black in its scoring pass). ``X [n, T, d]``, ``y [n, T]``."""
+
+    Params = HiddenNumberRidgeParams
+    accepts: ClassVar[tuple[Shape, ...]] = ("token",)
+    accepts_ragged = False
+    metric = "exact_match"
+
+    @classmethod
+    def stream_units(cls, y: np.ndarray, labelled: np.ndarray, fold: Any, params: Any,
+                     seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """Training tokens: ``train_tokens`` of the labelled training boards (drawn as the
+        in-memory fit draws them); test units: every token of test boards labelled throughout."""
+        boards = fold.train & labelled.any(1)
+        train = np.zeros_like(labelled)
+        train[boards] = train_tokens(y[boards], params, seed)
+        return train, (fold.test & labelled.all(1))[:, None] & labelled
+
+    @classmethod
+    def stream_count_class(cls, params: Any) -> int | None:
+        return int(params.black)
+
+    def fit(self, X: Any, y: Any) -> HiddenNumberRidgeProbe:
+        X, y = np.asarray(X), np.asarray(y).astype(np.int64)
+        keep = train_tokens(y, self.params, self.random_state)
+        F, labels = X[keep].astype(np.float64), y[keep]
+        if len(F) < 2:
+            raise ProbeError(f"{self.name} needs at least 2 training tokens, got {len(F)}")
+        classes = np.unique(labels)
+        W, b, gcv, alpha = closed_form(F, one_hot(labels, classes), self.params.alphas, self.params.standardize)
+        self.state_ = {"coef": W.T.copy(), "intercept": b, "classes": classes}
+        self.meta_ = {"task": "classify", "alpha": alpha, "gcv": gcv.tolist()}
+        return self
+
+    def hidden_number(self, X: Any) -> np.ndarray:
+        """N_H per board: tokens predicted black."""
+        X = np.asarray(X)
+        pred = RidgeProbe.predict(self, X, token_level=True).reshape(X.shape[:2])
+        return (pred == self.params.black).sum(1)
+
+    def predict(self, X: Any, token_level: bool = False) -> np.ndarray:
+        return RidgeProbe.predict(self, X, token_level=True) if token_level else self.hidden_number(X)
+
+    def score(self, X: Any, y: Any) -> float:
+        counts = (np.asarray(y) == self.params.black).sum(1)
+        return float((self.hidden_number(X) == counts).mean()) if len(counts) else float("nan")
+
+    def metrics(self, X: Any, y: Any) -> dict[str, Any]:
+        y = np.asarray(y)
+        token = RidgeProbe.predict(self, X, token_level=True) == y.reshape(-1)
+        return count_metrics(self.hidden_number(X), (y == self.params.black).sum(1)) | {
+            "token_accuracy": float(token.mean())}

@@ -22,7 +22,7 @@ and ``classes`` as ridge does, so it predicts and scores with ridge's code.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -30,12 +30,14 @@ from pydantic import Field
 from probes.errors import ProbeError
 from probes.kinds.base import ProbeParams, register_kind
 from probes.kinds.ridge import RidgeProbe
-from probes.stream import centroid_weights, lda_weights
+from probes.moments import Moments
+from probes.stream import centroid_weights, lda_solve, lda_weights, lw_covariance
 
 
 class LDAParams(ProbeParams):
-    shrinkage: float = Field(0.0, ge=0.0, le=1.0,
-                             description="scikit-learn's shrinkage: (1-s) Σ + s tr(Σ)/d I; > 0 when d nears the rows")
+    shrinkage: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = Field(
+        0.0, description="scikit-learn's shrinkage: (1-s) Σ + s tr(Σ)/d I; > 0 when d nears the rows; auto: Ledoit–Wolf"
+                         " per class (streams 3 d×d float64 moments per class)")
     pool: Literal["mean", "max", "first", "last"] = Field("mean", description="sample targets: how tokens become one vector")
     precision: Literal["float64", "float32"] = Field("float64", description="XᵀX accumulation (float32: half the memory)")
 
@@ -82,10 +84,15 @@ class LDAProbe(_ClassMeans):
 
     @classmethod
     def stream_alphas(cls, params: Any) -> tuple[float, ...]:
-        return (params.shrinkage,)
+        return (0.0 if params.shrinkage == "auto" else params.shrinkage,)
 
     def _weights(self, means: np.ndarray, counts: np.ndarray, F: np.ndarray, labels: np.ndarray) -> tuple[Any, Any]:
         classes = np.unique(labels)
+        if self.params.shrinkage == "auto":
+            moments = [Moments.empty(m) for m in means]
+            for m, k in zip(moments, classes, strict=True):
+                m.add(F[labels == k])
+            return lda_solve(means, counts, lw_covariance(list(moments), counts))
         R = F - means[np.searchsorted(classes, labels)]
         return lda_weights(means, counts, R.T @ R, self.params.shrinkage)
 

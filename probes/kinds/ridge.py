@@ -25,6 +25,7 @@ from pydantic import Field, field_validator
 from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, Probe, ProbeParams, register_kind
 from probes.pooling import pool
+from probes.targets import Shape
 
 
 class RidgeParams(ProbeParams):
@@ -74,7 +75,7 @@ class RidgeProbe(Probe):
     """X ``[n, T, d]`` (or Ragged for sample targets); y ``[n]`` or ``[n, T]`` codes or numbers."""
 
     Params: ClassVar[type[ProbeParams]] = RidgeParams
-    accepts = ("token", "sample")
+    accepts: ClassVar[tuple[Shape, ...]] = ("token", "sample")
     accepts_ragged = True
     streaming = True
     #: which solve of probes/stream.py turns the streamed statistics into weights
@@ -84,6 +85,17 @@ class RidgeProbe(Probe):
     def stream_alphas(cls, params: Any) -> tuple[float, ...]:
         """The strengths the solve tries (the A axis of the streamed weights)."""
         return tuple(params.alphas)
+
+    @classmethod
+    def stream_units(cls, y: np.ndarray, labelled: np.ndarray, fold: Any, params: Any,
+                     seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """(train, test) bool [n, R]: the units a streamed probe fits and scores (labels ``y``)."""
+        return fold.train[:, None] & labelled, fold.test[:, None] & labelled
+
+    @classmethod
+    def stream_count_class(cls, params: Any) -> int | None:
+        """A class whose predicted units the score pass counts per sample (None: no counts)."""
+        return None
 
     def units(self, X: Any, y: Any) -> tuple[np.ndarray, np.ndarray]:
         """(rows [m, d] float64, labels [m]) of the labelled units of X."""
