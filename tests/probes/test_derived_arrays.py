@@ -115,8 +115,10 @@ def test_a_stale_derivation_is_not_read_and_says_how_to_refresh(ws, capsys):
 
 def test_dropping_the_run_drops_its_derived_arrays(ws):
     derive(ws, ws.array_info("spatial", "vision", 0), "mean")
+    assert (ws.zarr_path / "spatial" / "_derived").is_dir()
     ws.drop_run("spatial")
     assert ws.rows("SELECT count(*) FROM derived_arrays") == [(0,)]
+    assert not (ws.zarr_path / "spatial").exists()  # the bytes went with the run's folder
 
 
 def test_bad_input_is_one_line(ws, capsys):
