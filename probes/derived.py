@@ -39,10 +39,14 @@ def derive(ws: Workspace, source: ArrayInfo, how: str) -> store_derived.DerivedI
     if source.layout == "ragged" and len(source.shape) != 3:
         raise ProbeError(f"{source.key()}: pooled features come from [tokens, d] rows, not {list(source.shape)}")
 
-    def chunk(_: int, rows: range) -> Any:
+    def chunk(k: int, rows: range) -> Any:
         import numpy as np
 
-        return pool(read_features(ws.root, source, np.arange(rows.start, rows.stop)), how)
+        try:
+            return pool(read_features(ws.root, source, np.arange(rows.start, rows.stop)), how)
+        except ProbeError as err:  # e.g. samples with no answer tokens: there is no vector to store for them
+            raise ProbeError(f"{source.key()} chunk {k}: {err}. A derived array pools every sample, so this array"
+                             " stays pooled on the fly by the plans that select such samples out") from err
 
     return store_derived.write(ws, source, op_name(how), CODE, chunk)
 
@@ -89,18 +93,28 @@ def main(argv: list[str]) -> int:
         if not sources:
             raise ProbeError(f"run {args.run} has no token array matching --tap/--layer/--site/--tokens in {ws.path}:"
                              f" list them with python -m store query \"SELECT * FROM v_arrays WHERE run = '{args.run}'\"")
-        for source in sources:
-            old = store_derived.find(ws, source, op_name(args.pool))
-            if old is not None and store_derived.is_fresh(ws, old, source):
-                print(f"{old.zarr_path}: up to date")
-                continue
-            got = derive(ws, source, args.pool)
-            why = "recomputed: its source was re-extracted" if old is not None else "derived"
-            print(f"{got.zarr_path}: {why} ({got.shape[0]} x {got.shape[1]} float32 from {source.key()})")
+        failed = sum(not _derive_one(ws, source, args.pool) for source in sources)
     except (ProbeError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return 2 if failed else 0
+
+
+def _derive_one(ws: Workspace, source: ArrayInfo, how: str) -> bool:
+    """Derive one array (or say it is up to date); an array that cannot be pooled is one error line,
+    and the others still get theirs."""
+    try:
+        old = store_derived.find(ws, source, op_name(how))
+        if old is not None and store_derived.is_fresh(ws, old, source):
+            print(f"{old.zarr_path}: up to date")
+            return True
+        got = derive(ws, source, how)
+    except (ProbeError, StoreError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return False
+    why = "recomputed: its source was re-extracted" if old is not None else "derived"
+    print(f"{got.zarr_path}: {why} ({got.shape[0]} x {got.shape[1]} float32 from {source.key()})")
+    return True
 
 
 def _wanted(a: ArrayInfo, args: argparse.Namespace) -> bool:

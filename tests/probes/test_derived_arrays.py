@@ -16,7 +16,7 @@ from probes.farm import plan_tasks
 from probes.features import read_features
 from probes.plan import parse_plan
 from probes.pooling import pool
-from store import Workspace
+from store import ArraySpec, RunInfo, TokenSpans, Workspace
 from store import derived as store_derived
 from store import schema as schema_mod
 
@@ -139,3 +139,33 @@ def test_a_v6_workspace_opens_and_gains_the_table(tmp_path):
     assert ws.rows("SELECT count(*) FROM chunks") == [(2,)]  # the run written at v6 is still there
     assert derive(ws, ws.array_info("spatial", "vision", 0), "mean").shape == (8, D)
     assert ws.rows("SELECT count(*) FROM derived_arrays") == [(1,)]
+
+
+def test_a_ragged_array_with_empty_samples_is_refused_and_the_rest_derived(tmp_path, capsys):
+    """Answer tokens at layer 0: samples 0 and 3 have none, so no pooled vector exists for them; the
+    run's other arrays are still derived, a ragged one with tokens in every sample to the bit."""
+    ws = Workspace.open(tmp_path / "ws")
+    n, counts = 6, [0, 1, 2, 0, 3, 1]
+    rows = [{"id": f"s{i}", "family": "spatial"} for i in range(n)]
+    rng = np.random.default_rng(0)
+    with ws.writer(RunInfo(run="r", model="m", dtype="float32", chunk_samples=4)) as w:
+        w.set_samples(w.register_stimuli(rows, dataset="r"))
+        img = w.array(ArraySpec(tap="llm", layer=0, tokens="image", shape=(3, D)))
+        ans = w.array(ArraySpec(tap="llm", layer=0, tokens="answer", shape=(D,), ragged=True))
+        full = w.array(ArraySpec(tap="llm", layer=1, tokens="answer", shape=(D,), ragged=True))
+        w.write_batch(0, {img: rng.standard_normal((n, 3, D)).astype(np.float32),
+                          ans: [rng.standard_normal((c, D)).astype(np.float32) for c in counts],
+                          full: [rng.standard_normal((c + 1, D)).astype(np.float32) for c in counts]},
+                      tokens=[TokenSpans(seq_len=12, image_start=1, image_count=3, grid_h=1, grid_w=3,
+                                         answer_start=8, answer_count=c) for c in counts])
+        w.finish()
+    assert probes_cli(["derive", "--data", str(ws.path), "--run", "r"]) == 2
+    out, err = capsys.readouterr()
+    assert "llm.0.resid_post.image.pool_mean: derived" in out
+    assert err.count("\n") == 1 and "r:llm/0/resid_post/answer chunk 0: 2 samples have no tokens" in err
+    assert ws.rows("SELECT layer, tokens FROM derived_arrays ORDER BY ALL") == [(0, "image"), (1, "answer")]
+    source = ws.array_info("r", "llm", 1, tokens="answer")
+    got = store_derived.find(ws, source, "pool_mean")
+    every = np.arange(n)
+    assert read_features(ws.root, got.array_info(), every).tobytes() == pool(read_features(ws.root, source, every),
+                                                                              "mean").tobytes()
