@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from probes import artifacts, farm_stream
+from probes import artifacts, derived, farm_stream
 from probes.cluster import start as cluster_start
 from probes.errors import ProbeError
 from probes.kinds import get_kind
@@ -115,6 +115,7 @@ class _Preparer:
         self._masks: dict[tuple[Any, ...], np.ndarray] = {}
         self._committed: dict[str, dict[str, set[int]]] = {}
         self._arrays: dict[str, dict[tuple[str, int, str, str], Any]] = {}
+        self.notes: list[str] = []  # said in the log once the jobs are built (e.g. a stale derived array)
 
     def samples(self, run: str, where: str | None) -> tuple[np.ndarray, list[SampleInfo]]:
         key = (run, where)
@@ -204,7 +205,11 @@ class _Preparer:
         if n_tokens and any(k.uses_grid for k in kinds.values()):
             grids = {token_grid(i, n_tokens) for i in {(i.grid_h, i.grid_w): i for i in infos}.values()}
             grid = grids.pop() if len(grids) == 1 else None
-        return GroupJob(workspace=str(self.ws.path), root=self.ws.root, group=group.key, arrays=arrays, rows=rows,
+        pooled, note = derived.for_group(self.ws, arrays, group.tasks)  # stored pooled features, when fresh
+        if note:
+            self.notes.append(note)
+        return GroupJob(workspace=str(self.ws.path), root=self.ws.root, group=group.key, arrays=pooled or arrays,
+                        rows=rows,
                         tasks=group.tasks,
                         kinds=kinds, targets=targets, folds=folds, grid=grid, plan=self.plan.name,
                         dense_tokens=dense_tokens)
@@ -399,7 +404,10 @@ def _jobs_to_train(plan: Plan, ws: Workspace, force: bool, report: FarmReport,
     if not tri.todo:
         log(f"plan {plan.name}: nothing left to train ({report.skipped} done)")
         return []
-    return [prep.job(g) for g in group_tasks(tri.todo, plan.layers_per_task)]
+    jobs = [prep.job(g) for g in group_tasks(tri.todo, plan.layers_per_task)]
+    for note in dict.fromkeys(prep.notes):
+        log(f"plan {plan.name}: {note}")
+    return jobs
 
 
 @dataclass

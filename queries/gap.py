@@ -11,10 +11,13 @@ test samples beside what the model itself answers on the same samples, and their
 * ``probe_mae``, ``probe_r2``, ``mean_prediction``: where the probe predicts one number per
   sample (a count read-out, the hidden number N_H): mean absolute error, R^2 within the group,
   and the mean prediction (a read-out that saturates shows the same value whatever the truth).
-* ``model_accuracy`` (``v_samples.correct``) and ``model_mae`` (the parsed answer vs the
+* ``model_accuracy`` (the mean of ``model_score``: ``v_samples.correct`` unless told, e.g. ``score``
+  for G2M's cell accuracy) and ``model_mae`` (the model's number, ``answer``, vs the
   probe's truth, over number answers: a runaway answer, digits until the generation cap, is wrong
   but is no number, and would put 10^9 into a mean), then ``gap_accuracy = probe_accuracy - model_accuracy`` and
   ``gap_mae = model_mae - probe_mae``: positive when the layer holds more than the model says.
+* ``probe_answer_mae``: mean |probe prediction - the model's number| (counting-bottleneck's Language
+  Gap), over the ``n_answers`` samples whose answer is a number.
 * ``selectivity``: the probe's test score minus its shuffled-label control in the probe's own
   metric (accuracy - accuracy, AP - AP), averaged over seeds. For R^2 the floor is the better of
   the control and 0 (predicting the mean): a shuffled ridge's R^2 can fall to -30 on held-out
@@ -23,15 +26,18 @@ test samples beside what the model itself answers on the same samples, and their
 :func:`where_lost` reduces that table to one row per probe series and group: the depth where
 decodability falls the most from one stored depth to the next (MAE rises most, or accuracy
 drops most), with the values before and after; a step below 0.05 accuracy, or below a tenth of
-the group's spread of true values in MAE, is noise and the group reads "not lost". The counting gaps
-(queries/sql/counting_gaps.sql:
-Vision Gap = probe MAE against the truth, Language Gap against the answer) and G2M's gap curve
-(queries/sql/g2m_gap.sql: probe cell accuracy - model cell accuracy per N) are the same
-comparison for one probe kind and grouping each; ``gap`` gives them for any probe.
+the group's spread of true values in MAE, is noise and the group reads "not lost".
+
+Two named queries are instances of ``gap`` (:data:`INSTANCES`: fixed parameters, then a ``SELECT``
+over its rows that names the columns as the study does): ``counting_gaps`` (counting-bottleneck's
+Vision Gap = ``probe_mae`` and Language Gap = ``probe_answer_mae`` of the ``hidden_number`` probe per
+regime) and ``g2m_gap`` (G2M's curve: the ``conv_spatial`` probe's cell accuracy beside the model's,
+``generations.score``, per grid size N).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -47,7 +53,13 @@ PARAMS: dict[str, tuple[str | None, str]] = {
     "tokens": ("%", "token kind of the probed arrays (image, last, ...)"),
     "group_by": ("'all'", "SQL over v_samples naming each sample's group, e.g. truth->>'regime'"),
     "where": ("true", "SQL over v_samples: which samples count"),
+    "model_score": ("correct::INTEGER", "SQL over v_samples: the model's score per sample, 0..1 (e.g. score)"),
+    "answer": ("CASE WHEN answer_kind = 'runaway' THEN NULL"  # a capped digit string is no number the model meant
+               " ELSE try_cast(trim(CAST(prediction AS VARCHAR), '\"') AS DOUBLE) END",
+               "SQL over v_samples: the model's answer as a number (NULL: none)"),
 }
+#: The parameters bound as DuckDB parameters; the others are SQL text formatted into the query.
+_BOUND = ("run", "target", "kind", "tokens")
 
 _SQL = """
 WITH p AS (
@@ -67,14 +79,13 @@ sel AS (
     GROUP BY ALL
 ),
 s AS (
-    SELECT run, array_row, CAST(({group_by}) AS VARCHAR) AS grp, correct,
-           CASE WHEN answer_kind = 'runaway' THEN NULL  -- a capped digit string is no number the model meant
-                ELSE try_cast(trim(CAST(prediction AS VARCHAR), '"') AS DOUBLE) END AS answer
+    SELECT run, array_row, CAST(({group_by}) AS VARCHAR) AS grp, ({model_score})::DOUBLE AS model_score,
+           ({answer})::DOUBLE AS answer
     FROM v_samples
     WHERE run LIKE $run AND ({where})
 ),
 j AS (
-    SELECT p.*, pp.array_row, pp.prediction, pp.truth, pp.score AS sample_score, s.grp, s.correct, s.answer
+    SELECT p.*, pp.array_row, pp.prediction, pp.truth, pp.score AS sample_score, s.grp, s.model_score, s.answer
     FROM p
     JOIN probe_predictions pp USING (key)
     JOIN s ON s.run = p.run AND s.array_row = pp.array_row
@@ -86,8 +97,10 @@ g AS (
            avg(abs(prediction - truth)) AS probe_mae,
            1 - avg((prediction - truth) ^ 2) / nullif(var_pop(truth), 0) AS probe_r2,
            avg(prediction) AS mean_prediction, stddev_pop(truth) AS truth_sd,
-           avg(correct::INTEGER) AS model_accuracy,
-           avg(abs(answer - truth)) AS model_mae
+           avg(model_score) AS model_accuracy,
+           avg(abs(answer - truth)) AS model_mae,
+           avg(abs(prediction - answer)) AS probe_answer_mae,
+           count(DISTINCT array_row) FILTER (WHERE answer IS NOT NULL) AS n_answers
     FROM j
     GROUP BY ALL
 )
@@ -98,7 +111,8 @@ SELECT g.run, g.target, g.kind, g.metric, g.series, g.depth, g.stage, g.tap, g.l
        round(g.model_accuracy, 4) AS model_accuracy, round(g.model_mae, 3) AS model_mae,
        round(g.probe_accuracy - g.model_accuracy, 4) AS gap_accuracy,
        round(g.model_mae - g.probe_mae, 3) AS gap_mae,
-       round(sel.selectivity, 4) AS selectivity
+       round(sel.selectivity, 4) AS selectivity,
+       round(g.probe_answer_mae, 3) AS probe_answer_mae, g.n_answers
 FROM g
 JOIN sel USING (series, run, tap, layer, site, tokens)
 ORDER BY g.run, g.target, g.kind, g.series, g."group", g.depth NULLS LAST, g.tap, g.layer
@@ -117,15 +131,67 @@ def bind(params: dict[str, str] | None) -> dict[str, str]:
     return {name: params.get(name) or default or "" for name, (default, _) in PARAMS.items()}
 
 
+def gap_sql(p: dict[str, str], inline: tuple[str, ...] = ()) -> str:
+    """The gap's SQL for bound parameters ``p``; the ``_BOUND`` ones named in ``inline`` become SQL
+    string literals (a named instance fixes them), the rest stay ``$name`` parameters."""
+    sql = _SQL.format(group_by=p["group_by"], where=p["where"], model_score=p["model_score"], answer=p["answer"])
+    for name in inline:
+        sql = sql.replace(f"${name}", "'" + p[name].replace("'", "''") + "'")
+    return sql
+
+
 def gap(ws: Workspace, params: dict[str, str] | None = None) -> pa.Table:
     """Probe decodability per depth and group beside the model's accuracy (module docstring)."""
     p = bind(params)
-    sql = _SQL.format(group_by=p["group_by"], where=p["where"])
     try:
-        return ws.query(sql, {k: p[k] for k in ("run", "target", "kind", "tokens")})
+        return ws.query(gap_sql(p), {k: p[k] for k in _BOUND})
     except StoreError as err:
-        raise GapError(f"gap on {ws.path}: {err} (group_by and where are SQL over v_samples, e.g."
-                       " group_by=\"truth->>'regime'\"; list its columns with python -m queries --schema)") from err
+        raise GapError(f"gap on {ws.path}: {err} (group_by and where are SQL over v_samples, as are model_score and"
+                       " answer, e.g. group_by=\"truth->>'regime'\"; list its columns with python -m queries --schema)"
+                       ) from err
+
+
+@dataclass(frozen=True)
+class Instance:
+    """A named query that is :func:`gap` with parameters fixed (all but ``run``) and a ``SELECT``
+    over its rows (the CTE ``gap``) that keeps and names the columns its study reports."""
+
+    name: str
+    description: str
+    fixed: dict[str, str]
+    select: str
+
+    def sql(self) -> str:
+        inner = gap_sql(bind(self.fixed), inline=tuple(k for k in _BOUND if k != "run"))
+        return f"WITH gap AS (\n{inner}\n)\n{self.select}"
+
+
+INSTANCES = (
+    Instance(
+        "counting_gaps",
+        "counting-bottleneck's gaps per regime, an instance of the gap primitive (queries/gap.py) on the"
+        " hidden_number probe: Vision Gap = mean |N_H - N_G| (what the encoder holds vs the true count),"
+        " Language Gap = mean |N_H - N_P| (vs the model's parsed answer, over the answers that are numbers:"
+        " answer_kind 'digits'; a word, empty or runaway answer is left out, number_answers says how many"
+        " boards it rests on). boards = test boards; means over probe seeds.",
+        {"kind": "hidden_number", "group_by": "truth->>'regime'",
+         "answer": "CASE WHEN answer_kind = 'digits' THEN try_cast(trim(CAST(prediction AS VARCHAR), '\"') AS DOUBLE) END"},
+        "SELECT run, tap, layer, site, \"group\" AS regime, n AS boards, probe_mae AS vision_gap,\n"
+        "       probe_answer_mae AS language_gap, n_answers AS number_answers, probe_accuracy AS probe_exact,\n"
+        "       model_accuracy, depth, target\n"
+        "FROM gap ORDER BY run, depth NULLS LAST, tap, layer, site, target, regime"),
+    Instance(
+        "g2m_gap",
+        "G2M's gap curve, an instance of the gap primitive (queries/gap.py) on the conv_spatial probe: per"
+        " grid size N, the probe's cell accuracy on a tap's image tokens beside the model's own cell accuracy"
+        " (generations.score) on the same test grids; gap = probe - model. A large gap at large N means the"
+        " encoder still holds the grid the model fails to write out. Means over probe seeds.",
+        {"kind": "conv_spatial", "group_by": "params->>'grid_size'", "model_score": "score"},
+        "SELECT run, tap, layer, site, CAST(\"group\" AS INTEGER) AS grid_size, n AS grids,\n"
+        "       probe_accuracy AS probe_cell_accuracy, model_accuracy AS model_cell_accuracy, gap_accuracy AS gap,\n"
+        "       depth, target\n"
+        "FROM gap ORDER BY run, depth NULLS LAST, tap, layer, site, target, grid_size"),
+)
 
 
 def where_lost(table: pa.Table) -> pa.Table:

@@ -1,4 +1,5 @@
-"""Named queries: one documented ``queries/sql/<name>.sql`` file per question.
+"""Named queries: one documented ``queries/sql/<name>.sql`` file per question, and the instances of
+the gap primitive (``queries.gap.INSTANCES``: the gap with its parameters fixed, e.g. ``counting_gaps``).
 
 A file's leading ``--`` comment is its description; lines ``-- param: NAME  text (default X)``
 declare its parameters, which the SQL uses as DuckDB named parameters (``$NAME``). Every query
@@ -19,6 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from queries import gap
 from store import StoreError, Workspace
 from store.arrays import ZARR_DIR
 from store.workspace import MANIFEST
@@ -96,8 +98,13 @@ def parse(path: Path) -> NamedQuery:
     return NamedQuery(path.stem, path, " ".join(d for d in description if d), tuple(params), text)
 
 
+_RUN = Param("run", "a run id, or '%' for every run", "'%'")
+
+
 def available() -> dict[str, NamedQuery]:
-    return {p.stem: parse(p) for p in sorted(SQL_DIR.glob("*.sql"))}
+    queries = {p.stem: parse(p) for p in SQL_DIR.glob("*.sql")}
+    queries |= {i.name: NamedQuery(i.name, Path(gap.__file__), i.description, (_RUN,), i.sql()) for i in gap.INSTANCES}
+    return dict(sorted(queries.items()))
 
 
 def get(name: str) -> NamedQuery:

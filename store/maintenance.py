@@ -147,8 +147,8 @@ class WorkspaceWrites:
         with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
             con.execute("BEGIN TRANSACTION")
             try:
-                for table in ("chunks", "activations", "samples", "generations", "probes", "probe_predictions",
-                              "tensors", "head_ablations", "vocab", "runs"):
+                for table in ("chunks", "activations", "derived_arrays", "samples", "generations", "probes",
+                              "probe_predictions", "tensors", "head_ablations", "vocab", "runs"):
                     n = con.execute(f"SELECT count(*) FROM {table} WHERE run = ?", [run]).fetchone()
                     counts[table] = int(n[0]) if n else 0
                     con.execute(f"DELETE FROM {table} WHERE run = ?", [run])

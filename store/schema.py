@@ -445,6 +445,33 @@ def _v6_probes(con: duckdb.DuckDBPyConnection) -> None:
     assign_depths(con)
 
 
+# A derived array: a function of one stored array computed once per chunk (a pooled vector per sample),
+# with what it was computed from, so a later reader can tell whether the source has changed since.
+_V7_DERIVED = """
+CREATE TABLE derived_arrays (
+    zarr_path        VARCHAR PRIMARY KEY,      -- derived/<run>/<tap>.<layer>.<site>.<tokens>.<op>
+    run              VARCHAR NOT NULL,         -- the source array's identity
+    tap              VARCHAR NOT NULL,
+    layer            INTEGER NOT NULL,
+    site             VARCHAR NOT NULL,
+    tokens           VARCHAR NOT NULL,
+    source_zarr_path VARCHAR NOT NULL,
+    op               VARCHAR NOT NULL,         -- pool_mean | pool_max | pool_first | pool_last
+    shape            BIGINT[] NOT NULL,        -- [n_samples, d]
+    dtype            VARCHAR NOT NULL,         -- float32: what kinds compute on
+    chunk_samples    INTEGER NOT NULL,         -- the source's: derived chunk k holds source chunk k's rows
+    n_chunks         INTEGER NOT NULL,
+    source_digest    VARCHAR NOT NULL,         -- sha256 of the source's chunk rows (crc32c, n_rows, committed_at)
+    code             VARCHAR NOT NULL,         -- what computed it, e.g. probes.pooling.pool
+    created_at       TIMESTAMP NOT NULL
+);
+"""
+
+
+def _v7_derived(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(_V7_DERIVED)
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: ``apply`` runs inside the migration's transaction."""
@@ -477,6 +504,7 @@ MIGRATIONS: list[Migration] = [
     Migration(5, "v_probe_layers and v_best_probe average seeds per test fraction", _v5_probe_views),
     Migration(6, "probes keyed by their full identity, probe_predictions per test sample, activations.depth/stage",
               _v6_probes),
+    Migration(7, "derived_arrays: pooled features computed once per chunk, with their source's identity", _v7_derived),
 ]
 
 

@@ -1,0 +1,131 @@
+"""Derived arrays: a function of one stored array (a pooled vector per sample), computed once per
+chunk, kept in the run's folder beside its source and registered in ``derived_arrays`` with what it
+was computed from, so later readers reuse it without reading the source's token arrays again.
+
+The store knows nothing of the function (probes/ computes it); it keeps the bytes, their
+provenance, and whether they still match their source: ``source_digest`` hashes the source's
+committed chunk rows (crc32c, n_rows, committed_at), so a re-extracted or re-committed chunk makes
+the derived array stale, never silently reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from store import arrays as layout
+from store import db
+from store.errors import StoreError
+from store.records import ArrayInfo
+
+if TYPE_CHECKING:
+    from store.workspace import Workspace
+
+DTYPE = "float32"
+_COLUMNS = ("zarr_path, run, tap, layer, site, tokens, source_zarr_path, op, shape, dtype, chunk_samples, n_chunks,"
+            " source_digest, code, created_at")
+
+
+@dataclass(frozen=True)
+class DerivedInfo:
+    """One ``derived_arrays`` row: a dense ``[n_samples, d]`` float32 array and its provenance."""
+
+    zarr_path: str
+    run: str
+    tap: str
+    layer: int
+    site: str
+    tokens: str
+    source_zarr_path: str
+    op: str
+    shape: tuple[int, ...]
+    chunk_samples: int
+    n_chunks: int
+    source_digest: str
+    code: str
+
+    def array_info(self) -> ArrayInfo:
+        """The derived array as the store's readers take it (dense, float32, no codec)."""
+        d = int(np.prod(self.shape[1:]))
+        return ArrayInfo(run=self.run, tap=self.tap, layer=self.layer, site=self.site, tokens=self.tokens,
+                         module=None, zarr_path=self.zarr_path, layout="dense", shape=self.shape,
+                         dims=("sample", "feature"), chunk_samples=self.chunk_samples, n_chunks=self.n_chunks,
+                         dtype=DTYPE, stored_dtype=DTYPE, codec="none", values_per_row=d,
+                         bytes=self.shape[0] * d * 4)
+
+
+def derived_path(source: ArrayInfo, op: str) -> str:
+    # Inside the run's folder (a leading '_' like _tensors): dropping the run removes it too.
+    return f"{source.run}/_derived/{source.tap}.{source.layer}.{source.site}.{source.tokens}.{op}"
+
+
+def source_digest(ws: Workspace, source: ArrayInfo) -> str:
+    """What the source's committed chunks are now: changes when any chunk is re-written."""
+    rows = ws.rows("SELECT chunk, n_rows, crc32c, CAST(committed_at AS VARCHAR) FROM chunks"
+                   " WHERE run = ? AND zarr_path = ? ORDER BY chunk", [source.run, source.zarr_path])
+    return hashlib.sha256(repr(rows).encode()).hexdigest()
+
+
+def find(ws: Workspace, source: ArrayInfo, op: str) -> DerivedInfo | None:
+    got = ws.rows(f"SELECT {_COLUMNS} FROM derived_arrays WHERE zarr_path = ?", [derived_path(source, op)])
+    if not got:
+        return None
+    r = got[0]
+    return DerivedInfo(zarr_path=r[0], run=r[1], tap=r[2], layer=int(r[3]), site=r[4], tokens=r[5],
+                       source_zarr_path=r[6], op=r[7], shape=tuple(int(x) for x in r[8]), chunk_samples=int(r[10]),
+                       n_chunks=int(r[11]), source_digest=r[12], code=r[13])
+
+
+def is_fresh(ws: Workspace, derived: DerivedInfo, source: ArrayInfo) -> bool:
+    return derived.source_zarr_path == source.zarr_path and derived.source_digest == source_digest(ws, source)
+
+
+def write(ws: Workspace, source: ArrayInfo, op: str, code: str,
+          compute: Callable[[int, range], np.ndarray]) -> DerivedInfo:
+    """Compute ``compute(chunk, rows) -> [len(rows), ...]`` for every chunk of ``source``, write the
+    values as float32 and register them (replacing an older derivation of the same op) in one
+    short transaction once every chunk is on disk. Local workspaces only."""
+    if ws.root.remote:
+        raise StoreError(f"derived arrays are written to a local workspace; {ws.path} keeps its arrays in"
+                         f" {ws.root.where('')}: derive on a local copy")
+    committed = {int(c) for (c,) in ws.rows("SELECT chunk FROM chunks WHERE run = ? AND zarr_path = ?",
+                                            [source.run, source.zarr_path])}
+    missing = sorted(set(range(source.n_chunks)) - committed)
+    if missing:
+        raise StoreError(f"{source.key()}: {len(missing)} chunk(s) not committed (first {missing[:3]}): finish the"
+                         " extraction before deriving from it")
+    digest = source_digest(ws, source)
+    path = derived_path(source, op)
+    root = layout.open_root(ws.path, read_only=False)
+    arr: Any = None
+    for k in range(source.n_chunks):
+        rows = source.chunk_rows(k)
+        values = np.ascontiguousarray(compute(k, rows), dtype=np.float32)
+        if values.shape[0] != len(rows):
+            raise StoreError(f"derived {op} of {source.key()} chunk {k}: {values.shape[0]} rows for {len(rows)}")
+        if arr is None:
+            arr = layout.create_dense(root, path, source.n_samples, values.shape[1:], source.chunk_samples, DTYPE,
+                                      layout.parse_codec("none", DTYPE), ("feature",) * (values.ndim - 1),
+                                      {"source": source.zarr_path, "op": op, "code": code})
+        arr[rows.start:rows.stop] = values
+        layout.fsync_path(layout.dense_chunk_file(ws.path, path, values.ndim, k))
+    if arr is None:
+        raise StoreError(f"{source.key()} has no rows to derive from")
+    layout.fsync_node_chain(ws.path, path)
+    info = DerivedInfo(zarr_path=path, run=source.run, tap=source.tap, layer=source.layer, site=source.site,
+                       tokens=source.tokens, source_zarr_path=source.zarr_path, op=op, shape=tuple(arr.shape),
+                       chunk_samples=source.chunk_samples, n_chunks=source.n_chunks, source_digest=digest, code=code)
+    with db.connect(ws.manifest_path, read_only=False, timeout=ws.timeout) as con:
+        con.execute("BEGIN TRANSACTION")
+        con.execute("DELETE FROM derived_arrays WHERE zarr_path = ?", [path])
+        con.execute(f"INSERT INTO derived_arrays ({_COLUMNS}) VALUES ({', '.join('?' * 15)})",
+                    [path, info.run, info.tap, info.layer, info.site, info.tokens, info.source_zarr_path, op,
+                     list(info.shape), DTYPE, info.chunk_samples, info.n_chunks, digest, code,
+                     datetime.now(UTC).replace(tzinfo=None)])
+        con.execute("COMMIT")
+    return info
