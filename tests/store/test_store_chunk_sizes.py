@@ -26,6 +26,7 @@ from store.registration import _insert_array
     (1000, 256, 1, 250),
     (1000, 256, 8, 200),
     (199, 64, 1, 50),      # one padded row
+    (199, 64, 8, 40),      # the last batch is short: one padded row
     (10, 4, 3, 4),         # 4 is no multiple of 3: evened by rows
     (80, 4, 2, 4),
 ])
