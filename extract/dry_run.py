@@ -20,7 +20,8 @@ token is never fed back). Arrays that hold answer tokens are planned at that bou
 array says whether its figure is exact, an upper bound or an estimate. Whether an array is dense or
 ragged is :func:`store.vocab.array_layout`, the rule the run stores by; values take the bytes of the
 store's dtype policy (:func:`store.dtypes.stored_bytes`: float16 for every model dtype by default),
-divided by the codec's measured ratio; dense arrays pad their last chunk (docs/store.md).
+divided by the codec's measured ratio; dense arrays are chunked as the store chunks them, evened out
+so the last chunk pads at most a row per chunk (:func:`store.records.chunk_size`, docs/store.md).
 
 Time (:func:`estimate_time`, docs/scale.md): prefill costs 2·params·tokens FLOPs per sample (vision
 blocks x vision tokens, projector x its output tokens, LLM layers x prompt tokens) at
@@ -57,6 +58,7 @@ from extract.models.loading import LoadedModel, load_config, load_processor, res
 from extract.run import collect_samples, tap_request
 from store import RunInfo
 from store.dtypes import default_stored, stored_bytes, tensor_stored
+from store.records import chunk_size
 from store.sizing import CODEC_RATIO, array_bytes, human
 from store.vocab import HEAD_TAPS, array_layout
 
@@ -108,7 +110,7 @@ class ArrayEstimate:
     values: int  # over all samples (answers at their bound)
     ragged: bool
     n_chunks: int
-    bytes: int  # stored, uncompressed (a dense array's last chunk is stored full-size)
+    bytes: int  # stored, uncompressed (a dense array's chunks full-size, evened out as the store does)
     basis: str = EXACT  # EXACT, BOUND (answer tokens at their bound) or ESTIMATE (estimated prompt lengths)
 
     @property
@@ -567,7 +569,7 @@ def estimate_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[DrySampl
     request = tap_request(lm, manifest)
     layouts, exact, source = sample_layouts(lm, samples, images)
     n = len(samples)
-    cs = min(manifest.chunk_samples, n)  # the store never makes a chunk larger than the array
+    cs = chunk_size(n, manifest.chunk_samples, manifest.batch_size)  # as the run's store chooses it
     dtype = manifest.model.dtype
     stored = default_stored(dtype, RunInfo.bf16)  # the run's arrays take the store's policy for its dtype
     budgets = np.array([s.answer_budget for s in samples], dtype=np.int64)

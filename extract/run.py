@@ -358,7 +358,8 @@ def run_info(lm: LoadedModel, manifest: Manifest, lens: Any, path: tuple[str, st
     return RunInfo(run=manifest.run, model=describe["model"], revision=manifest.model.revision,
                    adapter=describe["adapter"], dtype=describe["dtype"],
                    attn_implementation=describe["attn_implementation"], versions=describe["versions"],
-                   config=config, chunk_samples=manifest.chunk_samples, intervention=intervention)
+                   config=config, chunk_samples=manifest.chunk_samples, intervention=intervention,
+                   batch_size=manifest.batch_size)
 
 
 def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], samples: list[Sample],

@@ -112,7 +112,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_size(args: argparse.Namespace) -> int:
     p = size_estimate(samples=args.samples, layers=args.layers, tokens=args.tokens, dim=args.dim, dtype=args.dtype,
                       models=args.models, taps=args.taps, codec=args.codec, chunk_samples=args.chunk_samples,
-                      data=resolve_path(args.data))
+                      data=resolve_path(args.data), batch_size=args.batch_size)
     if args.json:
         print(json.dumps({**p.__dict__, "fits": p.fits}, indent=2))
         return 0
@@ -191,7 +191,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--taps", type=int, default=1, help="taps (or tap x site x token-kind arrays) per layer, default 1")
     s.add_argument("--dtype", default="float16", help="stored dtype: float16 (default), bfloat16, float32")
     s.add_argument("--codec", default="none", help="none (default), zstd, bitround8, bitround7")
-    s.add_argument("--chunk-samples", type=int, default=64, help="samples per chunk (default 64)")
+    s.add_argument("--chunk-samples", type=int, default=64,
+                   help="largest samples per chunk (default 64); chunks are evened out below it")
+    s.add_argument("--batch-size", type=int, default=1,
+                   help="samples per write (an extraction's batch_size): chunks stay multiples of it (default 1)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_size)
 

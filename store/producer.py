@@ -31,10 +31,10 @@ class Producer(WriterCore):
             return [range(0, n)]
         need = np.zeros(n, dtype=bool)
         if not self._handles:
-            for k in range(-(-n // min(self.info.chunk_samples, n))):
+            size = self._chunk_for(self.info.chunk_samples)  # what the shard's arrays will be chunked by
+            for k in range(-(-n // size)):
                 if self.owns(k):
-                    r = range(k * self.info.chunk_samples, min((k + 1) * self.info.chunk_samples, n))
-                    need[r.start : r.stop] = True
+                    need[k * size : min((k + 1) * size, n)] = True
         for h in self._handles.values():
             for k in range(h.info.n_chunks):
                 if k not in h.committed and self.owns(k):
@@ -187,7 +187,7 @@ class Producer(WriterCore):
                 f"rows [{start}, {start + count}) must lie inside the run's {n} samples [0, {n}) and be non-empty"
             )
         if self.shard is not None:
-            size = min(self.info.chunk_samples, n)
+            size = self._chunk_for(self.info.chunk_samples)  # every array of a sharded run has it
             foreign = [k for k in range(start // size, (start + count - 1) // size + 1) if not self.shard.owns(k)]
             if foreign:
                 raise StoreError(

@@ -40,6 +40,33 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+def chunk_size(n_samples: int, requested: int, batch: int = 1) -> int:
+    """Samples per chunk of an array of ``n_samples`` rows when ``requested`` is asked for.
+
+    Zarr stores a dense array's last chunk full-size, so 200 samples in chunks of 64 would take
+    256 rows on disk (2.56 bytes per float16 value). The store keeps the number of chunks
+    ``requested`` needs and evens them out instead: ``ceil(n / ceil(n / requested))``, never more
+    than ``requested``, at most one padded row per chunk (200 in chunks of 64: four of 50).
+
+    With ``batch`` > 1 (the rows a producer hands over at once) and ``requested`` a multiple of it,
+    the size stays a multiple of ``batch``, so batches never straddle chunks and a resumed run,
+    which restarts at a chunk, batches its rows as the first run did (a sample's values depend on
+    the batch it shares). Of the sizes that give between the fewest and twice the fewest chunks, the
+    one with the least padding wins, then the fewest chunks (200 in chunks of 64, batches of 8:
+    five of 40). Padding is then under one batch in all.
+    """
+    n = max(int(n_samples), 1)
+    if requested >= n:
+        return n
+    if batch <= 1 or requested % batch:
+        chunks = -(-n // requested)
+        return -(-n // chunks)
+    units = -(-n // batch)
+    fewest = -(-units // (requested // batch))
+    best = min(range(fewest, min(2 * fewest, units) + 1), key=lambda k: (k * -(-units // k) - units, k))
+    return batch * -(-units // best)
+
+
 def to_json(value: Any) -> str | None:
     """Canonical JSON (sorted keys) of plain or numpy values; None stays SQL NULL."""
     if value is None:
@@ -99,8 +126,11 @@ class Shard:
 class RunInfo:
     """What a run is: provenance recorded in ``runs``, and the storage policy of its arrays.
 
-    ``chunk_samples`` is the default number of samples per chunk; resume works in chunks, so a
-    crash re-computes at most that many samples per unfinished chunk.
+    ``chunk_samples`` is the default largest number of samples per chunk; resume works in chunks,
+    so a crash re-computes at most that many samples per unfinished chunk. An array's chunks are
+    evened out below it so its last chunk wastes no space (:func:`chunk_size`), and kept multiples
+    of ``batch_size`` (the rows handed over per ``write``) when ``chunk_samples`` is one. A resumed
+    run keeps the chunk size its arrays were created with.
     """
 
     run: str
@@ -116,6 +146,9 @@ class RunInfo:
     overflow: OverflowPolicy = "error"
     #: How the model was made to run differently (``{"kind": "rope_scaling", "alpha": 99, ...}``); None: plain.
     intervention: Mapping[str, Any] | None = None
+    #: Rows per producer batch: chunk sizes stay multiples of it (see :func:`chunk_size`). Not part of
+    #: the run's identity: an existing array keeps the chunk size it has.
+    batch_size: int = 1
 
     def __post_init__(self) -> None:
         check_name("run", self.run)
@@ -125,6 +158,8 @@ class RunInfo:
             raise StoreError("RunInfo.model must name the model (a local folder or a hub id), got ''")
         if not isinstance(self.chunk_samples, int) or not 1 <= self.chunk_samples <= 1 << 20:
             raise StoreError(f"chunk_samples must be an int in 1..1048576, got {self.chunk_samples!r}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise StoreError(f"batch_size must be an int >= 1 (rows per write), got {self.batch_size!r}")
         if self.bf16 not in ("fp16", "bits"):
             raise StoreError(f"bf16 policy must be 'fp16' or 'bits', got {self.bf16!r}")
         if self.overflow not in ("error", "clip"):

@@ -244,6 +244,8 @@ class Registration(WriterCore):
                 # array waits, then finds it declared (and never re-creates it over our chunks).
                 handles = self._open_arrays(con, new)
             self._handles.update((h.info.zarr_path, h) for h in handles)
+            if self._chunk_sizes is not None:
+                self._chunk_sizes.update(h.info.chunk_samples for h in handles)
         return [self._handles[info.zarr_path] for info, _ in wanted]
 
     def _describe(self, spec: ArraySpec) -> tuple[ArrayInfo, layout.Codec]:
@@ -256,8 +258,7 @@ class Registration(WriterCore):
                 f"{spec.tap}.{spec.layer}: a sharded run needs every array at the run's chunk_samples"
                 f" ({self.info.chunk_samples}), got {spec.chunk_samples}; a chunk is the unit a shard owns"
             )
-        # Zarr chunks never exceed the array, so neither does the recorded chunk size.
-        chunk = min(spec.chunk_samples or self.info.chunk_samples, n)
+        chunk = self._chunk_for(spec.chunk_samples or self.info.chunk_samples)
         info = ArrayInfo(
             run=self.run, tap=spec.tap, layer=spec.layer, site=spec.site, tokens=spec.tokens, module=spec.module,
             zarr_path=layout.array_path(self.run, spec.tap, spec.layer, spec.site, spec.tokens),

@@ -1,7 +1,8 @@
 """Sizing: the bytes an extraction will write, before it runs (``python -m store size``).
 
 One byte planner for both estimates: :func:`array_bytes` sizes one array as the store lays it out
-(dense chunks full-size, ragged blocks with their offsets), used by ``python -m store size`` (every
+(dense chunks full-size, in the evened-out chunk size of :func:`store.records.chunk_size`; ragged
+blocks with their offsets), used by ``python -m store size`` (every
 array dense, ``[tokens, dim]`` per sample) and by ``python -m extract MANIFEST --dry-run`` (per
 array, from the model and the stimuli). Bytes per value are the stored dtype's (store/dtypes.py).
 The codec ratios are the ones measured on fp16 activations (docs/store.md, `python -m bench store`);
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from store.dtypes import numpy_dtype
 from store.errors import StoreError
-from store.records import STORED_DTYPES
+from store.records import STORED_DTYPES, chunk_size
 
 # Measured compression ratios on fp16 activations (lossless gains little; BitRound is the lever).
 CODEC_RATIO = {"none": 1.0, "zstd": 1.08, "bitround8": 1.22, "bitround7": 1.30}
@@ -58,9 +59,11 @@ def size_estimate(
     codec: str = "none",
     chunk_samples: int = 64,
     data: Path | None = None,
+    batch_size: int = 1,
 ) -> SizeEstimate:
     for name, value in (("samples", samples), ("layers", layers), ("tokens", tokens), ("dim", dim),
-                        ("models", models), ("taps", taps), ("chunk_samples", chunk_samples)):
+                        ("models", models), ("taps", taps), ("chunk_samples", chunk_samples),
+                        ("batch_size", batch_size)):
         if not isinstance(value, int) or value < 1:
             raise StoreError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
     if dtype not in STORED_DTYPES:
@@ -69,7 +72,7 @@ def size_estimate(
         raise StoreError(f"--codec must be one of {sorted(CODEC_RATIO)}, got {codec!r}")
     values = models * samples * taps * layers * tokens * dim
     arrays = models * taps * layers
-    chunk_samples = min(chunk_samples, samples)  # the store never makes a chunk larger than the array
+    chunk_samples = chunk_size(samples, chunk_samples, batch_size)  # as the writer chooses it
     raw = arrays * array_bytes([tokens * dim] * samples, ragged=False, chunk_samples=chunk_samples,
                                value_bytes=numpy_dtype(dtype).itemsize)
     free = None
@@ -90,7 +93,8 @@ OFFSET_BYTES = 8
 
 def array_bytes(per_sample: Sequence[int], *, ragged: bool, chunk_samples: int, value_bytes: int) -> int:
     """The bytes one array's chunks hold, as the store counts them: a dense chunk is stored full-size
-    (the last one padded), a ragged block holds its rows plus its offsets."""
+    (the last one padded, by less than a row per chunk at the store's sizes), a ragged block holds
+    its rows plus its offsets."""
     n = len(per_sample)
     n_chunks = -(-n // chunk_samples)
     if ragged:

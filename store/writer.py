@@ -32,8 +32,8 @@ Guarantees:
   :meth:`todo` names the rows still missing, and blocks already committed are skipped if the
   producer writes them again, so no row is ever stored twice.
 * Shards: ``ws.writer(info, shard=Shard(i, k))`` lets k processes fill one run together. Shard i
-  owns the chunks ``c % k == i`` of every array (all arrays of a sharded run share the run's
-  ``chunk_samples``, so a row belongs to one shard in every array); :meth:`todo` names only its
+  owns the chunks ``c % k == i`` of every array (all arrays of a sharded run share one chunk size,
+  the one the run's ``chunk_samples`` gives, so a row belongs to one shard in every array); :meth:`todo` names only its
   own rows and writing another shard's rows is refused. The run is marked finished by whichever
   shard commits the last missing chunk; run tensors are written by shard 0.
 
@@ -101,6 +101,7 @@ class Writer(Registration, Tensors, Producer, Pipeline):
         self._manifest = db.HeldConnection(ws.manifest_path)
         self.took_over: Holder | None = self._locks[-1].took_over
         self._handles: dict[str, ArrayHandle] = {}
+        self._chunk_sizes: set[int] | None = None
         try:
             if self.shard is None:
                 ws.purge_trash()  # shards share the workspace: a peer may be mid-drop (never; but be safe)

@@ -24,7 +24,7 @@ import duckdb
 from store import arrays as layout
 from store import db, location
 from store.errors import DiskFullError, StoreError, WriterError, disk_full_error, is_disk_full
-from store.records import ArrayInfo, RunInfo, Shard
+from store.records import ArrayInfo, RunInfo, Shard, chunk_size
 
 if TYPE_CHECKING:
     from store.chunks import Assembly, Budget, ChunkRecord, Stream
@@ -72,6 +72,7 @@ class WriterCore:
     _commit_every: float
     _min_gap: float
     _handles: dict[str, ArrayHandle]
+    _chunk_sizes: set[int] | None  # the chunk sizes of the run's arrays in the manifest, once asked
     _stimuli: list[str] | None
     _marked: bool
     _root: Any  # the local zarr.Group of the arrays
@@ -102,6 +103,26 @@ class WriterCore:
         if self._stimuli is None:
             raise StoreError(f"run {self.run} has no samples yet: call set_samples(stimulus keys) first")
         return len(self._stimuli)
+
+    def _chunk_for(self, requested: int) -> int:
+        """Samples per chunk of an array of this run asked to hold at most ``requested`` per chunk.
+
+        An array the manifest already holds keeps its size, so the run's new arrays take a size
+        its arrays have when that size is one ``requested`` gives: the evened-out one
+        (:func:`store.records.chunk_size`, at this writer's batch size or at none) or, for a run
+        stored before chunks were evened out, ``min(requested, n)``. All arrays of a sharded run then
+        agree, and so do the chunks a shard owns.
+        """
+        n = self.n_samples
+        if self._chunk_sizes is None:
+            with self._write_connection() as con:
+                rows = con.execute("SELECT DISTINCT chunk_samples FROM activations WHERE run = ?", [self.run])
+                self._chunk_sizes = {int(r[0]) for r in rows.fetchall()}
+        evened = chunk_size(n, requested, self.info.batch_size)
+        for size in (evened, chunk_size(n, requested), min(requested, n)):
+            if size in self._chunk_sizes:
+                return size
+        return evened
 
     def _write_connection(self, timeout: float | None = None) -> AbstractContextManager[duckdb.DuckDBPyConnection]:
         """The manifest, read-write, for one short transaction (on the run's held connection)."""

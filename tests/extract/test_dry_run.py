@@ -251,6 +251,9 @@ def test_dry_run_bytes_equal_the_bytes_the_store_writes(spatial_run):
     ws = Workspace.open(data, readonly=True)
     stored = {(f"{a.tap}.{a.layer}.{a.site}", a.tokens): a for a in ws.arrays("w")}
     assert {stored[(a.name, a.kind)].stored_dtype for a in plan.arrays} == {plan.stored_dtype}
+    # 4 samples, chunk_samples 3: two chunks of 2 in the store and in the plan, no padded row
+    assert plan.chunk_samples == 2 and {a.chunk_samples for a in stored.values()} == {2}
+    assert {a.n_chunks for a in plan.arrays} == {2}
     for a in plan.arrays:
         if a.basis == "exact":
             assert a.bytes == stored[(a.name, a.kind)].bytes, (a.name, a.kind)

@@ -93,7 +93,8 @@ def test_verify_and_readers_name_damaged_and_missing_objects(remote_ws, s3):
     ws = Workspace.open(remote_ws.path, readonly=True)
     rep = ws.verify()
     text = "\n".join(rep.problems)
-    assert "chunk 1 (rows 8-15) checksum mismatch" in text and f"{s3.url('ws')}/r/llm/0" in text
+    # 20 samples in chunks of at most 8 are stored as three chunks of 7 (rows 7-13 in chunk 1)
+    assert "chunk 1 (rows 7-13) checksum mismatch" in text and f"{s3.url('ws')}/r/llm/0" in text
     assert "chunk 2 unreadable" in text and "c.2.0.0 is missing" in text
     with pytest.raises(WorkspaceError, match=r"chunk 2 of .* is missing: run `python -m store verify"):
         ws.read("r", "llm", 0, tokens="image", rows=[17])

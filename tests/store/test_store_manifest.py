@@ -219,7 +219,7 @@ def test_cli_help_info_size_query(written, tmp_path, capsys):
     assert {a["tokens"] for a in info["arrays"]} == {"image", "answer"}
     assert cli(["size", "--samples", "100", "--layers", "2", "--tokens", "4", "--dim", "8", "--json",
                 "--data", str(tmp_path / "none")]) == 0
-    assert json.loads(capsys.readouterr().out)["bytes"] == 128 * 2 * 4 * 8 * 2  # the last chunk of 64 is stored full
+    assert json.loads(capsys.readouterr().out)["bytes"] == 100 * 2 * 4 * 8 * 2  # two chunks of 50, none padded
     assert cli(["query", "SELECT tap, layer, count(*) AS n FROM activations GROUP BY ALL", "--json",
                 "--data", str(written)]) == 0
     assert json.loads(capsys.readouterr().out) == [{"tap": "llm", "layer": 3, "n": 2}]
