@@ -495,6 +495,7 @@ def plan_work(jobs: list[GroupJob], block_rows: int | None, limit: int | None, o
     work: Work = []
     for whole in jobs:
         for job in split_streaming(whole):
+            specs: Any
             if all(farm_stream.is_streaming(job.kinds[t.kind]) for t in job.tasks):
                 specs = farm_stream.build_specs(job, block_rows)
                 mem = farm_stream.plan_stream(specs, job)
@@ -503,7 +504,7 @@ def plan_work(jobs: list[GroupJob], block_rows: int | None, limit: int | None, o
             if specs is None and farm_iterative.chosen(job, out_of_core, mem, limit):
                 specs, mem = farm_iterative.build_spec(job, block_rows, max_train_rows, limit)
                 if check:
-                    farm_iterative.check_fits(mem, limit, job, specs)
+                    farm_iterative.check_fits(mem, limit, job)
             elif check:
                 farm_stream.check_fits(mem, limit, job, specs is not None)
             work.append((job, specs, mem))

@@ -22,11 +22,14 @@ import numpy as np
 
 from probes import subsample
 from probes.errors import ProbeError
-from probes.farm_stream import FIT_FRACTION, WORKER_BASE_TORCH, MemoryPlan, MiB, default_block_rows
+from probes.farm_stream import FIT_FRACTION, MemoryPlan, MiB, default_block_rows
 from probes.kinds.base import Job, Outcome, PerSample, params_json
 from probes.splits import control_permutation
 from probes.worker import GroupJob, GroupResult, _record, _signature
 
+#: RSS of an idle, warmed LocalCluster worker that imported torch and every kind: 390 MiB
+#: measured here (2026-12-01, the out-of-core test's worker_peaks of the idle worker); rounded up.
+WORKER_BASE_ITERATIVE = 400 * MiB
 #: Fewer training rows per probe batch than this is no probe worth recording: refuse the plan.
 MIN_TRAIN_ROWS = 256
 MODES = ("auto", "always", "never")
@@ -135,8 +138,10 @@ def _shape_costs(spec: subsample.IterSpec, job: GroupJob) -> tuple[int, int, int
     block = spec.block_rows * vpr * (np.dtype(info.stored_dtype).itemsize + 4 + 4 + 8)
     held = sum(len(s.columns) * 8 + d * 4 for s in spec.solves)
     widest = max(len(s.columns) * _classes(s) for s in spec.solves)
+    # The solve: X - mu, its whitened copy Z and Zᵀ (measured: ~4 float32 copies of the rows with
+    # the subsample itself), per-row logits; the covariance's eigendecomposition ~5 d x d float64.
     solve_row = 3 * d * 4 + 12 * widest * 4
-    fixed = WORKER_BASE_TORCH + len(spec.solves) * gram + 4 * gram + block
+    fixed = WORKER_BASE_ITERATIVE + len(spec.solves) * gram + 5 * gram + block
     return fixed, held, solve_row, spec.block_rows * spec.units * (2 * d * 4 + widest * 8)
 
 
@@ -171,7 +176,7 @@ def plan_memory(spec: subsample.IterSpec, job: GroupJob, capped_by: str | None =
     return MemoryPlan(reads, int(peak), what)
 
 
-def check_fits(plan: MemoryPlan, limit: int | None, job: GroupJob, spec: subsample.IterSpec) -> None:
+def check_fits(plan: MemoryPlan, limit: int | None, job: GroupJob) -> None:
     """A ProbeError naming the settings that fix an out-of-core plan that cannot fit."""
     if limit is None or plan.peak_bytes <= FIT_FRACTION * limit:
         return

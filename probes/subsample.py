@@ -58,7 +58,7 @@ class IterSpec:
 
     root: ArrayRoot
     rows: np.ndarray             # array rows of the selection, ascending
-    kind: type                   # a LinearProbe subclass: its sample_rows turns a block into units
+    kind: type[Any]              # a LinearProbe subclass: its sample_rows turns a block into units
     units: int                   # R: units per sample (tokens, or 1 when pooled)
     block_rows: int
     solves: list[IterSolve]
@@ -91,7 +91,7 @@ class Moments:
 
     def __init__(self, d: int, gram: bool) -> None:
         self.n, self.k, self.s1 = 0, np.zeros(d), np.zeros(d)
-        self.xx = np.zeros((d, d)) if gram else np.zeros(d)
+        self.xx = np.zeros((d, d), order="F") if gram else np.zeros(d)
 
     def add(self, X: np.ndarray) -> float:
         if self.n == 0:
@@ -99,17 +99,26 @@ class Moments:
         Xk = X.astype(np.float64) - self.k
         self.n += len(Xk)
         self.s1 += Xk.sum(0)
-        if self.xx.ndim == 2:
-            self.xx += Xk.T @ Xk
-            return 2.0 * len(Xk) * len(self.k) ** 2
+        if self.xx.ndim == 2:   # the upper triangle (half the flops of Xk.T @ Xk)
+            from scipy.linalg.blas import dsyrk
+
+            self.xx = dsyrk(1.0, Xk.T, beta=1.0, c=self.xx, trans=0, lower=0, overwrite_c=1)
+            return float(len(Xk)) * len(self.k) * (len(self.k) + 1)
         self.xx += (Xk * Xk).sum(0)
         return 3.0 * Xk.size
 
     def mean_cov(self) -> tuple[np.ndarray, np.ndarray]:
-        """(mean [d], covariance [d, d] or its diagonal [d]) over the rows added (population)."""
+        """(mean [d], covariance [d, d] or its diagonal [d]) over the rows added (population).
+        Once: the covariance is made in place of the sums (one d x d temporary at a time)."""
         n = max(self.n, 1)
         m = self.s1 / n
-        cov = self.xx / n - (np.outer(m, m) if self.xx.ndim == 2 else m * m)
+        cov = self.xx
+        if cov.ndim == 2:
+            cov += np.triu(cov, 1).T          # dsyrk filled the upper triangle; the lower one is still 0
+            cov /= n
+            cov -= np.outer(m, m)
+        else:
+            cov = cov / n - m * m
         return self.k + m, cov
 
 
@@ -207,7 +216,9 @@ def _solve(solve: IterSolve, mom: Moments, sub: np.ndarray, lab: np.ndarray, gra
     moments = None
     if gram:
         mu = (mean - shift) / scale
-        moments = (torch.from_numpy(mu[None, None]), torch.from_numpy(cov / np.outer(scale, scale))[None])
+        cov /= scale[:, None]
+        cov /= scale[None, :]
+        moments = (torch.from_numpy(mu[None, None]), torch.from_numpy(cov)[None])
     cols = [lab[:, c] for c in range(lab.shape[1])]
     solved = solve_standardized(torch.from_numpy(sub)[None], cols, solve.params,
                                 torch.from_numpy(mean32)[None, None], torch.from_numpy(scale32)[None, None], moments)
