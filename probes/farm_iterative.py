@@ -135,12 +135,16 @@ def _shape_costs(spec: subsample.IterSpec, job: GroupJob) -> tuple[int, int, int
     d = info.item_shape[-1]
     vpr = info.values_per_row
     gram = d * d * 8 if d <= MAX_PRECONDITION_DIM else d * 8
-    block = spec.block_rows * vpr * (np.dtype(info.stored_dtype).itemsize + 4 + 4 + 8)
+    item = np.dtype(info.stored_dtype).itemsize
+    # The reader decodes whole stored chunks: one chunk's values sit beside a block of rows (a
+    # fixed ~94 MiB over the idle worker measured whatever the cap, until this term was added).
+    block = spec.block_rows * vpr * (item + 4 + 4 + 8) + min(info.chunk_samples, len(spec.rows)) * vpr * item
     held = sum(len(s.columns) * 8 + d * 4 for s in spec.solves)
     widest = max(len(s.columns) * _classes(s) for s in spec.solves)
-    # The solve: X - mu, its whitened copy Z and Zᵀ (measured: ~4 float32 copies of the rows with
-    # the subsample itself), per-row logits; the covariance's eigendecomposition ~5 d x d float64.
-    solve_row = 3 * d * 4 + 12 * widest * 4
+    # The solve: X - mu, its whitened copy Z, Zᵀ and the allocator's slack (4 float32 copies of
+    # the rows beside the subsample), per-row logits; the covariance's eigendecomposition ~5 d x d
+    # float64.
+    solve_row = 4 * d * 4 + 12 * widest * 4
     fixed = WORKER_BASE_ITERATIVE + len(spec.solves) * gram + 5 * gram + block
     return fixed, held, solve_row, spec.block_rows * spec.units * (2 * d * 4 + widest * 8)
 
