@@ -506,7 +506,13 @@ def plan_work(jobs: list[GroupJob], block_rows: int | None, limit: int | None, o
                 if check:
                     farm_iterative.check_fits(mem, limit, job)
             elif check:
-                farm_stream.check_fits(mem, limit, job, specs is not None)
+                try:
+                    farm_stream.check_fits(mem, limit, job, specs is not None)
+                except ProbeError as err:
+                    if specs is None and farm_iterative.eligible(job):   # out_of_core: never kept it in memory
+                        raise ProbeError(f"{err}; or set plan key out_of_core: auto (a capped training subsample)"
+                                         ) from None
+                    raise
             work.append((job, specs, mem))
     return work
 

@@ -100,6 +100,8 @@ def test_auto_goes_out_of_core_only_over_the_limit_and_the_dry_run_shows_its_pla
     assert isinstance(spec, IterSpec) and "out-of-core L-BFGS" in mem.what     # just over: out of core
     ((_, spec, _),) = plan_work([job], None, int(peak / 0.8) - (1 << 20), "never", check=False)
     assert spec is None
+    with pytest.raises(ProbeError, match="out_of_core: auto"):    # kept in memory over the limit: the fix named
+        plan_work([job], None, int(peak / 0.8) - (1 << 20), "never")
     with pytest.raises(ProbeError, match=r"max_train_rows lower .*--memory-limit"):
         plan_work([job], 7, 300 << 20, "always")           # under the torch worker's own footprint: refused
     plan_file = tmp_path / "plan.yaml"
