@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from probes import artifacts, derived, farm_stream
+from probes import artifacts, derived, farm_iterative, farm_stream
 from probes.cluster import start as cluster_start
 from probes.errors import ProbeError
 from probes.kinds import get_kind
@@ -363,7 +363,8 @@ def run_plan(
         return report
     limit = parse_bytes(memory_limit if memory_limit is not None else plan.memory_limit)
     report.memory_limit = limit
-    work = plan_work(jobs, block_rows or plan.block_rows, limit)  # refuses a plan that cannot fit, before training
+    # refuses a plan that cannot fit, before training
+    work = plan_work(jobs, block_rows or plan.block_rows, limit, plan.out_of_core, plan.max_train_rows)
     n_todo = sum(len(j.tasks) for j in jobs)
     log(f"plan {plan.name}: {n_todo} probes to train in {len(jobs)} groups ({report.skipped} already done)")
     sink = _Collector(ws, report, _Recorder(ws, flush_every, flush_size, on_record), _progress(n_todo, progress))
@@ -450,7 +451,10 @@ def _run_here(work: Work, report: FarmReport, sink: _Collector) -> None:
     t0 = time.perf_counter()
     for job, specs, _ in work:
         try:
-            sink.take(run_group(job) if specs is None else farm_stream.run_local(job, specs))
+            if isinstance(specs, farm_iterative.subsample.IterSpec):
+                sink.take(farm_iterative.run_local(job, specs))
+            else:
+                sink.take(run_group(job) if specs is None else farm_stream.run_local(job, specs))
         except Exception as err:
             sink.lost(job, err)
     report.seconds = time.perf_counter() - t0
@@ -466,7 +470,8 @@ def _progress(total: int, enabled: bool) -> Any:
     return progress_bar(total, unit="probe", enabled=enabled, smoothing=0.1)
 
 
-Work = list[tuple[GroupJob, Any, Any]]  # (job, stream specs or None for in-memory kinds, MemoryPlan)
+# (job, stream specs | an out-of-core IterSpec | None for in-memory kinds, MemoryPlan)
+Work = list[tuple[GroupJob, Any, Any]]
 
 
 def parse_bytes(value: str | int | None) -> int | None:
@@ -490,17 +495,32 @@ def split_streaming(job: GroupJob) -> list[GroupJob]:
     return [replace(job, tasks=streamed, group=f"{job.group}s"), replace(job, tasks=rest)]
 
 
-def plan_work(jobs: list[GroupJob], block_rows: int | None, limit: int | None) -> Work:
-    """Each job with its stream specs and planned peak; a ProbeError before training if one cannot fit."""
+def plan_work(jobs: list[GroupJob], block_rows: int | None, limit: int | None, out_of_core: str = "auto",
+              max_train_rows: int | None = None, check: bool = True) -> Work:
+    """Each job with its stream specs and planned peak; a ProbeError before training if one
+    cannot fit (``check``). Iterative kinds go out of core by ``out_of_core`` (auto: when their
+    in-memory features exceed ``limit``)."""
     work: Work = []
     for whole in jobs:
         for job in split_streaming(whole):
+            specs: Any
             if all(farm_stream.is_streaming(job.kinds[t.kind]) for t in job.tasks):
                 specs = farm_stream.build_specs(job, block_rows)
                 mem = farm_stream.plan_stream(specs, job)
             else:
                 specs, mem = None, farm_stream.plan_in_memory(job)
-            farm_stream.check_fits(mem, limit, job, specs is not None)
+            if specs is None and farm_iterative.chosen(job, out_of_core, mem, limit):
+                specs, mem = farm_iterative.build_spec(job, block_rows, max_train_rows, limit)
+                if check:
+                    farm_iterative.check_fits(mem, limit, job)
+            elif check:
+                try:
+                    farm_stream.check_fits(mem, limit, job, specs is not None)
+                except ProbeError as err:
+                    if specs is None and farm_iterative.eligible(job):   # out_of_core: never kept it in memory
+                        raise ProbeError(f"{err}; or set plan key out_of_core: auto (a capped training subsample)"
+                                         ) from None
+                    raise
             work.append((job, specs, mem))
     return work
 
@@ -515,7 +535,7 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
     n_probes = sum(len(job.tasks) for job, _, _ in work)
     client, cluster = cluster_start(scheduler, workers, len(work), n_probes, memory_limit, report, log)
     report.dashboard = client.dashboard_link
-    light = all(specs is not None for _, specs, _ in work)  # streamed only: workers never import torch
+    light = all(isinstance(specs, list) for _, specs, _ in work)  # streamed only: workers never import torch
     # Imports and first-call costs belong to start-up, not to the probes. Streamed-only plans warm
     # through probes.stream: unpickling a function of this module would import torch there.
     client.run(farm_stream.stream.warm) if light else client.run(warm_worker, list(plugins))
@@ -527,7 +547,10 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
         for job, specs, _ in work:  # streamed groups: one layer's map-reduce at a time, all workers on it
             if specs is not None:
                 try:
-                    take(farm_stream.run_dask(client, job, specs, max(report.workers, 1), memory_limit))
+                    if isinstance(specs, farm_iterative.subsample.IterSpec):   # one task per layer
+                        take(farm_iterative.run_dask(client, job, specs))
+                    else:
+                        take(farm_stream.run_dask(client, job, specs, max(report.workers, 1), memory_limit))
                 except Exception as err:
                     lost(job, err)
         # A bounded window keeps only a few groups' labels in the scheduler's memory at a time;

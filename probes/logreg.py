@@ -103,12 +103,15 @@ def fit_logistic(
     max_iter: int = 100,
     tol: float = 1e-4,
     precondition: bool = True,
+    moments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BatchedLogReg:
     """Fit P logistic regressions on G shared feature sets.
 
     X: [G, n, d] float32 (e.g. G layers over the same rows). Y: [n, P] class codes, -1 where a
     probe has no label. mask: [n, P], the rows each probe trains on (default: all labelled).
     n_classes: [P], each >= 2. C: sklearn's inverse regularisation, one value or one per probe.
+    moments: (mean [G, 1, d], covariance [G, d, d] float64) of the rows to whiten with, when X is
+    a subsample of them (out of core: probes/subsample.py); default: X's own.
     """
     if X.ndim != 3:
         raise ValueError(f"X must be [G, n, d] (feature sets, rows, dims), got shape {tuple(X.shape)}")
@@ -133,7 +136,7 @@ def fit_logistic(
         counts[family] += 1
     fit = BatchedLogReg(n_classes=n_classes, order=order)
     n_rows = max(int(valid.any(1).sum()), 1)
-    pre = _Preconditioner(X, delta=4.0 / (float(np.median(c)) * n_rows), enabled=precondition)
+    pre = _Preconditioner(X, delta=4.0 / (float(np.median(c)) * n_rows), enabled=precondition, moments=moments)
     fit.info.flops += pre.flops
     binary, multi = np.flatnonzero(n_classes == 2), np.flatnonzero(n_classes > 2)
     if len(binary):
@@ -153,22 +156,28 @@ def fit_logistic(
 class _Preconditioner:
     """Whitened, centred features Z = (X - mu) R and the diagonal penalty scale of v-space."""
 
-    def __init__(self, X: torch.Tensor, delta: float, enabled: bool) -> None:
+    def __init__(self, X: torch.Tensor, delta: float, enabled: bool,
+                 moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         g, n, d = X.shape
         self.flops = 0.0
         if not enabled or d > MAX_PRECONDITION_DIM:
             self.Z, self.R, self.mu = X, None, None
             self.pen = torch.ones(g, d, 1)
             return
-        self.mu = X.mean(1, keepdim=True)                                      # [G, 1, d]
-        xc = X - self.mu
-        cov = torch.bmm(xc.transpose(1, 2), xc).double() / n                   # [G, d, d]
+        if moments is None:
+            self.mu = X.mean(1, keepdim=True)                                  # [G, 1, d]
+            xc = X - self.mu
+            cov = torch.bmm(xc.transpose(1, 2), xc).double() / n               # [G, d, d]
+            del xc
+            self.flops = g * 2.0 * n * d * d
+        else:  # streamed over every training row; X is a subsample of them
+            self.mu, cov = moments[0].float(), moments[1].double()
         e, V = torch.linalg.eigh(cov)
         e = e.clamp_min(0.0)
         self.R = (V / torch.sqrt(e + delta).unsqueeze(1)).float()             # [G, d, d]
-        self.Z = torch.bmm(xc, self.R)
+        self.Z = torch.bmm(X - self.mu, self.R)
         self.pen = (1.0 / (e + delta)).float().unsqueeze(-1)                  # [G, d, 1]
-        self.flops = g * (4.0 * n * d * d + 9.0 * d**3)
+        self.flops += g * (2.0 * n * d * d + 9.0 * d**3)
 
     def to_original(self, v: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.R is None:
@@ -339,7 +348,13 @@ class Solved:
 def solve_columns(Xtr: torch.Tensor, labels: list[np.ndarray], params: Any) -> Solved:
     """Standardise X [G, m, d] and fit one logistic regression per label column ([m] codes)."""
     mean, scale = standardization_stats(Xtr, params.standardize)
-    Xs = (Xtr - mean) / scale
+    return solve_standardized((Xtr - mean) / scale, labels, params, mean, scale)
+
+
+def solve_standardized(Xs: torch.Tensor, labels: list[np.ndarray], params: Any, mean: torch.Tensor,
+                       scale: torch.Tensor, moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> Solved:
+    """:func:`solve_columns` on features already standardised with (mean, scale); ``moments``:
+    the standardised rows' mean and covariance when Xs is a subsample of them."""
     classes = [np.unique(y[y >= 0]) for y in labels]
     solvable = {c: i for i, c in enumerate(c for c in range(len(labels)) if len(classes[c]) >= 2)}
     fit = None
@@ -349,6 +364,6 @@ def solve_columns(Xtr: torch.Tensor, labels: list[np.ndarray], params: Any) -> S
         Y = np.stack([np.searchsorted(classes[c], np.where(labels[c] >= 0, labels[c], classes[c][0])) for c in cols], 1)
         Y[np.stack([labels[c] < 0 for c in cols], 1)] = -1
         fit = fit_logistic(Xs, Y, [len(classes[c]) for c in cols], C=params.C, max_iter=params.max_iter,
-                           tol=params.tol, precondition=params.precondition)
+                           tol=params.tol, precondition=params.precondition, moments=moments)
         info = fit.info
     return Solved(mean, scale, classes, fit, solvable, info)

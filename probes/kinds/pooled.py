@@ -52,6 +52,7 @@ class PooledProbe(LinearProbe):
     Params = PooledParams
     accepts = ("sample",)
     accepts_ragged = True
+    out_of_core = True   # classification only: pooled regression is kind ridge's, streamed
 
     @classmethod
     def sample_rows(cls, X: Any, params: Any) -> np.ndarray:
