@@ -55,6 +55,7 @@ from extract.models import (
     readout,
     resolve_points,
 )
+from extract.models.capture import Point
 from extract.models.errors import InputError
 from extract.models.layout import Grid, SampleLayout
 from extract.scoring import score_answer
@@ -311,7 +312,8 @@ def sample_values(key: CaptureKey, value: Any, b: int, first: int, pad_len: int,
 def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
                    progress: bool = True, codec: str = "none",
                    on_batch: Callable[[int], None] | None = None) -> RunSummary:
-    """Run (or resume) a manifest. ``on_batch(rows_done)`` is called after each batch is queued."""
+    """Run (or resume) a manifest. ``on_batch(rows_done)`` is called after each batch is computed; it is
+    queued to the writer then, or on CUDA after the next batch's forward (its host copy overlaps it)."""
     started = time.perf_counter()
     check_codec(codec)
     check_sets(manifest)
@@ -381,6 +383,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
     info = run_info(lm, manifest, lens, route)
     stop = _stop_ids(lm)
     computed, correct, scored = 0, 0, 0
+    points = resolve_points(lm, request, ())  # once per run, not per batch
     with ws.writer(info, shard=manifest.shard) as w:
         for path, dataset in sets:
             w.register_stimulus_set(path, dataset=dataset)
@@ -406,7 +409,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
             for start in range(rows.start, rows.stop, manifest.batch_size):
                 batch_samples = samples[start : min(start + manifest.batch_size, rows.stop)]
                 for offset, group in _by_modality(batch_samples):
-                    done = _run_batch(lm, group, request, specs, manifest, stop, route[0] if route else "generate",
+                    done = _run_batch(lm, group, points, specs, manifest, stop, route[0] if route else "generate",
                                       start=start + offset)
                     if done.ready is None:
                         done.write(w, handles)
@@ -518,7 +521,7 @@ def batch_values(res: CaptureResult, specs: dict[CaptureKey, ArraySpec], dtype: 
     return out
 
 
-def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, list[str]],
+def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: list[Point],
                specs: dict[CaptureKey, ArraySpec], manifest: Manifest, stop: set[int], path: str = "generate",
                *, start: int = 0) -> _Done:
     batch = prepare_batch(lm, [s.image for s in batch_samples], [s.prompt for s in batch_samples],

@@ -30,7 +30,8 @@ from .loading import LoadedModel
 from .taps import IMAGE_ONLY_TAPS, SITES, CaptureKey, TapSpec, check_kinds, kinds_for
 
 TapLike = TapSpec | str | tuple
-Taps = Sequence[TapLike] | Mapping[str, Sequence[str]] | Mapping[TapSpec, Sequence[str]] | Mapping[tuple, Sequence[str]]
+Taps = (Sequence[TapLike] | Sequence["Point"] | Mapping[str, Sequence[str]] | Mapping[TapSpec, Sequence[str]]
+        | Mapping[tuple, Sequence[str]])
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,10 +156,13 @@ def resolve_points(lm: LoadedModel, taps: Taps, kinds: Sequence[str]) -> list[Po
     """Resolve and validate the requested taps before any forward.
 
     ``taps`` is a list (every tap keeps ``kinds``) or a mapping tap -> its own token kinds.
-    A tap requested twice keeps the union of its kinds.
+    A tap requested twice keeps the union of its kinds. Points resolved before (a run resolves its taps
+    once, not per batch) are returned as they are.
     """
     if not taps:
         raise TapError("no taps requested: pass e.g. ['vision.-1', 'llm.0', 'projector.0.out']")
+    if not isinstance(taps, Mapping) and all(isinstance(t, Point) for t in taps):
+        return [t for t in taps if isinstance(t, Point)]
     if isinstance(taps, Mapping):
         requests = [(tap, check_kinds(tuple(k))) for tap, k in taps.items()]
         for tap, k in requests:
@@ -167,7 +171,11 @@ def resolve_points(lm: LoadedModel, taps: Taps, kinds: Sequence[str]) -> list[Po
                 raise TapError(f"tap {spec.name} has image tokens only (it runs before the prompt): use ['image'], got {list(k)}")
     else:
         default = check_kinds(tuple(kinds))
-        requests = [(tap, default) for tap in taps]
+        requests = []
+        for one in taps:
+            if isinstance(one, Point):
+                raise TapError("pass either resolved points only, or tap names/specs only, not a mix of both")
+            requests.append((one, default))
     points: dict[TapSpec, Point] = {}
     for tap, wanted in requests:
         spec = resolve_tap(lm, tap)
@@ -507,8 +515,14 @@ class _attention_mode:
             set_attention(self.lm.model, self.previous)
 
 
+_ACCEPTS: dict[tuple[type, str], bool] = {}
+
+
 def _accepts(model: nn.Module, name: str) -> bool:
-    return name in inspect.signature(model.forward).parameters
+    key = (type(model), name)  # inspect.signature per batch costs more than a small forward's hooks
+    if key not in _ACCEPTS:
+        _ACCEPTS[key] = name in inspect.signature(model.forward).parameters
+    return _ACCEPTS[key]
 
 
 def capture(

@@ -94,3 +94,21 @@ def test_finite_check_is_exact():
     assert _all_finite([torch.tensor([1.0, float("nan")]), torch.tensor([float("-inf"), 2.0])]) == [False, False]
     assert _all_finite([torch.tensor([1.0, 2.0], dtype=torch.bfloat16), torch.zeros(0)]) == [True, True]
     assert _all_finite([]) == []
+
+
+def test_points_resolved_once_capture_what_names_capture(tiny_lm, images):
+    from extract.models import resolve_points
+    from extract.models.errors import TapError
+
+    lm = tiny_lm("qwen2_vl")
+    points = resolve_points(lm, TAPS, ())
+    assert resolve_points(lm, points, ()) == points
+    with pytest.raises(TapError, match="not a mix"):
+        resolve_points(lm, [points[0], "llm.0"], ("image",))
+    paths, prompts = images
+    batch = prepare_batch(lm, paths, prompts, padding_side="left")
+    by_name = capture_first_token(lm, batch, TAPS)
+    by_point = capture_first_token(lm, batch, points)
+    assert set(by_name.keys()) == set(by_point.keys())
+    for key in by_name.keys():
+        assert torch.equal(by_name[key], by_point[key]), key.name
