@@ -126,7 +126,7 @@ def _registration_connects(root: Path) -> int:
         return real(*args, **kwargs)
 
     with ws.writer(RunInfo(run="register", model="none")) as w:
-        w.set_samples([f"s/{i}" for i in range(16)])
+        w.set_samples(w.register_stimuli([{"id": str(i)} for i in range(16)], dataset="s"))
         specs = [ArraySpec(tap="llm", layer=i, tokens="image", shape=(4, 8), dtype="float32") for i in range(4)]
         duckdb.connect = counting
         try:
