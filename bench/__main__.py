@@ -1,9 +1,10 @@
-"""``python -m bench [TOPIC ...] [--quick]``: run the benchmarks and print their figures."""
+"""``python -m bench [TOPIC ...] [--quick] [--samples N] [--rounds R]``: run the benchmarks and print their figures."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import pkgutil
 import time
 
@@ -18,7 +19,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("topics", nargs="*", help=f"which benchmarks (default: all of {', '.join(topics())})")
     parser.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run, not figures to report")
+    parser.add_argument("--samples", type=int, help="stimuli per run, for the benchmarks that take it (extract)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds, for the benchmarks that take it (extract)")
     args = parser.parse_args()
+    for flag in ("samples", "rounds"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     chosen = args.topics or topics()
     unknown = set(chosen) - set(topics())
     if unknown:
@@ -26,7 +32,10 @@ def main() -> None:
     for name in chosen:
         print(f"\n== {name} ==")
         started = time.perf_counter()
-        importlib.import_module(f"bench.{name}").main(quick=args.quick)
+        run = importlib.import_module(f"bench.{name}").main
+        takes = inspect.signature(run).parameters
+        extra = {k: getattr(args, k) for k in ("samples", "rounds") if k in takes and getattr(args, k) is not None}
+        run(quick=args.quick, **extra)
         print(f"   ({time.perf_counter() - started:.1f} s)")
 
 

@@ -1,144 +1,156 @@
-"""Extraction overhead: a full run vs a bare batched ``generate`` of the same model on the same
-stimuli, and peak memory as the number of stimuli grows 10x (the writer must stream).
+"""Extraction overhead against a bare model, peak memory as the stimuli grow, and manifest connects.
 
-Model: the tiny random Qwen2-VL of ``python -m extract.tiny`` (built into a temp folder).
+Three parts, all printed by ``python -m bench extract [--samples N] [--rounds R]``:
+
+1. **Overhead**, interleaved: on tiny Qwen2-VL and tiny LLaVA (``python -m extract.tiny``), the same
+   G2M 224 px images, taps ``vision[0,-1]`` + ``llm[0,-1]`` at image tokens, torch on 2 threads:
+   agnosia vs bare ``generate`` at batch 8 and 16 new tokens; agnosia prompt-only (one new token:
+   the forward path) vs a bare forward at batch 1 and 8. Each round runs every configuration once,
+   each in a fresh process (``bench._extract_worker``: imports before the clock, weights load
+   timed), the two sides of a comparison back to back and their order alternating between rounds;
+   a ratio is the median of the rounds' agnosia/bare ratios, printed with the load average
+   (``os.getloadavg``) at the start of each round.
+2. **Memory**: agnosia's peak RSS at N and 8N samples (prompt-only, batch 8, tiny Qwen2-VL): the
+   writer streams, so the ratio should stay <= 1.05.
+3. **Connects**: ``duckdb.connect`` calls while a writer registers 4 arrays, and during a whole
+   tiny Qwen2-VL run of N samples (the run holds one manifest connection, store/db.py).
+
+``--quick`` is a smoke run (16 samples, 3 rounds): its figures are not ones to report.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
+from typing import Any
 
-RUN_SNIPPET = """
-import json, resource, sys, time
-from extract.manifest import parse_manifest
-from extract.run import run_extraction
-manifest = parse_manifest(json.loads(sys.argv[1]))
-t = time.perf_counter()
-s = run_extraction(manifest, workspace=sys.argv[2], progress=False)
-print(json.dumps({"seconds": time.perf_counter() - t, "samples": s.samples,
-                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-"""
-
-# A bare loop over the same samples and batches: no hooks, no store; {step} is one batch's model call.
-_BARE_LOOP = """
-import json, resource, sys, time, torch
-from extract.models import load_model, prepare_batch
-from extract.run import collect_samples
-from extract.manifest import parse_manifest
-manifest = parse_manifest(json.loads(sys.argv[1]))
-t = time.perf_counter()
-_, samples = collect_samples(manifest)
-lm = load_model(manifest.model.path, dtype=manifest.model.dtype, device="cpu")
-bs = manifest.batch_size
-with torch.inference_mode():
-    for i in range(0, len(samples), bs):
-        chunk = samples[i:i + bs]
-        batch = prepare_batch(lm, [s.image for s in chunk], [s.prompt for s in chunk], padding_side="left")
-        {step}
-print(json.dumps({{"seconds": time.perf_counter() - t, "samples": len(samples),
-                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
-"""
-BARE_SNIPPET = _BARE_LOOP.format(
-    step="lm.model.generate(**batch.inputs, do_sample=False, max_new_tokens=manifest.generation.max_new_tokens)")
-BARE_FORWARD_SNIPPET = _BARE_LOOP.format(
-    step="lm.model(**batch.inputs, use_cache=False, logits_to_keep=1).logits[:, -1].float().argmax(-1).tolist()")
+ARCHS = ("qwen2_vl", "llava")
+THREADS = 2
+TAPS = [{"tap": "vision", "layers": [0, -1]}, {"tap": "llm", "layers": [0, -1], "tokens": ["image"]}]
+# (label, bare side, batch size, new tokens, aim for agnosia / bare)
+COMPARISONS = (
+    ("batch 8, 16 new tokens / bare generate", "generate", 8, 16, 1.05),
+    ("batch 8, prompt-only / bare forward", "forward", 8, 1, 1.05),
+    ("batch 1, prompt-only / bare forward", "forward", 1, 1, 1.15),
+)
 
 
-def _python(snippet: str, *args: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", snippet, *args], capture_output=True, text=True, check=True)
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), HF_HUB_OFFLINE="1")
+    spec = dict(spec, threads=THREADS)
+    out = subprocess.run([sys.executable, "-m", "bench._extract_worker", json.dumps(spec)],
+                         capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench worker ({spec['side']}) failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(quick: bool = False) -> None:
-    from extract.models import tiny
-    from stimuli import get_family
-    from stimuli.io import write_set
+def _manifest(model: Path, stimuli: Path, batch: int, new_tokens: int, run: str) -> dict[str, Any]:
+    return {"run": run, "model": {"path": str(model), "device": "cpu"}, "stimuli": [{"set": str(stimuli)}],
+            "taps": TAPS, "generation": {"max_new_tokens": new_tokens}, "batch_size": batch, "chunk_samples": 64}
 
-    n = 16 if quick else 64
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        model = root / "tiny-qwen2-vl"
-        tiny.build("qwen2_vl", model, seed=0)
-        g2m = get_family("g2m")
-        config = g2m.config(grid_sizes=(4,), colors=(3,), image_size=224)
-        small = write_set(g2m, config, n=n, seed=0, split="test", out=root / "small")
-        large = write_set(g2m, config, n=10 * n, seed=0, split="test", out=root / "large")
 
-        def manifest(stimuli: Path, run: str) -> str:
-            return json.dumps({
-                "run": run, "model": {"path": str(model)}, "stimuli": [{"set": str(stimuli)}],
-                "taps": [{"tap": "vision", "layers": [-1]},
-                         {"tap": "llm", "layers": "all", "tokens": ["image", "last", "answer"]}],
-                "generation": {"max_new_tokens": 16}, "batch_size": 8, "chunk_samples": 16,
-            })
-
-        # Warm the page cache and imports once so neither side pays them alone.
-        _python(BARE_SNIPPET, manifest(small, "warm"))
-        bare = _python(BARE_SNIPPET, manifest(small, "bare"))
-        full = _python(RUN_SNIPPET, manifest(small, "full"), str(root / "ws-small"))
-        big = _python(RUN_SNIPPET, manifest(large, "big"), str(root / "ws-large"))
-
-    ratio = full["seconds"] / bare["seconds"]
-    print(f"   tiny Qwen2-VL, G2M 224 px, {n} samples, batch 8, 16 new tokens, taps vision[-1] + llm[all] x"
-          " image/last/answer")
-    print(f"   bare generate (load + batches):  {bare['seconds']:6.2f} s  {bare['samples'] / bare['seconds']:6.1f} samples/s")
-    print(f"   extraction into the store:       {full['seconds']:6.2f} s  {full['samples'] / full['seconds']:6.1f} samples/s"
-          f"  -> {ratio:.2f}x bare (aim <= 1.2x)")
-    print(f"   peak RSS: {full['peak_mib']:.0f} MiB at {n} samples, {big['peak_mib']:.0f} MiB at {10 * n}"
-          f" ({big['peak_mib'] / full['peak_mib']:.2f}x; aim: flat) — bare generate {bare['peak_mib']:.0f} MiB")
-    prompt_only(quick)
+def _agnosia(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    ws = Path(tempfile.mkdtemp(dir=root, prefix="ws-"))
+    try:
+        return _worker({"side": "agnosia", "manifest": manifest, "workspace": str(ws)})
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
 
 
 def _load() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def _prompt_manifest(model: Path, stimuli: Path, bs: int, run: str, path: str) -> str:
-    return json.dumps({
-        "run": run, "model": {"path": str(model)}, "stimuli": [{"set": str(stimuli)}],
-        "taps": [{"tap": "vision", "layers": [0, -1]}, {"tap": "llm", "layers": [0, -1], "tokens": ["image"]}],
-        "generation": {"max_new_tokens": 1, "path": path}, "batch_size": bs, "chunk_samples": 16,
-    })
+def overhead(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int) -> None:
+    print(f"   (1) overhead: G2M 224 px, {n} samples, taps vision[0,-1] + llm[0,-1] x image, torch {THREADS} threads;"
+          f" {rounds} interleaved rounds, each configuration a fresh process, weights load timed")
+    ratios: dict[tuple[str, str], list[float]] = {}
+    seconds: dict[tuple[str, str, str], list[float]] = {}
+    loads = []
+    for _ in range(1):  # page cache and bytecode warm for every side
+        _worker({"side": "forward", "manifest": _manifest(models[ARCHS[0]], stimuli, 8, 1, "warm")})
+    for r in range(rounds):
+        loads.append(_load())
+        for arch in ARCHS:
+            for label, bare_side, batch, new, _aim in COMPARISONS:
+                manifest = _manifest(models[arch], stimuli, batch, new, "bench")
+                order = ("bare", "agnosia") if r % 2 == 0 else ("agnosia", "bare")
+                got = {side: (_worker({"side": bare_side, "manifest": manifest}) if side == "bare"
+                              else _agnosia(root, manifest)) for side in order}
+                for side, res in got.items():
+                    seconds.setdefault((arch, label, side), []).append(res["seconds"])
+                ratios.setdefault((arch, label), []).append(got["agnosia"]["seconds"] / got["bare"]["seconds"])
+        print(f"     round {r + 1}: load average (1/5/15 min) {loads[-1]} at its start")
+    for arch in ARCHS:
+        print(f"   tiny {arch}:")
+        for label, _side, _batch, _new, aim in COMPARISONS:
+            rs = ratios[(arch, label)]
+            bare, agn = median(seconds[(arch, label, "bare")]), median(seconds[(arch, label, "agnosia")])
+            print(f"     {label:40s} {median(rs):5.2f}x  (aim <= {aim:.2f}x; rounds "
+                  f"{', '.join(f'{x:.2f}' for x in rs)}; median {agn:.2f} s vs {bare:.2f} s)")
+    print(f"   load average per round: {'; '.join(loads)}")
 
 
-def prompt_only(quick: bool = False, rounds: int = 3) -> None:
-    """agnosia with one new token (the forward path, and forced through generate) vs a bare forward with
-    no hooks and no storage, at batch 1 and 8, on tiny Qwen2-VL and LLaVA: the median of ``rounds``
-    interleaved rounds, each side a fresh process (load included), the 1-minute load average beside it."""
-    from statistics import median
+def memory(root: Path, model: Path, small: Path, large: Path, n: int) -> None:
+    got = [_agnosia(root, _manifest(model, s, 8, 1, "rss")) for s in (small, large)]
+    a, b = got[0]["peak_mib"], got[1]["peak_mib"]
+    print(f"   (2) peak RSS, agnosia prompt-only batch 8, tiny qwen2_vl: {a:.0f} MiB at {n} samples,"
+          f" {b:.0f} MiB at {8 * n} -> {b / a:.3f}x (aim <= 1.05x); load average {_load()}")
 
+
+def connects(root: Path, model: Path, stimuli: Path, n: int) -> None:
+    run = _agnosia(root, _manifest(model, stimuli, 8, 1, "connects"))
+    registering = _registration_connects(root)
+    print(f"   (3) duckdb.connect calls: {registering} while a writer registers 4 arrays (one transaction);"
+          f" {run['connects']} during a whole {n}-sample tiny qwen2_vl run (prompt-only, batch 8, chunks of 64)")
+
+
+def _registration_connects(root: Path) -> int:
+    """``duckdb.connect`` calls made by ``Writer.arrays`` for 4 arrays, counted in this process."""
+    import duckdb
+
+    from store import ArraySpec, RunInfo, Workspace
+
+    ws = Workspace.open(root / "ws-register")
+    real, count = duckdb.connect, [0]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    with ws.writer(RunInfo(run="register", model="none")) as w:
+        w.set_samples(w.register_stimuli([{"id": str(i)} for i in range(16)], dataset="s"))
+        specs = [ArraySpec(tap="llm", layer=i, tokens="image", shape=(4, 8), dtype="float32") for i in range(4)]
+        duckdb.connect = counting
+        try:
+            w.arrays(specs)
+        finally:
+            duckdb.connect = real
+        w.finish(partial_ok=True)
+    return count[0]
+
+
+def main(quick: bool = False, samples: int | None = None, rounds: int | None = None) -> None:
     from extract.models import tiny
     from stimuli import get_family
     from stimuli.io import write_set
 
-    n = 8 if quick else 32
+    n = samples or (16 if quick else 200)
+    rounds = rounds or 3
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        models = {arch: tiny.build(arch, root / arch, seed=0) for arch in ARCHS}
         g2m = get_family("g2m")
-        stimuli = write_set(g2m, g2m.config(grid_sizes=(4,), colors=(3,), image_size=224), n=n, seed=0,
-                            split="test", out=root / "g2m")
-        print(f"   prompt-only: G2M 224 px, {n} samples, 1 new token, taps vision[0,-1] + llm[0,-1] x image;"
-              f" median of {rounds} interleaved rounds, fresh process each, load included")
-        for arch in ("qwen2_vl", "llava"):
-            model = tiny.build(arch, root / arch, seed=0)
-            for bs in (1, 8):
-                times: dict[str, list[float]] = {"bare": [], "forward": [], "generate": []}
-                loads = []
-                bare_spec = _prompt_manifest(model, stimuli, bs, "bare", "auto")
-                _python(BARE_FORWARD_SNIPPET, bare_spec)  # page cache and imports warm for every side
-                for r in range(rounds):
-                    loads.append(_load())
-                    times["bare"].append(_python(BARE_FORWARD_SNIPPET, bare_spec)["seconds"])
-                    for path in ("forward", "generate"):
-                        spec = _prompt_manifest(model, stimuli, bs, path, "auto" if path == "forward" else path)
-                        where = str(root / f"ws-{arch}-{bs}-{path}{r}")
-                        times[path].append(_python(RUN_SNIPPET, spec, where)["seconds"])
-                bare, fwd, gen = (median(times[k]) for k in ("bare", "forward", "generate"))
-                print(f"   {arch:9s} batch {bs}: bare forward {bare:5.2f} s | agnosia forward path {fwd:5.2f} s"
-                      f" ({fwd / bare:.2f}x) | agnosia via generate {gen:5.2f} s ({gen / bare:.2f}x)"
-                      f"  load avg {'; '.join(loads)}")
+        config = g2m.config(grid_sizes=(4,), colors=(3,), image_size=224)
+        small = write_set(g2m, config, n=n, seed=0, split="test", out=root / "g2m")
+        overhead(root, models, small, n, rounds)
+        large = write_set(g2m, config, n=8 * n, seed=0, split="test", out=root / "g2m-8x")
+        memory(root, models["qwen2_vl"], small, large, n)
+        connects(root, models["qwen2_vl"], small, n)

@@ -43,6 +43,7 @@ from extract.interventions.rope import scaled_vision_rope
 from extract.manifest import Manifest, ManifestError, check_codec, check_sets, expand_layers
 from extract.models import (
     CaptureKey,
+    CaptureResult,
     LoadedModel,
     RaggedTokens,
     capture,
@@ -54,13 +55,14 @@ from extract.models import (
     readout,
     resolve_points,
 )
+from extract.models.capture import Point
 from extract.models.errors import InputError
 from extract.models.layout import Grid, SampleLayout
 from extract.scoring import score_answer
 from stimuli import get_family
 from stimuli.io import read_set
 from stimuli.progress import progress_bar
-from store import ArraySpec, RunInfo, TokenSpans, Workspace
+from store import ArrayHandle, ArraySpec, Generation, RunInfo, TokenSpans, Workspace, Writer
 from store.vocab import IMAGE_ONLY_TAPS, array_layout, kinds_for
 
 
@@ -310,7 +312,8 @@ def sample_values(key: CaptureKey, value: Any, b: int, first: int, pad_len: int,
 def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
                    progress: bool = True, codec: str = "none",
                    on_batch: Callable[[int], None] | None = None) -> RunSummary:
-    """Run (or resume) a manifest. ``on_batch(rows_done)`` is called after each batch is queued."""
+    """Run (or resume) a manifest. ``on_batch(rows_done)`` is called after each batch is computed; it is
+    queued to the writer then, or on CUDA after the next batch's forward (its host copy overlaps it)."""
     started = time.perf_counter()
     check_codec(codec)
     check_sets(manifest)
@@ -381,6 +384,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
     info = run_info(lm, manifest, lens, route)
     stop = _stop_ids(lm)
     computed, correct, scored = 0, 0, 0
+    points = resolve_points(lm, request, ())  # once per run, not per batch
     with ws.writer(info, shard=manifest.shard) as w:
         for path, dataset in sets:
             w.register_stimulus_set(path, dataset=dataset)
@@ -401,19 +405,27 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
         bar = _progress(total, manifest.run, progress)
+        pending: list[_Done] = []  # on CUDA: the last batch, its host copy still running
         for rows in todo:
             for start in range(rows.start, rows.stop, manifest.batch_size):
                 batch_samples = samples[start : min(start + manifest.batch_size, rows.stop)]
                 for offset, group in _by_modality(batch_samples):
-                    gens, spans, values = _run_batch(lm, group, request, specs, manifest, stop, route[0] if route else "generate")
-                    w.write_batch(start + offset, {handles[k]: v for k, v in values.items()}, tokens=spans,
-                                  generations=gens)
-                    scored += sum(g.correct is not None for g in gens)
-                    correct += sum(bool(g.correct) for g in gens)
+                    done = _run_batch(lm, group, points, specs, manifest, stop, route[0] if route else "generate",
+                                      start=start + offset)
+                    if done.ready is None:
+                        done.write(w, handles)
+                    else:  # the previous batch's copy ran beside this batch's forward: it is done by now
+                        for earlier in pending:
+                            earlier.write(w, handles)
+                        pending = [done]
+                    scored += sum(g.correct is not None for g in done.gens)
+                    correct += sum(bool(g.correct) for g in done.gens)
                 computed += len(batch_samples)
                 bar.update(len(batch_samples))
                 if on_batch is not None:
                     on_batch(computed)
+        for earlier in pending:
+            earlier.write(w, handles)
         bar.close()
         w.finish()
     return ws, computed, (correct / scored if scored else None), len(handles)
@@ -475,8 +487,44 @@ def capture_path(lm: LoadedModel, manifest: Manifest, samples: list[Sample]) -> 
     return "forward", "one new token, greedy: the argmax of the prompt forward's last logits"
 
 
-def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, list[str]],
-               specs: dict[CaptureKey, ArraySpec], manifest: Manifest, stop: set[int], path: str = "generate"):
+@dataclass
+class _Done:
+    """One computed batch, ready to hand to the writer once its host copy (CUDA only) has landed."""
+
+    start: int
+    gens: list[Generation]
+    spans: list[TokenSpans]
+    values: Callable[[], dict[CaptureKey, Any]]
+    ready: Callable[[], None] | None
+
+    def write(self, w: Writer, handles: dict[CaptureKey, ArrayHandle]) -> None:
+        if self.ready is not None:
+            self.ready()
+        w.write_batch(self.start, {handles[k]: v for k, v in self.values().items()}, tokens=self.spans,
+                      generations=self.gens)
+
+
+def batch_values(res: CaptureResult, specs: dict[CaptureKey, ArraySpec], dtype: torch.dtype, text_only: bool,
+                 firsts: list[int], pad_len: int, n_keep: list[int]) -> dict[CaptureKey, Any]:
+    """The store's values of one batch: a dense tap whose samples keep their whole captured row is handed
+    over as captured (on the CPU the store reads the hook's own copy: no other); other keys per sample."""
+    out: dict[CaptureKey, Any] = {}
+    for key, spec in specs.items():
+        if (text_only and key.tap in IMAGE_ONLY_TAPS) or (key.kind == "answer" and key not in res):
+            # no image, no image tokens; one new token, nothing fed back: no answer rows
+            rows = [torch.zeros((0, *spec.shape), dtype=dtype) for _ in n_keep]
+        elif not spec.ragged and key.tap != "attn" and key.kind != "answer" and isinstance(res[key], torch.Tensor):
+            out[key] = res[key]  # what sample_values would slice row by row, whole
+            continue
+        else:
+            rows = [sample_values(key, res[key], b, firsts[b], pad_len, n) for b, n in enumerate(n_keep)]
+        out[key] = rows if spec.ragged else torch.stack(rows)
+    return out
+
+
+def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: list[Point],
+               specs: dict[CaptureKey, ArraySpec], manifest: Manifest, stop: set[int], path: str = "generate",
+               *, start: int = 0) -> _Done:
     batch = prepare_batch(lm, [s.image for s in batch_samples], [s.prompt for s in batch_samples],
                           strings=[s.strings for s in batch_samples], padding_side="left")
     text_only = batch_samples[0].image is None
@@ -484,32 +532,27 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: dict[str, 
     max_new = (max(int(s.params.get("max_new_tokens", 32)) for s in batch_samples) if budget == "from_stimulus"
                else int(budget))
     if path == "forward":
-        res = capture_first_token(lm, batch, request, tokens=("image", "last", "answer"), on_nonfinite="raise")
+        res = capture_first_token(lm, batch, request, tokens=("image", "last", "answer"), on_nonfinite="raise",
+                                  host_copy="async")
     else:
         res = capture_generate(lm, batch, request, tokens=("image", "last", "answer"), max_new_tokens=max_new,
-                               on_nonfinite="raise")
+                               on_nonfinite="raise", host_copy="async")
     generated = res.generated
     assert generated is not None, "both capture paths return the generated ids"
     n_fed = max(generated.shape[1] - 1, 0)
     pad_len = batch.seq_len
-    gens, spans = [], []
-    values: dict[CaptureKey, list[Any]] = {k: [] for k in specs}
+    gens, spans, keep = [], [], []
     for b, s in enumerate(batch_samples):
         n_keep, n_text = answer_length(generated[b], stop, n_fed)
         ids = generated[b][:n_text]
         text = lm.tokenizer.decode(ids, skip_special_tokens=True)
         g = score_answer(s.family, s.task, text, s.answer, s.truth, n_tokens=n_text)
         gens.append(dataclasses.replace(g, stop_reason=stop_reason(generated[b], n_text)))
-        lay = res.layouts[b]
-        spans.append(token_spans(lay, pad_len, n_keep))
-        for key, spec in specs.items():
-            if (text_only and key.tap in IMAGE_ONLY_TAPS) or (key.kind == "answer" and key not in res):
-                # no image, no image tokens; one new token, nothing fed back: no answer rows
-                values[key].append(torch.zeros((0, *spec.shape), dtype=lm.dtype))
-                continue
-            values[key].append(sample_values(key, res[key], b, lay.first_position, pad_len, n_keep))
-    out = {k: (v if specs[k].ragged else torch.stack(v)) for k, v in values.items()}
-    return gens, spans, out
+        spans.append(token_spans(res.layouts[b], pad_len, n_keep))
+        keep.append(n_keep)
+    firsts = [lay.first_position for lay in res.layouts]
+    return _Done(start, gens, spans, lambda: batch_values(res, specs, lm.dtype, text_only, firsts, pad_len, keep),
+                 res.ready)
 
 
 def _progress(total: int, run: str, enabled: bool) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,7 +30,8 @@ from .loading import LoadedModel
 from .taps import IMAGE_ONLY_TAPS, SITES, CaptureKey, TapSpec, check_kinds, kinds_for
 
 TapLike = TapSpec | str | tuple
-Taps = Sequence[TapLike] | Mapping[str, Sequence[str]] | Mapping[TapSpec, Sequence[str]] | Mapping[tuple, Sequence[str]]
+Taps = (Sequence[TapLike] | Sequence["Point"] | Mapping[str, Sequence[str]] | Mapping[TapSpec, Sequence[str]]
+        | Mapping[tuple, Sequence[str]])
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,6 +78,8 @@ class CaptureResult:
     sequences: torch.Tensor | None = None
     generated: torch.Tensor | None = None
     texts: list[str] | None = None
+    # With host_copy="async" on CUDA: the host copies of ``values`` are still in flight until this returns
+    ready: Callable[[], None] | None = None
 
     def __getitem__(self, key: CaptureKey | tuple) -> Captured:
         return self.values[CaptureKey(*key)]
@@ -153,10 +156,13 @@ def resolve_points(lm: LoadedModel, taps: Taps, kinds: Sequence[str]) -> list[Po
     """Resolve and validate the requested taps before any forward.
 
     ``taps`` is a list (every tap keeps ``kinds``) or a mapping tap -> its own token kinds.
-    A tap requested twice keeps the union of its kinds.
+    A tap requested twice keeps the union of its kinds. Points resolved before (a run resolves its taps
+    once, not per batch) are returned as they are.
     """
     if not taps:
         raise TapError("no taps requested: pass e.g. ['vision.-1', 'llm.0', 'projector.0.out']")
+    if not isinstance(taps, Mapping) and all(isinstance(t, Point) for t in taps):
+        return [t for t in taps if isinstance(t, Point)]
     if isinstance(taps, Mapping):
         requests = [(tap, check_kinds(tuple(k))) for tap, k in taps.items()]
         for tap, k in requests:
@@ -165,7 +171,11 @@ def resolve_points(lm: LoadedModel, taps: Taps, kinds: Sequence[str]) -> list[Po
                 raise TapError(f"tap {spec.name} has image tokens only (it runs before the prompt): use ['image'], got {list(k)}")
     else:
         default = check_kinds(tuple(kinds))
-        requests = [(tap, default) for tap in taps]
+        requests = []
+        for one in taps:
+            if isinstance(one, Point):
+                raise TapError("pass either resolved points only, or tap names/specs only, not a mix of both")
+            requests.append((one, default))
     points: dict[TapSpec, Point] = {}
     for tap, wanted in requests:
         spec = resolve_tap(lm, tap)
@@ -221,9 +231,23 @@ def _pack(flat: torch.Tensor, g: Gather) -> Captured:
 
 def _stack(per_sample: list[torch.Tensor]) -> Captured:
     if len({t.shape[0] for t in per_sample}) == 1:
-        return torch.stack(per_sample)
+        joined = _adjacent(per_sample)
+        return torch.stack(per_sample) if joined is None else joined
     offsets = np.concatenate([[0], np.cumsum([t.shape[0] for t in per_sample])]).astype(np.int64)
     return RaggedTokens(torch.cat(per_sample), offsets)
+
+
+def _adjacent(pieces: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.stack(pieces)`` as a view, when the pieces are equal, contiguous and back to back in one
+    buffer (an adapter's ``split`` of the one gather the hook made), else None: a hook copies once."""
+    first = pieces[0]
+    step = first.numel() * first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    for i, t in enumerate(pieces):
+        if (t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != storage or t.data_ptr() != first.data_ptr() + i * step):
+            return None
+    return first.as_strided((len(pieces), *first.shape), (first.numel(), *first.stride()), first.storage_offset())
 
 
 def _first(output: Any) -> torch.Tensor:
@@ -409,10 +433,23 @@ def _check_request(batch: Batch, points: list[Point], generating: bool) -> None:
         raise TapError("batched generation needs left padding: build the batch with prepare_batch(..., padding_side='left')")
 
 
-def _finish(lm: LoadedModel, rec: Recorder, on_nonfinite: str) -> tuple[dict, list[CaptureKey]]:
+def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor is free of NaN/inf, with one device sync. A float32 sum is NaN/inf whenever
+    a value is, and is ~10x cheaper than ``isfinite(t).all()`` (no bool tensor); a sum that overflows
+    on finite values is settled by the exact check."""
+    if not tensors:
+        return []
+    sums = torch.stack([t.sum(dtype=torch.float32) if t.is_floating_point() else t.new_zeros((), dtype=torch.float32)
+                        for t in tensors])
+    flags = torch.isfinite(sums).tolist()
+    return [ok or bool(torch.isfinite(t).all()) for t, ok in zip(tensors, flags, strict=True)]
+
+
+def _finish(lm: LoadedModel, rec: Recorder, on_nonfinite: str,
+            host_copy: str = "sync") -> tuple[dict, list[CaptureKey], Callable[[], None] | None]:
     values = rec.collect()
     tensors = {k: (v.values if isinstance(v, RaggedTokens) else v) for k, v in values.items()}
-    flags = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist() if tensors else []
+    flags = _all_finite(list(tensors.values()))
     bad = [k for k, ok in zip(tensors, flags, strict=False) if not ok]
     if bad and on_nonfinite == "raise":
         raise NonFiniteActivationError(
@@ -420,7 +457,40 @@ def _finish(lm: LoadedModel, rec: Recorder, on_nonfinite: str) -> tuple[dict, li
             f" (dtype {lm.dtype}): fp16 overflow is the usual cause; load with dtype='float32' or 'bfloat16',"
             " or pass on_nonfinite='flag' to keep the values and record the keys"
         )
-    return {k: v.cpu() for k, v in values.items()}, bad
+    if host_copy == "async" and lm.device.type == "cuda":
+        host, ready = _copy_to_host(values, lm.device)
+        return host, bad, ready
+    return {k: v.cpu() for k, v in values.items()}, bad, None  # on the CPU: the tensors themselves, no copy
+
+
+_COPY_STREAMS: dict[torch.device, Any] = {}
+
+
+def _copy_to_host(values: dict[CaptureKey, Captured], device: torch.device
+                  ) -> tuple[dict[CaptureKey, Captured], Callable[[], None]]:
+    """Start copying ``values`` into pinned host memory on a side stream; the returned callable waits for it.
+
+    The copy runs while the caller prepares and runs the next batch on the compute stream. Pinned blocks
+    come from torch's caching host allocator, so they are reused once the store lets go of a batch.
+    """
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # the copy starts after the forward wrote them
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        pinned.copy_(t, non_blocking=True)
+        t.record_stream(stream)  # the allocator must not hand t's memory to the next batch before the copy
+        return pinned
+
+    out: dict[CaptureKey, Captured] = {}
+    with torch.cuda.stream(stream):
+        for k, v in values.items():
+            out[k] = RaggedTokens(host(v.values), v.offsets) if isinstance(v, RaggedTokens) else host(v)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return out, done.synchronize
 
 
 class _attention_mode:
@@ -445,8 +515,14 @@ class _attention_mode:
             set_attention(self.lm.model, self.previous)
 
 
+_ACCEPTS: dict[tuple[type, str], bool] = {}
+
+
 def _accepts(model: nn.Module, name: str) -> bool:
-    return name in inspect.signature(model.forward).parameters
+    key = (type(model), name)  # inspect.signature per batch costs more than a small forward's hooks
+    if key not in _ACCEPTS:
+        _ACCEPTS[key] = name in inspect.signature(model.forward).parameters
+    return _ACCEPTS[key]
 
 
 def capture(
@@ -471,7 +547,7 @@ def capture(
         kwargs["logits_to_keep"] = 1  # the LM head over every position is wasted work
     with _attention_mode(lm, points) as mode, Recorder(lm, batch, points, mode.base) as rec, torch.inference_mode():
         lm.model(**kwargs)
-    values, bad = _finish(lm, rec, on_nonfinite)
+    values, bad, _ = _finish(lm, rec, on_nonfinite)
     return CaptureResult(values, batch.layouts, {_key(p, k): p.path for p in points for k in p.kinds}, bad)
 
 
@@ -483,6 +559,7 @@ def capture_generate(
     *,
     max_new_tokens: int = 32,
     on_nonfinite: Literal["raise", "flag"] = "raise",
+    host_copy: Literal["sync", "async"] = "sync",
     **generate_kwargs: Any,
 ) -> CaptureResult:
     """Greedy ``generate`` (unless ``generate_kwargs`` say otherwise) keeping ``taps``.
@@ -490,6 +567,10 @@ def capture_generate(
     The prompt pass yields ``image``/``last`` tokens; every later step adds its fed-back token to
     ``answer`` (``[batch, steps, dim]``; attention rows ``[batch, heads, steps, keys]``, keys
     zero-padded to the final length). Rows that finished early keep producing pad tokens.
+
+    ``host_copy="async"``: on CUDA the values are copied into pinned host memory on a side stream, so the
+    copy overlaps whatever the caller runs next; call ``result.ready()`` before reading them. On any other
+    device the values are the captured tensors themselves and ``ready`` is None.
     """
     points = resolve_points(lm, taps, tokens)
     _check_request(batch, points, generating=True)
@@ -498,12 +579,12 @@ def capture_generate(
     gen.update(generate_kwargs)
     with _attention_mode(lm, points) as mode, Recorder(lm, batch, points, mode.base) as rec, torch.inference_mode():
         sequences = lm.model.generate(**batch.inputs, **gen)
-    values, bad = _finish(lm, rec, on_nonfinite)
+    values, bad, ready = _finish(lm, rec, on_nonfinite, host_copy)
     generated = sequences[:, batch.seq_len :].cpu()
     texts = lm.processor.tokenizer.batch_decode(generated, skip_special_tokens=True)
     paths = {_key(p, k): p.path for p in points for k in p.kinds}
     layouts = _fed_layouts(batch, max(generated.shape[1] - 1, 0))
-    return CaptureResult(values, layouts, paths, bad, sequences.cpu(), generated, texts)
+    return CaptureResult(values, layouts, paths, bad, sequences.cpu(), generated, texts, ready)
 
 
 def _fed_layouts(batch: Batch, n_fed: int) -> list[SampleLayout]:
@@ -573,12 +654,13 @@ def capture_first_token(
     tokens: Sequence[str] = ("image", "last", "answer"),
     *,
     on_nonfinite: Literal["raise", "flag"] = "raise",
+    host_copy: Literal["sync", "async"] = "sync",
 ) -> CaptureResult:
     """What :func:`capture_generate` with ``max_new_tokens=1`` returns, from one forward and no ``generate``.
 
     The one new token is the argmax of the prompt's last logits (greedy, as generate picks it, in float32);
     no token is fed back, so ``answer`` rows are empty (absent, as after such a generate). Only valid when
-    :func:`forward_answer_blockers` is empty: callers check it.
+    :func:`forward_answer_blockers` is empty: callers check it. ``host_copy`` as for :func:`capture_generate`.
     """
     points = resolve_points(lm, taps, tokens)
     _check_request(batch, points, generating=True)
@@ -589,9 +671,9 @@ def capture_first_token(
     with _attention_mode(lm, points) as mode, Recorder(lm, batch, points, mode.base) as rec, torch.inference_mode():
         out = lm.model(**kwargs)
         generated = torch.argmax(out.logits[:, -1, :].float(), dim=-1, keepdim=True)
-    values, bad = _finish(lm, rec, on_nonfinite)
+    values, bad, ready = _finish(lm, rec, on_nonfinite, host_copy)
     generated = generated.cpu()
     sequences = torch.cat([batch.inputs["input_ids"].cpu(), generated], dim=1)
     texts = lm.processor.tokenizer.batch_decode(generated, skip_special_tokens=True)
     paths = {_key(p, k): p.path for p in points for k in p.kinds}
-    return CaptureResult(values, _fed_layouts(batch, 0), paths, bad, sequences, generated, texts)
+    return CaptureResult(values, _fed_layouts(batch, 0), paths, bad, sequences, generated, texts, ready)
