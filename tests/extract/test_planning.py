@@ -206,6 +206,7 @@ def test_text_only_samples_plan_no_image_tokens(g2m_512):
     assert image.ragged and image.values == 324 * 3584  # the text-only row holds no image tokens
 
 
+@pytest.mark.slow  # the spatial run: a tiny Gemma3 built and run
 def test_dry_run_figures_equal_what_the_run_stores(spatial_run):
     """Spatial prompts differ in length: the processor runs on every one, so prompt-sized figures are
     exact, and answer figures are the bound the run reaches when every answer runs to its cap."""
@@ -241,6 +242,7 @@ def test_dry_run_figures_equal_what_the_run_stores(spatial_run):
     assert "answer arrays an upper bound" in plan.render()
 
 
+@pytest.mark.slow
 def test_dry_run_bytes_equal_the_bytes_the_store_writes(spatial_run):
     """Bytes per value come from the store's dtype policy, not a constant of the planner: every exact
     array's bytes, and the logit lens's run tensors, equal what the store recorded writing."""

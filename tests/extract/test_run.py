@@ -126,6 +126,7 @@ def test_answer_tokens_equal_a_teacher_forced_pass(extracted):
     allclose(answer[:k], numpy(forced[:k]), **STORED_TOL)
 
 
+@pytest.mark.slow  # two more extractions of the set
 def test_interrupted_run_resumes_to_the_same_store(tiny_dir, g2m_set, extracted, tmp_path):
     model, reference, _ = extracted
     data = tmp_path / "data"

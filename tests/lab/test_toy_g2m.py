@@ -158,6 +158,7 @@ def test_end_to_end_matches_model_card(committed, card, n):
         assert m.cell_accuracy <= 0.5
 
 
+@pytest.mark.slow
 def test_probe_beats_shuffled_control_beyond_training(committed, card):
     # Small re-run of the evaluation at one trained and one untrained N.
     model, processor = committed
