@@ -232,6 +232,7 @@ def test_greedy_from_embeddings_matches_generate(toy):
     assert 0 < no_merge.n_kept <= no_merge.n_image == 121
 
 
+@pytest.mark.slow
 def test_compression_run_records_retained_ratio(go_set, tmp_path):
     data = {"run": "rle", "model": {"path": TOY}, "stimuli": [{"set": str(go_set)}],
             "intervention": {"kind": "token_compression"}, "generation": {"max_new_tokens": 4}}

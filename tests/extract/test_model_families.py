@@ -143,8 +143,8 @@ def _zero_attention(lm) -> list:
     return handles
 
 
-# make test-fast: LLaVA (CLS dropped) and Qwen2.5-VL (window order undone), the two orders most easily broken
-@pytest.mark.parametrize("arch", quick(sorted(IMAGE_ALL), "llava", "qwen2_5_vl"))
+# make test-fast: Qwen2.5-VL, whose window order the adapter undoes (the order most easily broken)
+@pytest.mark.parametrize("arch", quick(sorted(IMAGE_ALL), "qwen2_5_vl"))
 def test_image_tokens_are_raster_ordered(arch, tiny_lm):
     """Invert one pixel patch (r, c): exactly the tokens of grid cell (r, c) of every tap change."""
     import numpy as np

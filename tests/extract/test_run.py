@@ -74,6 +74,7 @@ def test_run_finishes_and_verifies(extracted):
                     ("attn", "last"), ("attn", "answer")}
 
 
+@pytest.mark.slow
 def test_stored_values_match_transformers_outputs(extracted):
     model, data, _ = extracted
     ws = Workspace.open(data, readonly=True)

@@ -58,7 +58,8 @@ def test_visual_accuracy_matches_model_card(committed, counts, regime):
         assert acc <= 0.05
 
 
-@pytest.mark.parametrize("counts, regime", [("0-49", "ID"), pytest.param("50-99", "VE", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("counts, regime", [("0-49", "ID"), ("50-99", "VE")])
+@pytest.mark.slow
 def test_contrastive_accuracy_matches_model_card(committed, counts, regime):
     # Board vs string "same number?": near perfect in range; past it the card records chance.
     acc, card = rescore(committed, "multimodal_tf", counts, regime)

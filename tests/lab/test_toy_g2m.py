@@ -93,6 +93,7 @@ def test_training_batches_are_the_processor_inputs():
     assert (enc["input_ids"] == processor.tokenizer.unk_token_id).sum() == 0
 
 
+@pytest.mark.slow  # lab/test_model.py trains the counter in the quick loop
 def test_training_steps_lower_loss():
     cfg = tiny_g2m()
     torch.manual_seed(0)

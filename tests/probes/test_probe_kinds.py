@@ -31,7 +31,8 @@ PLAN = {
 
 # make test-fast trains the Go and spatial probes only; the G2M and counting ones (conv_spatial and detect
 # iterate on a GPU-less machine for seconds) are trained on a copy of that workspace for the slow tests.
-QUICK = [p for p in PLAN["probes"] if p["runs"] in (["go"], ["spatial"])]
+QUICK_RUNS = ("go", "spatial")
+QUICK = [p for p in PLAN["probes"] if p["runs"][0] in QUICK_RUNS]
 REST = [p for p in PLAN["probes"] if p not in QUICK]
 
 
@@ -47,9 +48,9 @@ def _train(path, probes):
 
 @pytest.fixture(scope="module")
 def quick_farm(tmp_path_factory):
-    """The workspace of every family with the Go and spatial probes of PLAN trained."""
+    """A workspace of the Go and spatial runs with their probes of PLAN trained."""
     path = tmp_path_factory.mktemp("kinds") / "ws"
-    build_workspace(path)
+    build_workspace(path, families=QUICK_RUNS)
     return _train(path, QUICK)
 
 
@@ -58,6 +59,7 @@ def farm(quick_farm, tmp_path_factory):
     """Every probe of PLAN: the rest trained on a copy of quick_farm's workspace (which stays as it was)."""
     assert quick_farm[1].failed == 0, quick_farm[1].failures
     path = Path(shutil.copytree(quick_farm[0].path, tmp_path_factory.mktemp("kinds-all") / "ws"))
+    build_workspace(path, families=("g2m", "count"))
     return _train(path, REST)
 
 
@@ -172,7 +174,7 @@ def test_spatial_probe_stores_cell_accuracy_per_grid_for_the_gap_curve(farm):
     pytest.param("g2m", "g2m.matrix", "conv_spatial", marks=pytest.mark.slow),
 ])
 def test_saved_probe_rescores_from_artifact_and_recorded_split(request, run, target, kind):
-    ws, _, rows = request.getfixturevalue("quick_farm" if [run] in [p["runs"] for p in QUICK] else "farm")
+    ws, _, rows = request.getfixturevalue("quick_farm" if run in QUICK_RUNS else "farm")
     row = _get(rows, run, target, kind, 1)
     probe = Probe.load(ws.path / row["artifact"])
     assert probe.name == kind and row["artifact"].endswith(".safetensors")
