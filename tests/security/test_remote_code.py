@@ -35,13 +35,6 @@ def code_shipping_model(folder, marker):
     return folder
 
 
-def test_manifests_default_to_no_remote_code():
-    m = parse_manifest({"run": "r", "model": {"path": "m"}, "stimuli": [{"set": "s"}]})
-    assert m.model.trust_remote_code is False
-    asked = parse_manifest({"run": "r", "model": {"path": "m", "trust_remote_code": True}, "stimuli": [{"set": "s"}]})
-    assert asked.model.trust_remote_code is True
-
-
 @pytest.mark.slow
 def test_a_model_shipping_code_is_refused_before_its_code_runs(tmp_path):
     marker = tmp_path / "ran"
