@@ -4,6 +4,7 @@ or names a study by its old number instead of its slug (``seed`` means an RNG se
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -168,6 +169,27 @@ def test_cited_docs_exist() -> None:
                 if (why := resolve(path, cited, base=ROOT)) is not None:
                     missing.append(f"{rel(path)}:{i}: {cited}: {why}")
     assert not missing, "cited docs that do not exist:\n" + "\n".join(missing)
+
+
+_CITED_TEST = re.compile(r"((?:tests/)?[\w/]+\.py)::(test_\w+)")
+
+
+def _test_functions(path: Path) -> set[str]:
+    return {n.name for n in ast.parse(path.read_text(encoding="utf-8")).body if isinstance(n, ast.FunctionDef)}
+
+
+def test_cited_tests_exist() -> None:
+    """A doc that gives a test as the evidence for a claim (``file.py::test_name``; a bare file name is
+    looked up under tests/) names a test function of that file, so renaming a test cannot strand the doc."""
+    by_name = {p.name: p for p in (ROOT / "tests").rglob("test_*.py")}
+    missing = []
+    for doc in markdown_docs():
+        for i, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            for file, name in _CITED_TEST.findall(line):
+                path = ROOT / file if "/" in file else by_name.get(file)
+                if path is None or not path.is_file() or name not in _test_functions(path):
+                    missing.append(f"{rel(doc)}:{i}: {file}::{name}")
+    assert not missing, "docs cite tests that do not exist:\n" + "\n".join(missing)
 
 
 # What a clone does not have, and study names that collide with the RNG's `seed`.

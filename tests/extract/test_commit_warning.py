@@ -35,6 +35,7 @@ def g2m_set(tmp_path_factory):
                      out=tmp_path_factory.mktemp("stimuli") / "g2m")
 
 
+@pytest.mark.slow
 def test_a_one_chunk_run_warns_at_the_start_and_a_finished_one_does_not(tiny_dir, g2m_set, tmp_path, capsys):
     model = str(tiny_dir("qwen2_vl"))
     one_chunk = _manifest(str(g2m_set), model, batch_size=2, chunk_samples=64)

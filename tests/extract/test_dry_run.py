@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_cases import IMAGE_ALL, noise_image
+from tiny_cases import IMAGE_ALL, noise_image, quick
 
 from extract.dry_run import (
     CHARS_PER_TOKEN,
@@ -154,8 +154,9 @@ def test_the_sweep_planner_sees_what_the_generator_writes(g2m_512):
     assert len(g2m_sweep()) == 6400 and set(MODELS.values()) == {CONFIGS / f for f in PUBLISHED}
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "internvl", "gemma3", "paligemma",
-                                  "toy_counter"])
+@pytest.mark.parametrize("arch", quick(
+    ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "internvl", "gemma3", "paligemma", "toy_counter"],
+    "qwen2_vl", "qwen2_5_vl", "llava", "toy_counter"))
 def test_config_geometry_equals_the_real_processor(arch, tiny_dir, tiny_lm):
     lm = tiny_lm(arch)
     settings, _ = image_processor_settings(tiny_dir(arch))
@@ -206,6 +207,7 @@ def test_text_only_samples_plan_no_image_tokens(g2m_512):
     assert image.ragged and image.values == 324 * 3584  # the text-only row holds no image tokens
 
 
+@pytest.mark.slow  # the spatial run: a tiny Gemma3 built and run
 def test_dry_run_figures_equal_what_the_run_stores(spatial_run):
     """Spatial prompts differ in length: the processor runs on every one, so prompt-sized figures are
     exact, and answer figures are the bound the run reaches when every answer runs to its cap."""
@@ -241,6 +243,7 @@ def test_dry_run_figures_equal_what_the_run_stores(spatial_run):
     assert "answer arrays an upper bound" in plan.render()
 
 
+@pytest.mark.slow
 def test_dry_run_bytes_equal_the_bytes_the_store_writes(spatial_run):
     """Bytes per value come from the store's dtype policy, not a constant of the planner: every exact
     array's bytes, and the logit lens's run tensors, equal what the store recorded writing."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from devices import load
-from tiny_cases import IMAGE, noise_image
+from tiny_cases import IMAGE, noise_image, quick
 
 from extract.interventions.compression import compress, greedy, merge_runs, punctuation_ids, run_starts
 from extract.interventions.heads import ablate, head_site, zeroed
@@ -146,7 +146,7 @@ def test_gain_matches_the_studys_numbers():
     assert float(sig[0]) == pytest.approx(1 + 99 / (1 + torch.e ** 24), rel=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["toy_counter", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", quick(["toy_counter", "qwen2_vl", "qwen2_5_vl"], "toy_counter", "qwen2_vl"))
 def test_rope_scaling_alpha_zero_is_bit_for_bit_and_alpha_99_is_not(arch, tiny_lm, toy):
     lm = toy if arch == "toy_counter" else tiny_lm(arch)
     width, height, _ = IMAGE.get(arch, (88, 88, None))
@@ -176,6 +176,7 @@ def test_rope_scaling_needs_a_rotary_vision_tower(tiny_lm):
             pass
 
 
+@pytest.mark.slow
 def test_rope_scaled_run_with_alpha_zero_stores_the_plain_run(go_set, tmp_path):
     def manifest(run, alpha):
         data = {"run": run, "model": {"path": TOY}, "stimuli": [{"set": str(go_set)}],
@@ -231,6 +232,7 @@ def test_greedy_from_embeddings_matches_generate(toy):
     assert 0 < no_merge.n_kept <= no_merge.n_image == 121
 
 
+@pytest.mark.slow
 def test_compression_run_records_retained_ratio(go_set, tmp_path):
     data = {"run": "rle", "model": {"path": TOY}, "stimuli": [{"set": str(go_set)}],
             "intervention": {"kind": "token_compression"}, "generation": {"max_new_tokens": 4}}

@@ -13,13 +13,6 @@ def with_(**changes):
     return {**BASE, **changes}
 
 
-def test_minimal_manifest_gets_defaults():
-    m = parse_manifest(with_(taps=[{"tap": "llm", "layers": [0, -1]}]))
-    assert m.model.dtype == "float32" and m.model.trust_remote_code is False
-    assert m.taps[0].site is None and m.taps[0].tokens == ["image"]
-    assert m.batch_size == 8 and m.generation.max_new_tokens == 16
-
-
 def test_typos_get_a_did_you_mean():
     with pytest.raises(ManifestError) as err:
         parse_manifest(with_(model={"path": "m", "dtyp": "float16"}, taps=[{"tap": "llm", "layerz": 1}]))
@@ -45,11 +38,6 @@ def test_invalid_manifests_name_the_key(data, needle):
     with pytest.raises(ManifestError) as err:
         parse_manifest(data, "m.yaml")
     assert needle in str(err.value)
-
-
-def test_trust_remote_code_is_off_unless_asked():
-    assert parse_manifest(BASE).model.trust_remote_code is False
-    assert parse_manifest(with_(model={"path": "m", "trust_remote_code": True})).model.trust_remote_code
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from devices import close
-from tiny_cases import IMAGE, noise_image
+from tiny_cases import IMAGE, noise_image, quick
 
 from extract.models import capture, capture_generate, prepare_batch
 from extract.models.errors import TapError
@@ -15,7 +15,7 @@ STEPS = 4
 TOL = dict(rtol=1e-4, atol=1e-4)  # KV-cache decoding vs one full forward: float rounding only (bf16: devices.close)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "llava_onevision", "gemma3", "paligemma"])
+@pytest.mark.parametrize("arch", quick(["qwen2_vl", "llava_onevision", "gemma3", "paligemma"], "qwen2_vl"))
 def test_generate_capture_equals_teacher_forcing(arch, tiny_lm):
     lm = tiny_lm(arch)
     width, height, _ = IMAGE[arch]

@@ -74,6 +74,7 @@ def test_run_finishes_and_verifies(extracted):
                     ("attn", "last"), ("attn", "answer")}
 
 
+@pytest.mark.slow
 def test_stored_values_match_transformers_outputs(extracted):
     model, data, _ = extracted
     ws = Workspace.open(data, readonly=True)
@@ -126,6 +127,7 @@ def test_answer_tokens_equal_a_teacher_forced_pass(extracted):
     allclose(answer[:k], numpy(forced[:k]), **STORED_TOL)
 
 
+@pytest.mark.slow  # two more extractions of the set
 def test_interrupted_run_resumes_to_the_same_store(tiny_dir, g2m_set, extracted, tmp_path):
     model, reference, _ = extracted
     data = tmp_path / "data"

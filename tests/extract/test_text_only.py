@@ -69,6 +69,7 @@ def test_text_only_run_refuses_image_taps(go_sets, tmp_path):
         run_extraction(manifest, workspace=tmp_path / "ws", progress=False)
 
 
+@pytest.mark.slow
 def test_a_run_mixing_boards_and_text_twins(toy, go_sets, tmp_path):
     boards, strings = go_sets
     manifest = parse_manifest({

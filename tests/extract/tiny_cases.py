@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import numpy as np
+import pytest
 from PIL import Image
 
 # arch -> (width, height, patch px) of a stimulus the processor keeps at its size (no resampling),
@@ -32,3 +36,11 @@ SPATIAL_BATCH = 2
 def noise_image(width: int, height: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def quick(values: Iterable[Any], *fast: Any) -> list[Any]:
+    """Parametrize cases with all but ``fast`` marked slow: `make test-fast` runs a representative few, each
+    family's first use builds its tiny model (seconds); `make test` runs them all."""
+    values = list(values)
+    assert set(fast) <= set(values), f"quick(): {set(fast) - set(values)} not among the cases"
+    return [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in values]

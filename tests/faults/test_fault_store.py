@@ -242,21 +242,6 @@ def test_manifest_held_open_by_another_process_fails_late_and_clearly_then_resum
     assert ws.rows(gens) == ref.rows(gens)
 
 
-COVERED_ELSEWHERE = {
-    "tests/store/test_store_processes.py": [
-        "test_kill_9_mid_run_then_resume_holds_every_row_once",       # kill -9 of a writer process
-        "test_second_writer_gets_the_holder_pid_and_readers_read_meanwhile",  # two writers
-        "test_reader_process_reads_while_writer_process_writes",      # a reader during a write
-    ],
-    "tests/store/test_store_manifest.py": [
-        "test_truncated_manifest_and_missing_array_give_clear_errors",  # truncated manifest, missing array
-        "test_verify_finds_a_corrupted_chunk_and_the_cli_exits_non_zero",  # flipped byte, deleted block file
-    ],
-    "tests/store/test_store_shards.py": ["test_locks_between_shards_and_plain_writers"],
-    "tests/probes/test_probe_dask.py": ["test_worker_killed_mid_plan_loses_nothing_and_duplicates_nothing"],
-}
-
-
 def _manifest_rows(ws: Workspace) -> dict[str, list[tuple]]:
     """Every row of every table of the manifest, in a fixed order."""
     tables = [t for (t,) in ws.rows("SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE'")]
@@ -428,15 +413,6 @@ def test_queries_out_never_overwrites_a_workspace_file(tmp_path):
     got = python("-m", "queries", "--data", str(ws.path), "--sql", "SELECT 1 AS x", "--format", "csv",
                  "--out", str(ws.path / "result.csv"))
     assert got.returncode == 0 and (ws.path / "result.csv").read_text().split() == ['"x"', "1"], got
-
-
-@pytest.mark.parametrize("path", sorted(COVERED_ELSEWHERE))
-def test_the_faults_covered_elsewhere_are_still_tested(path):
-    """Guard for the references in docs/reliability.md: the tests this suite relies on for the
-    faults it does not repeat still exist under their names."""
-    text = (REPO / path).read_text()
-    for name in COVERED_ELSEWHERE[path]:
-        assert f"def {name}(" in text, (path, name)
 
 
 def test_verify_reports_a_failed_run_as_incomplete(tmp_path):

@@ -47,7 +47,7 @@ def rescore(committed, task: str, counts: str, regime: str) -> tuple[float, floa
     return float(np.mean([correct(s, task, t) for s, t in zip(stimuli, texts, strict=False)])), card
 
 
-@pytest.mark.parametrize("counts, regime", [("0-49", "ID"), ("50-99", "VE")])
+@pytest.mark.parametrize("counts, regime", [("0-49", "ID"), pytest.param("50-99", "VE", marks=pytest.mark.slow)])
 def test_visual_accuracy_matches_model_card(committed, counts, regime):
     # Within 5 points of the card (ID 96.5%, VE 0%), and the targets (ID >= 95%, VE <= 5%).
     acc, card = rescore(committed, "multimodal_num", counts, regime)
@@ -59,6 +59,7 @@ def test_visual_accuracy_matches_model_card(committed, counts, regime):
 
 
 @pytest.mark.parametrize("counts, regime", [("0-49", "ID"), ("50-99", "VE")])
+@pytest.mark.slow
 def test_contrastive_accuracy_matches_model_card(committed, counts, regime):
     # Board vs string "same number?": near perfect in range; past it the card records chance.
     acc, card = rescore(committed, "multimodal_tf", counts, regime)

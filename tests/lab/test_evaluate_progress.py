@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--per-count", "1", "--counts", "0,60,110", "--probe-boards", "1"]
 
 
+@pytest.mark.slow
 def test_the_bar_ends_exactly_at_its_total() -> None:
     model = AutoModelForImageTextToText.from_pretrained(lab.DEFAULT_CHECKPOINT).eval()
     processor = AutoProcessor.from_pretrained(lab.DEFAULT_CHECKPOINT)

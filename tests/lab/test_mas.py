@@ -86,6 +86,7 @@ def test_mas_loss_in_a_training_step(tiny):
     assert float(loss(out, text)) == 0.0  # no image keys: nothing to share
 
 
+@pytest.mark.slow
 def test_fine_tuning_with_the_hook_raises_mas(tmp_path):
     """A few steps with a strong MAS term move answer attention toward the image."""
     cfg = tiny_config(batch_size=16)

@@ -93,6 +93,7 @@ def test_training_batches_are_the_processor_inputs():
     assert (enc["input_ids"] == processor.tokenizer.unk_token_id).sum() == 0
 
 
+@pytest.mark.slow  # lab/test_model.py trains the counter in the quick loop
 def test_training_steps_lower_loss():
     cfg = tiny_g2m()
     torch.manual_seed(0)
@@ -158,6 +159,7 @@ def test_end_to_end_matches_model_card(committed, card, n):
         assert m.cell_accuracy <= 0.5
 
 
+@pytest.mark.slow
 def test_probe_beats_shuffled_control_beyond_training(committed, card):
     # Small re-run of the evaluation at one trained and one untrained N.
     model, processor = committed

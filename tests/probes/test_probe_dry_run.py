@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 from probetest_lib import build_workspace, spatial_family, spatial_features, write_run
 
@@ -43,6 +44,7 @@ def test_dry_run_lists_probes_without_samples_as_skipped_and_the_run_trains_exac
     assert status_of(out, "spatial") == "done"
 
 
+@pytest.mark.slow
 def test_runs_all_says_which_runs_are_new_since_the_plan_was_last_trained(tmp_path, capsys):
     ws_path = tmp_path / "ws"
     build_workspace(ws_path, n=48, families=("spatial",))

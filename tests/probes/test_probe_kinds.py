@@ -4,6 +4,8 @@ saved probe re-scores to the recorded value from the artifact and the recorded s
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from probetest_lib import build_workspace
 
 from probes import Probe, parse_plan, run_plan
 from probes.splits import hash_fold
+from store import Workspace
 
 PLAN = {
     "name": "kinds",
@@ -26,15 +29,38 @@ PLAN = {
 }
 
 
-@pytest.fixture(scope="module")
-def farm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kinds") / "ws"
-    ws = build_workspace(path)
-    report = run_plan(parse_plan(PLAN), path, in_process=True, progress=False, log=lambda s: None)
+# make test-fast trains the Go and spatial probes only; the G2M and counting ones (conv_spatial and detect
+# iterate on a GPU-less machine for seconds) are trained on a copy of that workspace for the slow tests.
+QUICK_RUNS = ("go", "spatial")
+QUICK = [p for p in PLAN["probes"] if p["runs"][0] in QUICK_RUNS]
+REST = [p for p in PLAN["probes"] if p not in QUICK]
+
+
+def _train(path, probes):
+    report = run_plan(parse_plan({"name": PLAN["name"], "probes": probes}), path, in_process=True, progress=False,
+                      log=lambda s: None)
+    ws = Workspace.open(path)
     rows = ws.query("SELECT * FROM probes ORDER BY run, target, kind, layer").to_pylist()
     for r in rows:
         r["params"] = json.loads(r["params"])
     return ws, report, rows
+
+
+@pytest.fixture(scope="module")
+def quick_farm(tmp_path_factory):
+    """A workspace of the Go and spatial runs with their probes of PLAN trained."""
+    path = tmp_path_factory.mktemp("kinds") / "ws"
+    build_workspace(path, families=QUICK_RUNS)
+    return _train(path, QUICK)
+
+
+@pytest.fixture(scope="module")
+def farm(quick_farm, tmp_path_factory):
+    """Every probe of PLAN: the rest trained on a copy of quick_farm's workspace (which stays as it was)."""
+    assert quick_farm[1].failed == 0, quick_farm[1].failures
+    path = Path(shutil.copytree(quick_farm[0].path, tmp_path_factory.mktemp("kinds-all") / "ws"))
+    build_workspace(path, families=("g2m", "count"))
+    return _train(path, REST)
 
 
 def _get(rows, run, target, kind, layer):
@@ -73,8 +99,8 @@ def test_kind_learns_its_target_and_control_stays_near_chance(farm, run, target,
     assert strong["n_train"] > 3 * strong["n_test"] > 0
 
 
-def test_hidden_number_reports_regimes(farm):
-    _, _, rows = farm
+def test_hidden_number_reports_regimes(quick_farm):
+    _, _, rows = quick_farm
     m = _get(rows, "go", "go.intersection", "hidden_number", 1)["params"]["metrics"]
     assert {"ID", "VE"} <= set(m["per_regime"]) and m["mean_abs_error"] < 1.0
     assert all(v["n"] > 0 for v in m["per_regime"].values())
@@ -109,8 +135,8 @@ def test_every_kind_stores_per_sample_test_predictions(farm):
     assert detect["truth"] == [counts[r] for r in detect["array_row"]]  # boxes per image: the count
 
 
-def test_hidden_number_stores_n_h_per_test_board_and_the_gap_query_reads_it(farm):
-    ws, _, rows = farm
+def test_hidden_number_stores_n_h_per_test_board_and_the_gap_query_reads_it(quick_farm):
+    ws, _, rows = quick_farm
     row = _get(rows, "go", "go.intersection", "hidden_number", 1)
     pred = _predictions(ws, row["key"])
     assert len(pred["array_row"]) == len(pred["value"]) == row["n_test"]
@@ -126,6 +152,7 @@ def test_hidden_number_stores_n_h_per_test_board_and_the_gap_query_reads_it(farm
     assert all(g["vision_gap"] is not None and g["vision_gap"] < 1.0 for g in gaps)
 
 
+@pytest.mark.slow
 def test_spatial_probe_stores_cell_accuracy_per_grid_for_the_gap_curve(farm):
     ws, _, rows = farm
     row = _get(rows, "g2m", "g2m.matrix", "conv_spatial", 1)
@@ -141,24 +168,26 @@ def test_spatial_probe_stores_cell_accuracy_per_grid_for_the_gap_curve(farm):
     assert curve[0]["model_cell_accuracy"] is None  # this synthetic run generated nothing
 
 
-def test_saved_probe_rescores_from_artifact_and_recorded_split(farm):
-    ws, _, rows = farm
-    for run, target, kind in [("go", "go.intersection", "linear"), ("g2m", "g2m.matrix", "conv_spatial"),
-                              ("spatial", "spatial.relation", "pooled")]:
-        row = _get(rows, run, target, kind, 1)
-        probe = Probe.load(ws.path / row["artifact"])
-        assert probe.name == kind and row["artifact"].endswith(".safetensors")
-        assert not list((ws.path / "probes").glob("*.pkl"))
-        # Everything needed is recorded: the rows (where), the split rule and seed, the target.
-        sel = ws.select(run, row["params"]["where"])
-        split = row["params"]["split"]
-        fold = hash_fold(sel.stimuli, split["seed"], split["test_fraction"])
-        X = ws.read(run, "vision", 1, rows=sel.rows[fold.test])
-        from probes.farm import _Preparer
+@pytest.mark.parametrize("run,target,kind", [
+    ("go", "go.intersection", "linear"), ("spatial", "spatial.relation", "pooled"),
+    pytest.param("g2m", "g2m.matrix", "conv_spatial", marks=pytest.mark.slow),
+])
+def test_saved_probe_rescores_from_artifact_and_recorded_split(request, run, target, kind):
+    ws, _, rows = request.getfixturevalue("quick_farm" if run in QUICK_RUNS else "farm")
+    row = _get(rows, run, target, kind, 1)
+    probe = Probe.load(ws.path / row["artifact"])
+    assert probe.name == kind and row["artifact"].endswith(".safetensors")
+    assert not list((ws.path / "probes").glob("*.pkl"))
+    # Everything needed is recorded: the rows (where), the split rule and seed, the target.
+    sel = ws.select(run, row["params"]["where"])
+    split = row["params"]["split"]
+    fold = hash_fold(sel.stimuli, split["seed"], split["test_fraction"])
+    X = ws.read(run, "vision", 1, rows=sel.rows[fold.test])
+    from probes.farm import _Preparer
 
-        prep = _Preparer(ws, parse_plan(PLAN))
-        y = prep.target(run, row["params"]["where"], target, X.shape[1]).values[fold.test]
-        assert probe.score(X, y) == pytest.approx(row["score"], abs=1e-9)
+    prep = _Preparer(ws, parse_plan(PLAN))
+    y = prep.target(run, row["params"]["where"], target, X.shape[1]).values[fold.test]
+    assert probe.score(X, y) == pytest.approx(row["score"], abs=1e-9)
 
 
 def test_sklearn_like_surface_on_plain_arrays():
@@ -203,6 +232,7 @@ def test_pooled_reads_ragged_answer_tokens_and_linear_refuses_them(tmp_path):
                  ws.path, in_process=True, progress=False, log=lambda s: None)
 
 
+@pytest.mark.slow
 def test_spatial_probe_records_its_error_map_per_grid_size(farm):
     _, _, rows = farm
     row = _get(rows, "g2m", "g2m.matrix", "conv_spatial", 1)

@@ -64,6 +64,7 @@ def _truth(ws, run: str, key: str) -> np.ndarray:
     return np.array([classes.index(v) for v in vals])
 
 
+@pytest.mark.slow
 def test_streamed_lda_and_centroid_equal_in_memory_and_sklearn(tmp_path):
     ws = build_workspace(tmp_path / "ws", n=96, families=("go", "spatial"))
     plan = parse_plan({"name": "lda", "probes": [

@@ -57,6 +57,12 @@ def workspace(tmp_path_factory):
     return Workspace.open(root / "data", readonly=True)
 
 
+@pytest.fixture(scope="module")
+def report(workspace, tmp_path_factory) -> Path:
+    """The report of the workspace, written once (the figures take seconds): its index.html."""
+    return write_report(workspace.path, tmp_path_factory.mktemp("report") / "report")
+
+
 STUDIES = ("counting-bottleneck", "g2m", "counting-tricks", "images-as-text")
 
 
@@ -105,32 +111,33 @@ def test_modality_attention_share_of_known_attention(workspace):
 
 
 @pytest.mark.slow
-def test_report_tables_show_the_boundary_attractor(workspace, tmp_path):
-    index = write_report(workspace.path, tmp_path / "report")
-    attractors = (tmp_path / "report" / "attractors.csv").read_text()
+def test_report_tables_show_the_boundary_attractor(report):
+    index, out = report, report.parent
+    attractors = (out / "attractors.csv").read_text()
     assert '"always49","VE",49,11,1,1,"boundary"' in attractors
     assert "counting_accuracy.png" in index.read_text() and "mas.png" in index.read_text()
     assert "interventions.png" in index.read_text() and "critical_heads.png" in index.read_text()
-    overlap = (tmp_path / "report" / "head_overlap.csv").read_text().splitlines()
+    overlap = (out / "head_overlap.csv").read_text().splitlines()
     assert overlap[1].startswith('"heads-text","heads-visual",21,0,1,0.5')  # every board differs at head 1
 
 
-def test_every_study_page_opens_with_a_figure_with_data(workspace, tmp_path):
-    page = write_report(workspace.path, tmp_path / "report").read_text()
+@pytest.mark.slow
+def test_every_study_page_opens_with_a_figure_with_data(report):
+    page, out = report.read_text(), report.parent
     for slug in STUDIES:
         section = page[page.index(f"id='{slug}'"):]
         section = section[:section.index("</section>")]
         rows = [int(n) for n in re.findall(r"<figure data-rows='(\d+)'", section)]
         assert rows and rows[0] > 0, f"{slug}: {rows}"
-    g2m = (tmp_path / "report" / "g2m_gap_curve.csv").read_text()
+    g2m = (out / "g2m_gap_curve.csv").read_text()
     assert '"grids",2,"model",1,2' in g2m and '"grids",3,"probe vision.0/resid_post",0.8,2' in g2m
-    mas = (tmp_path / "report" / "mas.csv").read_text()
+    mas = (out / "mas.csv").read_text()
     assert '"tricks",0,0.4,true,2' in mas and '"tricks",0,0.4,false,2' in mas  # 4 of 10 keys are image keys
-    detect = (tmp_path / "report" / "detect_ap.csv").read_text().splitlines()
+    detect = (out / "detect_ap.csv").read_text().splitlines()
     assert [line.split(",")[2] for line in detect[1:]] == ['"vision"', '"llm"']  # along depth
-    cases = (tmp_path / "report" / "counting_cases.csv").read_text()
+    cases = (out / "counting_cases.csv").read_text()
     assert '"tricks","1A",2,1,' in cases and '"tricks","2A",2,0,' in cases
-    spatial = (tmp_path / "report" / "spatial_accuracy.csv").read_text()
+    spatial = (out / "spatial_accuracy.csv").read_text()
     assert '"scenes","above",2,1,0.25' in spatial and '"scenes","left",2,0.5,0.25' in spatial
 
 
@@ -154,8 +161,8 @@ def chromium() -> str:
 
 
 @pytest.mark.browser
-def test_report_loads_in_headless_chromium(workspace, tmp_path):
-    index = write_report(workspace.path, tmp_path / "report")
+def test_report_loads_in_headless_chromium(report, tmp_path):
+    index = report
     pngs = sorted(p.name for p in index.parent.glob("*.png"))
     dom = subprocess.run(
         [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,13 +33,6 @@ def code_shipping_model(folder, marker):
         "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
                      "AutoModelForImageTextToText": "modeling_custom.CustomForConditionalGeneration"}}))
     return folder
-
-
-def test_manifests_default_to_no_remote_code():
-    m = parse_manifest({"run": "r", "model": {"path": "m"}, "stimuli": [{"set": "s"}]})
-    assert m.model.trust_remote_code is False
-    asked = parse_manifest({"run": "r", "model": {"path": "m", "trust_remote_code": True}, "stimuli": [{"set": "s"}]})
-    assert asked.model.trust_remote_code is True
 
 
 @pytest.mark.slow
@@ -69,35 +64,57 @@ def test_the_extraction_cli_refuses_it_with_a_clear_error(tmp_path, capsys, dry_
     assert not marker.exists() and not (tmp_path / "data").exists()
 
 
-def test_every_loader_passes_the_manifests_choice(monkeypatch, tmp_path):
-    """The config, weights and processor loads all get the manifest's value (False by default)."""
-    import transformers
+@pytest.fixture
+def modules_cache(monkeypatch, tmp_path):
+    """transformers copies code it runs into its modules cache: keep that copy in tmp_path, not in $HOME."""
+    import transformers.dynamic_module_utils as dynamic
 
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith("transformers_modules"):
+            del sys.modules[name]
+
+
+def _known_family_naming_code(folder: Path, file: str, auto_class: str) -> Path:
+    """A tiny llava (a model_type transformers knows) whose ``file`` names its own code for
+    ``auto_class``; running that code touches the returned marker."""
+    from extract.models import tiny
+
+    tiny.build("llava", folder, seed=0)
+    marker = folder / "ran"
+    (folder / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    data = json.loads((folder / file).read_text())
+    (folder / file).write_text(json.dumps({**data, "auto_map": {auto_class: "evil.Evil"}}))
+    return marker
+
+
+@pytest.mark.parametrize("file,auto_class", [
+    pytest.param("config.json", "AutoModelForImageTextToText", id="weights"),
+    pytest.param("processor_config.json", "AutoProcessor", id="processor", marks=pytest.mark.slow),
+])
+def test_weights_and_processor_run_the_folders_code_only_when_asked(tmp_path, modules_cache, file, auto_class):
+    """The weights and processor loads pass load_model's choice on: off, the known family's own classes load
+    and the folder's code never runs; on, transformers runs it (here it then fails: it defines no class)."""
+    marker = _known_family_naming_code(tmp_path / "m", file, auto_class)
+    assert type(load_model(tmp_path / "m").model).__name__ == "LlavaForConditionalGeneration"
+    assert not marker.exists()
+    with pytest.raises(AttributeError, match="has no attribute 'Evil'"):
+        load_model(tmp_path / "m", trust_remote_code=True)
+    assert marker.exists()
+
+
+def test_the_dry_run_passes_the_manifests_choice_to_the_config(tmp_path, modules_cache):
     import extract.dry_run as dry
-    import extract.models.loading as loading
 
-    seen = []
-
-    def record(name):
-        def fake(source, **kwargs):
-            seen.append((name, kwargs.get("trust_remote_code")))
-            raise OSError("stop here")
-        return fake
-
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", record("config"))
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "config.json").write_text("{}")
+    marker = tmp_path / "ran"
+    folder = code_shipping_model(tmp_path / "custom", marker)
     for flag in (False, True):
-        with pytest.raises(ModelError):
-            load_model(folder, trust_remote_code=flag)
         m = parse_manifest({"run": "r", "model": {"path": str(folder), "trust_remote_code": flag},
                             "stimuli": [{"set": "s"}]})
-        with pytest.raises(ModelError):
+        with pytest.raises(UntrustedCodeError if not flag else ModelError, match="trust_remote_code" if not flag
+                           else "custom_vlm"):
             dry.meta_model(m)
-    assert seen == [("config", False), ("config", False), ("config", True), ("config", True)]
-    # and the weights / processor loads take it from load_model's argument, never a constant
-    import inspect
-
-    src = inspect.getsource(loading.load_model)
-    assert "trust_remote_code=trust_remote_code" in src and "trust_remote_code=True" not in src
+        assert marker.exists() == flag

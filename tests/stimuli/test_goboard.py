@@ -182,6 +182,7 @@ def test_boards_unique_per_count_with_recorded_retries() -> None:
         list(generate(config, n=17, seed=0, split="test"))
 
 
+@pytest.mark.slow
 def test_a_count_at_its_distinct_limit_is_refused_up_front(tmp_path) -> None:
     # Count 120 on 11x11 has 121 boards (one white stone) and 242 strings: drawing all of them
     # at random starved at board 117. The refusal names how many draw reliably, before drawing.
@@ -198,6 +199,7 @@ def test_a_count_at_its_distinct_limit_is_refused_up_front(tmp_path) -> None:
         generate(Config(preset="small", counts="0,120"), n=106, seed=0, split="test")
 
 
+@pytest.mark.slow
 def test_the_reliable_limit_is_drawn_in_full() -> None:
     stims = make(n=105, preset="small", counts="120")
     assert len({tuple(s.truth["labels"]) for s in stims}) == 105
@@ -231,7 +233,7 @@ def covered_mean(px: np.ndarray, x: float, y: float, rho: float) -> np.ndarray:
 
 
 @pytest.mark.parametrize("variation", sorted(VARIATIONS))
-@pytest.mark.parametrize("preset", ["paper", "small"])
+@pytest.mark.parametrize("preset", [pytest.param("paper", marks=pytest.mark.slow), "small"])
 def test_variation_keeps_labels_true(variation: str, preset: str) -> None:
     stims = make(n=2, preset=preset, variation=variation, counts="5,60,110")
     clean = make(n=2, preset=preset, counts="5,60,110")

@@ -91,6 +91,7 @@ def test_cli_writes_a_set_and_refuses_bad_values(tmp_path):
     assert not (tmp_path / "t").exists()
 
 
+@pytest.mark.slow  # two stimulus processes
 def test_cli_help_lists_every_family_and_option():
     top = run_cli("--help")
     assert top.returncode == 0

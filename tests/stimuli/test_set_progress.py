@@ -29,6 +29,7 @@ def test_a_terminal_sees_a_bar_with_the_sets_total(tmp_path: Path) -> None:
     assert "6 stimuli in" in screen
 
 
+@pytest.mark.slow  # two more stimulus processes
 def test_no_progress_and_a_pipe_show_no_bar(tmp_path: Path) -> None:
     rc, screen = run_in_terminal([sys.executable, *G2M, "--out", str(tmp_path / "a"), "--no-progress"], env=_env())
     assert rc == 0 and "%|" not in screen and "6 stimuli in" in screen, screen

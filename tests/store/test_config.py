@@ -118,6 +118,7 @@ def test_stimulus_family_options_validate_like_every_config():
     assert go.make_config(board_size=9).board_size == 9
 
 
+@pytest.mark.slow  # a stimulus process
 def test_stimuli_cli_unknown_option_is_one_line_with_did_you_mean_and_exit_2(tmp_path):
     got = subprocess.run([sys.executable, "-m", "stimuli", "go", "--out", str(tmp_path / "s"), "--boardsize", "5"],
                          capture_output=True, text=True, timeout=120)

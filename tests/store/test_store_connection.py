@@ -64,6 +64,7 @@ def test_a_run_keeps_one_manifest_connection_across_its_transactions(tmp_path, c
         ("vision", 0, 0), ("vision", 1, 1), ("llm", 0, 5), ("llm", 1, 6)]
 
 
+@pytest.mark.slow
 def test_other_processes_read_while_a_writer_holds_the_manifest(tmp_path):
     """Asserts: while a writer holds its connection (here idle, between registration and its
     first batch), a reader in another process gets in through agnosia (it signals, the writer
