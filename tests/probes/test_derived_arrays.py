@@ -21,7 +21,7 @@ from store import derived as store_derived
 from store import schema as schema_mod
 
 QUIET = {"progress": False, "log": lambda s: None}
-N = 100  # 4 chunks of 32: the last one partial
+N = 100  # chunk_samples 32: the store evens that out to 4 chunks of 25 (store.records.chunk_size)
 PLAN = {"name": "pooled", "defaults": {"seeds": [0, 1]},
         "probes": [{"runs": ["spatial"], "layers": "all", "targets": ["spatial.relation", "truth:flag_1"],
                     "kinds": {"pooled": {"pool": "mean"}}}]}
@@ -67,7 +67,7 @@ def test_provenance_is_a_manifest_row(ws):
     assert (row["run"], row["tap"], row["layer"], row["tokens"], row["op"]) == ("spatial", "vision", 0, "image",
                                                                               "pool_mean")
     assert row["source_zarr_path"] == source.zarr_path and row["shape"] == [N, source.shape[-1]]
-    assert (row["dtype"], row["chunk_samples"], row["n_chunks"], row["code"]) == ("float32", 32, 4,
+    assert (row["dtype"], row["chunk_samples"], row["n_chunks"], row["code"]) == ("float32", 25, 4,
                                                                                    "probes.pooling.pool")
     assert row["source_digest"] == store_derived.source_digest(ws, source)
 
@@ -142,7 +142,7 @@ def test_a_v6_workspace_opens_and_gains_the_table(tmp_path):
 
 
 def test_a_ragged_array_with_empty_samples_is_refused_and_the_rest_derived(tmp_path, capsys):
-    """Answer tokens at layer 0: samples 0 and 3 have none, so no pooled vector exists for them; the
+    """Answer tokens at layer 0: samples 0 and 3 have none (chunks of 3: one in each), so no pooled vector exists for them; the
     run's other arrays are still derived, a ragged one with tokens in every sample to the bit."""
     ws = Workspace.open(tmp_path / "ws")
     n, counts = 6, [0, 1, 2, 0, 3, 1]
@@ -162,7 +162,7 @@ def test_a_ragged_array_with_empty_samples_is_refused_and_the_rest_derived(tmp_p
     assert probes_cli(["derive", "--data", str(ws.path), "--run", "r"]) == 2
     out, err = capsys.readouterr()
     assert "llm.0.resid_post.image.pool_mean: derived" in out
-    assert err.count("\n") == 1 and "r:llm/0/resid_post/answer chunk 0: 2 samples have no tokens" in err
+    assert err.count("\n") == 1 and "r:llm/0/resid_post/answer chunk 0: 1 samples have no tokens" in err
     assert ws.rows("SELECT layer, tokens FROM derived_arrays ORDER BY ALL") == [(0, "image"), (1, "answer")]
     source = ws.array_info("r", "llm", 1, tokens="answer")
     got = store_derived.find(ws, source, "pool_mean")
