@@ -77,44 +77,59 @@ toy-g2m: setup ## retrain the G2M toy (g2m, lab/toy-g2m.yaml) from scratch into 
 toy-mas: setup ## MAS-fine-tune the toy model (study counting-tricks) into lab/checkpoints/toy-counter-mas
 	$(PY) -m lab.mas --out lab/checkpoints/toy-counter-mas --steps 150 --tau 0.9 --lam 0.1 --threads 1
 
-variants: setup ## the interventions on the toy model as variant runs into $(DATA) (after make demo's stimuli)
-	$(PY) -m extract manifests/demo-text.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
-	$(PY) -m extract manifests/demo-heads-visual.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
-	$(PY) -m extract manifests/demo-heads-text.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
-	$(PY) -m extract manifests/demo-rope.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
-	$(PY) -m extract manifests/demo-compression.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
-	$(PY) -m extract manifests/demo-mas.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
-	$(PY) -m queries interventions --data $(DATA)
-	$(PY) -m queries head_overlap --data $(DATA) --param a=toy-heads-visual --param b=toy-heads-text
+# The demo's runs, by the target that makes them. Each target extracts its manifests in one process
+# (`python -m extract M1 M2 ...`): torch and transformers load once, not once per manifest.
+VARIANT_MANIFESTS := $(patsubst %,manifests/demo-%.yaml,text heads-visual heads-text rope compression mas)
+TRICKS_MANIFESTS  := manifests/demo-counting-tricks.yaml manifests/demo-spatial.yaml
 
-g2m: setup ## the G2M toy over grids of N = 6 (trained), 8 and 10 into $(DATA): extraction, spatial probes, the gap
+define G2M_SETS
 	for n in 6 8 10; do $(PY) -m stimuli g2m --out $(STIMULI)/g2m-toy-n$$n --n 16 --grid-sizes $$n \
 	  --colors 3 --image-size $$((8 * n)) --seed 30000 --overwrite || exit 1; done
-	$(PY) -m extract manifests/demo-g2m.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
-	$(PY) -m probes manifests/probes-demo-g2m.yaml --data $(DATA) --no-progress
-	$(PY) -m queries g2m_gap --data $(DATA) --param run=toy-g2m
+endef
 
-tricks: setup ## CountingTricks and spatial scenes on the toy model into $(DATA) (88 px, its own 8 px patches), detection probes
+define TRICKS_SETS
 	$(PY) -m stimuli counting --out $(STIMULI)/counting-toy --n 4 --image-size 88 --patch-size 8 --count-min 1 \
 	  --count-max 6 --seed 3 --overwrite
 	$(PY) -m stimuli spatial --out $(STIMULI)/spatial-toy --n 48 --image-size 88 --seed 4 --overwrite
-	$(PY) -m extract manifests/demo-counting-tricks.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
-	$(PY) -m extract manifests/demo-spatial.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
+endef
+
+VARIANT_QUERIES := $(PY) -m queries interventions --data $(DATA) && \
+	$(PY) -m queries head_overlap --data $(DATA) --param a=toy-heads-visual --param b=toy-heads-text
+G2M_QUERY := $(PY) -m queries g2m_gap --data $(DATA) --param run=toy-g2m
+
+variants: setup ## the interventions on the toy model as variant runs into $(DATA) (after make demo's stimuli)
+	$(PY) -m extract $(VARIANT_MANIFESTS) --data $(DATA) --stimuli-root $(STIMULI) --no-progress
+	$(VARIANT_QUERIES)
+
+g2m: setup ## the G2M toy over grids of N = 6 (trained), 8 and 10 into $(DATA): extraction, spatial probes, the gap
+	$(G2M_SETS)
+	$(PY) -m extract manifests/demo-g2m.yaml --data $(DATA) --stimuli-root $(STIMULI) --no-progress
+	$(PY) -m probes manifests/probes-demo-g2m.yaml --data $(DATA) --no-progress
+	$(G2M_QUERY)
+
+tricks: setup ## CountingTricks and spatial scenes on the toy model into $(DATA) (88 px, its own 8 px patches), detection probes
+	$(TRICKS_SETS)
+	$(PY) -m extract $(TRICKS_MANIFESTS) --data $(DATA) --stimuli-root $(STIMULI) --no-progress
 	$(PY) -m probes manifests/probes-demo-counting-tricks.yaml --data $(DATA) --no-progress
 
 report: setup ## write the HTML report of $(DATA) to $(REPORT)/index.html
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 
+# What `variants`, `g2m` and `tricks` do, reordered: every stimulus set first, then all ten extractions in
+# one process, the three probe plans in another, then the queries and the report.
 demo: setup ## the whole pipeline on the committed toy model: stimuli, extraction, probes, queries, report
 	$(PY) -m stimuli all --out $(STIMULI) $(STIMULI_ARGS)
 	$(PY) -m stimuli go --preset small --variation mild --n 4 --seed 1 --out $(STIMULI)/go-toy --overwrite
-	$(PY) -m extract manifests/demo.yaml --data $(DATA) --stimuli-root $(STIMULI)
-	$(PY) -m probes manifests/probes-demo.yaml --data $(DATA) --no-progress
+	$(G2M_SETS)
+	$(TRICKS_SETS)
+	$(PY) -m extract manifests/demo.yaml $(VARIANT_MANIFESTS) manifests/demo-g2m.yaml $(TRICKS_MANIFESTS) \
+	  --data $(DATA) --stimuli-root $(STIMULI)
+	$(PY) -m probes manifests/probes-demo.yaml manifests/probes-demo-g2m.yaml manifests/probes-demo-counting-tricks.yaml \
+	  --data $(DATA) --no-progress
 	$(PY) -m queries counting_regimes --data $(DATA)
 	$(PY) -m queries attractors --data $(DATA) --param min_share=0.1
-	$(MAKE) --no-print-directory variants
-	$(MAKE) --no-print-directory g2m
-	$(MAKE) --no-print-directory tricks
+	$(VARIANT_QUERIES)
+	$(G2M_QUERY)
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 	@echo
 	@echo "Done: $(DATA) holds every run, $(REPORT)/index.html the report. Three things to try next:"

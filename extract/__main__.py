@@ -1,4 +1,8 @@
-"""``python -m extract MANIFEST``: run (or resume) an extraction manifest into a workspace."""
+"""``python -m extract MANIFEST [MANIFEST ...]``: run (or resume) extraction manifests into a workspace.
+
+Several manifests run one after another in one process: torch and transformers are imported once
+(seconds of CPU per process on a small machine: `make demo` runs ten manifests). Every manifest is
+read and checked before the first run starts, so a bad one among several stores nothing."""
 
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
         description="Run a VLM over stimulus sets once and store the requested activations, attention rows and"
         " generations in a workspace (Zarr + DuckDB). Re-running a manifest resumes it.",
     )
-    parser.add_argument("manifest", help="extraction manifest (YAML), e.g. manifests/demo.yaml")
+    parser.add_argument("manifests", nargs="+", metavar="manifest",
+                        help="extraction manifest (YAML), e.g. manifests/demo.yaml; several run in order, in one process")
     parser.add_argument("--data", default=None,
                         help="workspace folder (default: the manifest's workspace, else $AGNOSIA_DATA, else ./data)")
     parser.add_argument("--dry-run", action="store_true",
@@ -67,16 +72,36 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def manifest_from(args: argparse.Namespace) -> Manifest:
-    """The manifest file with the command line's ``--shard`` and ``--stimuli-root`` applied."""
+def manifest_from(args: argparse.Namespace, path: str) -> Manifest:
+    """The manifest file ``path`` with the command line's ``--shard`` and ``--stimuli-root`` applied."""
     from extract.manifest import parse_manifest, with_stimuli_root
 
-    manifest = load_manifest(args.manifest)
+    manifest = load_manifest(path)
     if args.shard is not None:
         manifest = parse_manifest({**manifest.model_dump(exclude_unset=True), "shard": args.shard}, "--shard")
     if args.stimuli_root is not None:
         manifest = with_stimuli_root(manifest, args.stimuli_root)
     return manifest
+
+
+def check_distinct_runs(args: argparse.Namespace, manifests: list[tuple[str, Manifest]]) -> None:
+    """Two manifests of one command writing one run of one workspace would resume each other's rows."""
+    seen: dict[tuple[str, str], str] = {}
+    for path, manifest in manifests:
+        where = (str(args.data or manifest.workspace), manifest.run)
+        if where in seen:
+            raise ManifestError(f"{seen[where]} and {path} both write run {manifest.run!r} into one workspace: give"
+                                " each manifest its own run name, or extract them one at a time")
+        seen[where] = path
+
+
+def preflight(args: argparse.Namespace, manifest: Manifest) -> None:
+    """Refuse, before any model loads, a manifest whose workspace or stimulus sets would stop it later."""
+    from extract.run import collect_samples
+    from store.workspace import resolve_path
+
+    check_workspace_target(resolve_path(args.data or manifest.workspace))
+    collect_samples(manifest)  # reads each set's rows: a missing set, task or truth key stops here
 
 
 def run(args: argparse.Namespace, manifest: Manifest) -> None:
@@ -105,10 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     from stimuli.base import StimulusError
     from store import StoreError
 
+    names: list[str] = args.manifests
+    at = names[0]  # the manifest being read, checked or run: a failure names it when there are several
     try:
-        run(args, manifest_from(args))
+        loaded = []
+        for at in names:
+            loaded.append((at, manifest_from(args, at)))
+        check_distinct_runs(args, loaded)
+        if not args.dry_run:
+            for at, manifest in loaded:  # noqa: B007 - `at` names the failing manifest in the error below
+                preflight(args, manifest)
+        for at, manifest in loaded:  # noqa: B007 - as above
+            run(args, manifest)
     except (ManifestError, ModelError, StimulusError, StoreError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        where = f"{at}: " if len(names) > 1 and at not in str(err) else ""
+        print(f"error: {where}{err}", file=sys.stderr)
         return 2
     except OSError as err:
         if err.errno not in _NOT_WRITABLE:
@@ -119,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         # the writer has committed every chunk that was whole (its context exits before this)
-        again = ["python -m extract", args.manifest] + (["--data", args.data] if args.data else [])
+        again = ["python -m extract", *names] + (["--data", args.data] if args.data else [])
         again += ["--shard", args.shard] if args.shard else []
         again += ["--codec", args.codec] if args.codec != "none" else []
+        again += ["--stimuli-root", args.stimuli_root] if args.stimuli_root else []
         print(f"interrupted: the chunks committed so far are kept; run `{' '.join(again)}` to resume", file=sys.stderr)
         return 130
     return 0

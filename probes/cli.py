@@ -1,4 +1,7 @@
-"""``python -m probes PLAN``: train a probe plan's probes on Dask and record them in the workspace."""
+"""``python -m probes PLAN [PLAN ...]``: train probe plans' probes on Dask and record them in the workspace.
+
+Several plans train one after another in one process (Dask, torch and the workspace are imported
+once); each is checked against the workspace before the first one trains."""
 
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ and weights to <workspace>/probes/<key>.safetensors. Re-running a plan skips fin
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m probes", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("plan", help="probe plan YAML (see docs/probes.md)")
+    p.add_argument("plans", nargs="+", metavar="plan",
+                   help="probe plan YAML (see docs/probes.md); several train in order, in one process")
     p.add_argument("--data", default=None, help="workspace folder (default: $AGNOSIA_DATA, else ./data)")
     p.add_argument("--scheduler", default=os.environ.get("DASK_SCHEDULER_ADDRESS") or AUTO, metavar="WHERE",
                    help=f"{INLINE} (one Dask worker in this process: no start-up), {LOCAL} (a LocalCluster of worker"
@@ -70,31 +74,53 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
         return 2
     from probes.errors import ProbeError
-    from probes.farm import open_workspace, plan_tasks, run_plan
-    from probes.plan import load_plan
     from store.errors import StoreError
 
+    at = args.plans[0]  # the plan being read, checked or trained: a failure names it when there are several
     try:
-        plan = load_plan(args.plan)
+        plans = []
+        for at in args.plans:
+            plans.append(load_plan_checked(at, args))
         if args.dry_run:
-            _dry_run(plan, args)
+            for at, (plan, _) in zip(args.plans, plans, strict=True):  # noqa: B007 - `at` names a failing plan below
+                _dry_run(plan, args)
             return 0
         if args.scheduler not in (AUTO, INLINE, LOCAL) and not args.in_process:
             check_scheduler(args.scheduler, args.connect_timeout)
-        started = time.perf_counter()
-        report = run_plan(plan, args.data, scheduler=args.scheduler, workers=args.workers, in_process=args.in_process,
-                          force=args.force, progress=not args.no_progress, memory_limit=args.memory_limit,
-                          block_rows=args.block_rows)
-        wall = time.perf_counter() - started
-        keys = {t.key for t in plan_tasks(plan, open_workspace(args.data))}
+        failed = 0
+        for at, (plan, keys) in zip(args.plans, plans, strict=True):  # noqa: B007 - as above
+            failed += _train(plan, keys, args)
     except (ProbeError, StoreError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        where = f"{at}: " if len(args.plans) > 1 and at not in str(err) else ""
+        print(f"error: {where}{err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: finished probes are recorded; run the same command to resume", file=sys.stderr)
         return 130
-    _summary(report, args.data, keys, wall)
-    return 1 if report.failed else 0
+    return 1 if failed else 0
+
+
+def load_plan_checked(path: str, args: argparse.Namespace) -> tuple[Plan, set[str]]:
+    """The plan and its probes' keys, checked against the workspace (runs, taps, layers, SQL) before any trains."""
+    from probes.farm import open_workspace, plan_tasks
+    from probes.plan import load_plan
+
+    plan = load_plan(path)
+    if args.dry_run:  # the dry run does its own check, and names what is wrong in its listing
+        return plan, set()
+    return plan, {t.key for t in plan_tasks(plan, open_workspace(args.data))}
+
+
+def _train(plan: Plan, keys: set[str], args: argparse.Namespace) -> int:
+    """Train one plan, print its summary; the number of probes that failed."""
+    from probes.farm import run_plan
+
+    started = time.perf_counter()
+    report = run_plan(plan, args.data, scheduler=args.scheduler, workers=args.workers, in_process=args.in_process,
+                      force=args.force, progress=not args.no_progress, memory_limit=args.memory_limit,
+                      block_rows=args.block_rows)
+    _summary(report, args.data, keys, time.perf_counter() - started)
+    return int(report.failed)
 
 
 async def _identity(address: str, timeout: float) -> object:
