@@ -54,6 +54,7 @@ def _stored(data: Path) -> dict[str, object]:
     }
 
 
+@pytest.mark.slow
 def test_many_manifests_store_what_separate_invocations_store(setup, capsys):
     root, manifests = setup
     common = ["--stimuli-root", str(root / "sets"), "--no-progress"]

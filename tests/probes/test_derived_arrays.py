@@ -72,6 +72,7 @@ def test_provenance_is_a_manifest_row(ws):
     assert row["source_digest"] == store_derived.source_digest(ws, source)
 
 
+@pytest.mark.slow
 def test_a_later_plan_reads_the_derived_array_not_the_tokens(ws):
     plan = parse_plan(PLAN)
     run_plan(plan, ws.path, in_process=True, **QUIET)
@@ -91,6 +92,7 @@ def test_a_later_plan_reads_the_derived_array_not_the_tokens(ws):
     assert "is committed in the manifest but its file" in report.failures[0][1]  # proof the mean plan read none
 
 
+@pytest.mark.slow
 def test_a_stale_derivation_is_not_read_and_says_how_to_refresh(ws, capsys):
     assert probes_cli(["derive", "--data", str(ws.path), "--run", "spatial", "--layer", "1"]) == 0
     source = ws.array_info("spatial", "vision", 1)
@@ -141,9 +143,11 @@ def test_a_v6_workspace_opens_and_gains_the_table(tmp_path):
     assert ws.rows("SELECT count(*) FROM derived_arrays") == [(1,)]
 
 
+@pytest.mark.slow
 def test_a_ragged_array_with_empty_samples_is_refused_and_the_rest_derived(tmp_path, capsys):
-    """Answer tokens at layer 0: samples 0 and 3 have none (chunks of 3: one in each), so no pooled vector exists for them; the
-    run's other arrays are still derived, a ragged one with tokens in every sample to the bit."""
+    """Answer tokens at layer 0: samples 0 and 3 have none (chunks of 3: one in each), so no pooled
+    vector exists for them; the run's other arrays are still derived, a ragged one with tokens in every
+    sample to the bit."""
     ws = Workspace.open(tmp_path / "ws")
     n, counts = 6, [0, 1, 2, 0, 3, 1]
     rows = [{"id": f"s{i}", "family": "spatial"} for i in range(n)]

@@ -25,6 +25,7 @@ def status_of(out: str, run: str) -> str:
     return lines[0][1]
 
 
+@pytest.mark.slow
 def test_dry_run_lists_probes_without_samples_as_skipped_and_the_run_trains_exactly_its_todo(tmp_path, capsys):
     ws_path = tmp_path / "ws"
     build_workspace(ws_path, n=48, families=("go", "spatial"))

@@ -26,6 +26,7 @@ def plans(tmp_path: Path) -> list[str]:
             _plan(tmp_path / "b.yaml", "b", "spatial", "spatial.relation", "pooled")]
 
 
+@pytest.mark.slow
 def test_many_plans_record_what_separate_invocations_record(tmp_path, plans, capsys):
     for name in ("one-by-one", "together"):
         build_workspace(tmp_path / name, n=48, families=("go", "spatial"))

@@ -65,6 +65,7 @@ def test_out_of_core_equals_in_memory_when_the_subsample_holds_every_row(ws):
     assert sorted(set(n_test_rows)) == [22, 2400]          # every test unit scored: 24 boards x 100, 22 samples
 
 
+@pytest.mark.slow
 def test_a_capped_subsample_is_recorded_deterministic_by_stimulus_and_within_a_point(ws):
     plan = _plan("always", max_train_rows=2000)
     job = next(_Preparer(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws)) if g.run == "go")

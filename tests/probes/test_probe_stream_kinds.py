@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from probetest_lib import build_workspace
 
 from probes import parse_plan, run_plan
@@ -113,6 +114,7 @@ def test_lda_ledoit_wolf_matches_sklearn_in_memory():
         assert (mine.predict(X[:, None, :]) == ref.predict(X)).all()
 
 
+@pytest.mark.slow
 def test_streamed_lda_ledoit_wolf_equals_sklearn_on_the_same_plan(tmp_path):
     from probes.farm_stream import build_specs, plan_stream
 

@@ -88,6 +88,7 @@ def test_probe_farm_summary_prints_whole_run_ids(tmp_path, capsys):
     assert "wall time 2.0 s: 0.5 s starting the workers, 1.0 s training, 0.5 s" in out
 
 
+@pytest.mark.slow
 def test_store_and_queries_print_one_table(ws):
     """`python -m store query` and `python -m queries --sql` render through one table function: the
     same SQL prints the same text (no trailing padding in either)."""

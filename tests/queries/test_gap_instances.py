@@ -110,7 +110,8 @@ def _g2m_run(ws: Workspace, seeds: tuple[int, ...]) -> None:
         for d, (tap, layer, site) in enumerate(PATH[:2]) for seed in seeds])
 
 
-@pytest.fixture(scope="module", params=[(0,), (0, 1)], ids=["one-seed", "two-seeds"])
+@pytest.fixture(scope="module", params=[pytest.param((0,), id="one-seed"),
+                                        pytest.param((0, 1), id="two-seeds", marks=pytest.mark.slow)])
 def ws(request, tmp_path_factory):
     ws = Workspace.open(tmp_path_factory.mktemp("inst") / "ws")
     _counting_run(ws, request.param)

@@ -116,7 +116,9 @@ def test_a_run_stored_with_full_size_last_chunks_reads_and_resumes(tmp_path):
     assert rep.ok, rep.problems
 
 
-@pytest.mark.parametrize(("n", "requested", "batch", "shards"), [(9, 4, 1, 2), (200, 64, 8, 3), (1000, 256, 1, 3)])
+@pytest.mark.parametrize(("n", "requested", "batch", "shards"), [
+    pytest.param(9, 4, 1, 2, marks=pytest.mark.slow), (200, 64, 8, 3),
+    pytest.param(1000, 256, 1, 3, marks=pytest.mark.slow)])
 def test_shards_own_every_row_once_with_evened_chunks(tmp_path, n, requested, batch, shards):
     ws = Workspace.open(tmp_path / "ws")
     info = RunInfo(run="r", model="m", chunk_samples=requested, batch_size=batch)
