@@ -378,7 +378,8 @@ def real_shape(quick: bool) -> None:
     n, T, d, layers, limit = (64, 64, 512, 2, "256MiB") if quick else (448, 256, 3584, 8, "384MiB")
     tmp = Path(tempfile.mkdtemp(prefix="bench-real-"))
     try:
-        wrote = make_real_shape(tmp / "ws", n, T, d, layers)
+        # chunks of 8 samples (14 MiB decoded): a worker decodes a whole chunk beside each block it reads
+        wrote = make_real_shape(tmp / "ws", n, T, d, layers, chunk=8)
         ws = Workspace.open(tmp / "ws", readonly=True)
         layer_mib = n * T * d * 2 / 2**20
         print(f"\n(a) real-model shape: {layers} layers x [{n} samples, {T} image tokens, d={d}] float16 ="

@@ -38,6 +38,7 @@ def resolve(scheduler: str | None, workers: int | None, n_probes: int) -> str:
 def start(scheduler: str | None, workers: int | None, n_jobs: int, n_probes: int, limit: int | None,
           report: Any, log: Callable[[str], None]) -> tuple[Any, Any]:
     """(client, cluster or None) for ``scheduler`` (see :func:`resolve`); ``report.workers`` set."""
+    import dask
     from dask.distributed import Client, LocalCluster
 
     # Not the process's default client: the farm names its client in every call, and a default
@@ -56,8 +57,13 @@ def start(scheduler: str | None, workers: int | None, n_jobs: int, n_probes: int
     if mode == LOCAL:
         n = workers or max(1, min(os.cpu_count() or 1, n_jobs))
         log(f"starting a Dask LocalCluster ({n} worker process{'es' if n > 1 else ''})…")
-        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0",
-                               silence_logs=logging.ERROR, memory_limit=limit if limit else "auto")
+        # No pausing at 80 % of the limit: the farm's memory plan admits only tasks that fit, and a
+        # worker's RSS does not fall once its task ends (freed pages stay with the allocator), so a
+        # paused worker never resumed and a plan that fitted stalled. Dask still restarts a worker
+        # that passes 95 % of its limit.
+        with dask.config.set({"distributed.worker.memory.pause": False}):
+            cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                   silence_logs=logging.ERROR, memory_limit=limit if limit else "auto")
         report.workers = n
         return Client(cluster, set_as_default=False), cluster
     log(f"connecting to the Dask scheduler at {mode}…")

@@ -30,7 +30,8 @@ MiB = 1 << 20
 WORKER_BASE = 160 * MiB
 #: The same with torch and every kind imported (in-memory kinds): 322 MiB measured; rounded up.
 WORKER_BASE_TORCH = 340 * MiB
-#: Dask pauses a worker at 80 % of its limit; a plan must fit below that.
+#: A plan must fit below this share of the worker limit: headroom for what the plan does not see
+#: (allocator slack, Python objects); Dask restarts a worker past 95 % (probes/cluster.py).
 FIT_FRACTION = 0.8
 #: Default block: this many bytes of float32 features per read.
 BLOCK_BYTES = 32 * MiB
@@ -169,7 +170,9 @@ def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
         if sp.ledoit_wolf:   # 3 float64 d×d moments per class per variant (probes/moments.py)
             gram += sum(3 * d * d * 8 * len(v.classes if v.classes is not None else []) for s in sp.solves
                         for v in s.variants)
-        block = sp.block_rows * vpr * (item + 4 + p)
+        # The reader decodes whole stored chunks: one chunk's values sit beside the block being read.
+        chunk = min(info.chunk_samples, len(sp.rows)) * vpr * item
+        block = sp.block_rows * vpr * (item + 4 + p) + chunk
         counts = len(sp.rows) * sum(len(s.variants) for s in sp.solves) * A * 8 if sp.count_class is not None else 0
         moving = 8 * d * d * 8 if sp.ledoit_wolf else 0   # Moments.moved's d×d temporaries (merge, solve)
         held = (f"lda shrinkage auto's per-class moments, {gram / MiB:.0f} MiB (a fixed shrinkage needs one XᵀX)"
@@ -178,7 +181,7 @@ def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
                   (2 * gram + moving, f"merge (2 x {held})"),
                   (gram + (2 if sp.shared else 1) * xx + 2 * d * cols * A * 8 + moving,
                    "solve (statistics + one factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
-                  (sp.block_rows * vpr * (item + 4 + 8) + 2 * d * cols * A * 8 + 2 * counts,
+                  (sp.block_rows * vpr * (item + 4 + 8) + chunk + 2 * d * cols * A * 8 + 2 * counts,
                    "score (a block of test rows)")]
         read += len(job.arrays) * _rows_bytes(info, len(sp.rows))
     peak, what = max(peaks)

@@ -86,6 +86,28 @@ def test_centroid_plan_needs_no_gram_matrix(tmp_path):
     assert plans[4]["nearest_centroid"].peak_bytes < plans[4]["ridge"].peak_bytes - 2 * d * d * 8
 
 
+
+def test_the_memory_plan_counts_the_stored_chunk_the_reader_decodes(tmp_path):
+    """The reader decodes a whole stored chunk beside each block it reads: a plan over bigger
+    chunks must plan that much more (it did not, and a 384 MiB real-shape run passed its plan)."""
+    from dataclasses import replace
+
+    from probes.farm_stream import build_specs, plan_stream
+
+    ws = build_workspace(tmp_path / "ws", n=96, families=("spatial",))
+    plan = parse_plan({"name": "c", "probes": [{"runs": ["spatial"], "targets": ["truth:relation"],
+                                                 "kinds": {"nearest_centroid": {}}}]})
+    job = _job(ws, plan)
+    info = job.arrays[0]
+    (group,) = build_specs(job, 1)
+    peaks = {}
+    for chunk in (8, 32):
+        sized = replace(job, arrays=[replace(a, chunk_samples=chunk) for a in job.arrays])
+        peaks[chunk] = plan_stream([group], sized)
+    per_row = info.values_per_row * np.dtype(info.stored_dtype).itemsize
+    assert peaks[32].peak_bytes - peaks[8].peak_bytes == 24 * per_row
+    assert "map" in peaks[32].what or "score" in peaks[32].what
+
 def _sklearn_lda(F: np.ndarray, y: np.ndarray):
     from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
