@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
     at = args.plans[0]  # the plan being read, checked or trained: a failure names it when there are several
     try:
+        if not args.dry_run and args.scheduler not in (AUTO, INLINE, LOCAL) and not args.in_process:
+            check_scheduler(args.scheduler, args.connect_timeout)  # an argument: checked before any plan is read
         plans = []
         for at in args.plans:
             plans.append(load_plan_checked(at, args))
@@ -85,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
             for at, (plan, _) in zip(args.plans, plans, strict=True):  # noqa: B007 - `at` names a failing plan below
                 _dry_run(plan, args)
             return 0
-        if args.scheduler not in (AUTO, INLINE, LOCAL) and not args.in_process:
-            check_scheduler(args.scheduler, args.connect_timeout)
         failed = 0
         for at, (plan, keys) in zip(args.plans, plans, strict=True):  # noqa: B007 - as above
             failed += _train(plan, keys, args)
