@@ -19,6 +19,7 @@ in-memory one (same standardisation, same objective, same optimum). Workers here
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,26 +144,31 @@ def train_pass(spec: IterSpec, info: ArrayInfo, out: LayerFit, gram: list[bool]
     subs = [np.empty((int(s.pick.sum()), d), np.float32) for s in spec.solves]
     labels = [np.empty((len(subs[i]), len(s.columns)), np.int64) for i, s in enumerate(spec.solves)]
     filled = [0] * len(spec.solves)
-    pos = np.flatnonzero(np.logical_or.reduce([s.train for s in spec.solves]))
+    for s, solve, idx, mask, U in _blocks(spec, info, [v.train for v in spec.solves], out):   # U [m, R, d]
+        out.flops += moments[s].add(U.reshape(-1, d))
+        pick = solve.pick[idx][mask]                                            # [m, R]
+        got = U[pick]
+        subs[s][filled[s] : filled[s] + len(got)] = got
+        for c, col in enumerate(solve.columns):
+            labels[s][filled[s] : filled[s] + len(got), c] = col.labels[idx][mask][pick]
+        filled[s] += len(got)
+    return moments, subs, labels
+
+
+def _blocks(spec: IterSpec, info: ArrayInfo, masks: list[np.ndarray], out: Any) -> Iterator[tuple[Any, ...]]:
+    """(solve index, Solve, rows, mask, units) per block of the rows any of ``masks`` selects and
+    per Solve with rows in it; each block is read once for every Solve (bytes added to ``out``)."""
+    pos = np.flatnonzero(np.logical_or.reduce(masks))
     for a in range(0, len(pos), spec.block_rows):
         idx = pos[a : a + spec.block_rows]
         X, nbytes = _read(spec, info, idx)
         out.read_bytes += nbytes
         cache: dict[Any, np.ndarray] = {}
-        for s, solve in enumerate(spec.solves):
-            mask = solve.train[idx]
-            if not mask.any():
-                continue
-            U = _units(spec, X, solve.params, cache)[mask]                     # [m, R, d]
-            out.flops += moments[s].add(U.reshape(-1, d))
-            pick = solve.pick[idx][mask]                                        # [m, R]
-            got = U[pick]
-            subs[s][filled[s] : filled[s] + len(got)] = got
-            for c, col in enumerate(solve.columns):
-                labels[s][filled[s] : filled[s] + len(got), c] = col.labels[idx][mask][pick]
-            filled[s] += len(got)
-        del X, cache
-    return moments, subs, labels
+        for s, (solve, rows) in enumerate(zip(spec.solves, masks, strict=True)):
+            mask = rows[idx]
+            if mask.any():
+                yield s, solve, idx, mask, _units(spec, X, solve.params, cache)[mask]
+        del X, cache   # freed before the next block is read
 
 
 def fit_layer(spec: IterSpec, info: ArrayInfo) -> LayerFit:
@@ -242,29 +248,18 @@ def score_pass(spec: IterSpec, info: ArrayInfo, solved: list[Any], out: LayerFit
         out.hits.append(np.zeros((C, n), np.int64))
         out.count.append(np.zeros((C, n), np.int64))
         out.pred.append(np.full((C, n), -1, np.int64) if R == 1 else None)
-    pos = np.flatnonzero(np.logical_or.reduce([s.test for s in spec.solves]))
-    for a in range(0, len(pos), spec.block_rows):
-        idx = pos[a : a + spec.block_rows]
-        X, nbytes = _read(spec, info, idx)
-        out.read_bytes += nbytes
-        cache: dict[Any, np.ndarray] = {}
-        for s, solve in enumerate(spec.solves):
-            mask = solve.test[idx]
-            if not mask.any():
-                continue
-            at = idx[mask]
-            U = _units(spec, X, solve.params, cache)[mask]
-            Z = (torch.from_numpy(U.reshape(1, -1, U.shape[-1])) - torch.from_numpy(out.mean[s])) / torch.from_numpy(
-                out.scale[s])
-            preds = solved[s].predict(Z)
-            out.flops += 2.0 * Z.shape[1] * Z.shape[2] * len(solve.columns)
-            for c, col in enumerate(solve.columns):
-                y = col.labels[at]                                              # [m, R]
-                p = preds[c][0].reshape(y.shape)
-                ok = y >= 0
-                out.hits[s][c, at] = ((p == y) & ok).sum(1)
-                out.count[s][c, at] = ok.sum(1)
-                pred = out.pred[s]
-                if pred is not None:
-                    pred[c, at] = p[:, 0]
-        del X, cache
+    for s, solve, idx, mask, U in _blocks(spec, info, [v.test for v in spec.solves], out):
+        at = idx[mask]
+        Z = (torch.from_numpy(U.reshape(1, -1, U.shape[-1])) - torch.from_numpy(out.mean[s])) / torch.from_numpy(
+            out.scale[s])
+        preds = solved[s].predict(Z)
+        out.flops += 2.0 * Z.shape[1] * Z.shape[2] * len(solve.columns)
+        for c, col in enumerate(solve.columns):
+            y = col.labels[at]                                              # [m, R]
+            p = preds[c][0].reshape(y.shape)
+            ok = y >= 0
+            out.hits[s][c, at] = ((p == y) & ok).sum(1)
+            out.count[s][c, at] = ok.sum(1)
+            pred = out.pred[s]
+            if pred is not None:
+                pred[c, at] = p[:, 0]
