@@ -514,13 +514,8 @@ def plan_work(jobs: list[GroupJob], block_rows: int | None, limit: int | None, o
                 if check:
                     farm_iterative.check_fits(mem, limit, job)
             elif check:
-                try:
-                    farm_stream.check_fits(mem, limit, job, specs is not None)
-                except ProbeError as err:
-                    if specs is None and farm_iterative.eligible(job):   # out_of_core: never kept it in memory
-                        raise ProbeError(f"{err}; or set plan key out_of_core: auto (a capped training subsample)"
-                                         ) from None
-                    raise
+                farm_stream.check_fits(mem, limit, job, specs is not None,
+                                       None if specs is not None else farm_iterative.in_memory_fix(job))
             work.append((job, specs, mem))
     return work
 

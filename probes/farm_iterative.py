@@ -5,6 +5,10 @@ deterministic subsample of at most ``max_train_rows`` labelled training units pe
 (default: as many as the worker limit holds), whitened with statistics streamed over every
 training unit, and scored on every test unit.
 
+``conv_spatial`` and ``detect`` go the same way with the whole sample (its token grid) as the
+unit: a subsample of training samples, one model per probe and per control
+(:func:`probes.subsample.fit_samples`), scored from predictions made block by block.
+
 The client draws the subsample (uniform without replacement over the labelled units of the
 training samples, seeded with the split's seed, so a re-run draws the same rows and the split
 stays by stimulus), plans the task's peak bytes from shapes before anything runs, and turns the
@@ -32,11 +36,13 @@ from probes.worker import GroupJob, GroupResult, _record, _signature
 WORKER_BASE_ITERATIVE = 400 * MiB
 #: Fewer training rows per probe batch than this is no probe worth recording: refuse the plan.
 MIN_TRAIN_ROWS = 256
+#: The same for kinds trained on whole samples (conv_spatial, detect): fewer grids than this.
+MIN_TRAIN_SAMPLES = 32
 MODES = ("auto", "always", "never")
 
 
 def eligible(job: GroupJob) -> bool:
-    """Whether every task of the group is a batched logistic probe this path trains."""
+    """Whether every task of the group is of a kind this path trains (batched logistic, or per sample)."""
     from probes.kinds.pooled import PooledProbe, _regress
 
     for t in job.tasks:
@@ -48,6 +54,20 @@ def eligible(job: GroupJob) -> bool:
             if _regress(kind.check_params(t.params), None, target.numeric) or target.classes is None:
                 return False   # pooled regression is ridge: kind ridge streams it
     return True
+
+
+def in_memory_fix(job: GroupJob) -> str | None:
+    """What fixes an in-memory group over the worker limit, by its kinds (None: ridge's wording)."""
+    from probes.kinds.hidden_number import HiddenNumberProbe
+
+    kinds = {job.kinds[t.kind] for t in job.tasks}
+    if any(issubclass(k, HiddenNumberProbe) for k in kinds):
+        # The N_H probe has no out-of-core path: its least-squares twin streams the same boards.
+        return "use kind hidden_number_ridge (N_H from streamed statistics), layers_per_task: 1,"
+    if eligible(job):   # out_of_core: never kept it in memory
+        return ("set plan key out_of_core: auto (a capped training subsample), select fewer rows (where:) or"
+                " layers_per_task: 1,")
+    return None
 
 
 def chosen(job: GroupJob, mode: str, in_memory: MemoryPlan, limit: int | None) -> bool:
@@ -71,10 +91,11 @@ def build_spec(job: GroupJob, block_rows: int | None, max_train_rows: int | None
     jobs = [Job(key=t.key, target=job.targets[t.target], fold=job.folds[t.fold_id], params=t.params,
                 control=t.control == "shuffle", grid=job.grid) for t in first]
     info = job.arrays[0]
+    per_sample = not _batched(kind)
     R = 1 if kind.accepts == ("sample",) else _tokens(job)
-    solves = _solves(kind, jobs, len(job.rows), R)
+    solves = _sample_solves(kind, jobs) if per_sample else _solves(kind, jobs, len(job.rows), R)
     rows = int(block_rows or default_block_rows(info, "float64"))
-    spec = subsample.IterSpec(job.root, job.rows, kind, R, rows, solves, job.dense_tokens)
+    spec = subsample.IterSpec(job.root, job.rows, kind, R, rows, solves, job.dense_tokens, per_sample)
     cap = max_train_rows if max_train_rows is not None else default_cap(spec, job, limit)
     for s in solves:
         _draw(s, cap)
@@ -90,13 +111,45 @@ def _tokens(job: GroupJob) -> int:
     return int(info.shape[1])
 
 
-def _solves(kind: Any, jobs: list[Job], n: int, R: int) -> list[subsample.IterSolve]:
+def _batched(kind: Any) -> bool:
+    """The batched logistic kinds (linear, pooled); the others (conv_spatial, detect) fit one
+    model per probe on whole samples (``fit_scaled``, ``scored``)."""
+    from probes.kinds.linear import LinearProbe
+
+    return issubclass(kind, LinearProbe)
+
+
+def _by_params_and_split(jobs: list[Job]) -> list[list[int]]:
     """Jobs with the same params and split share one Solve (as in probes/kinds/linear.py)."""
     by: dict[tuple[str, bytes, bytes], list[int]] = defaultdict(list)
     for j, jb in enumerate(jobs):
         by[(params_json(jb.params), jb.fold.train.tobytes(), jb.fold.test.tobytes())].append(j)
+    return list(by.values())
+
+
+def _sample_solves(kind: Any, jobs: list[Job]) -> list[subsample.IterSolve]:
+    """Per-sample kinds: a Solve's columns (each probe and its control, one model each) share the
+    subsample of training samples, drawn among those any of them has a label for."""
     out = []
-    for idx in by.values():
+    for idx in _by_params_and_split(jobs):
+        fold = jobs[idx[0]].fold
+        params = kind.build(jobs[idx[0]], fold.seed).params.model_dump()   # the farm's grid filled in
+        cols = []
+        for j in idx:
+            variants = [(False, jobs[j].target)]
+            if jobs[j].control:
+                variants.append((True, jobs[j].target.permuted(control_permutation(len(fold.train), fold.seed))))
+            cols += [subsample.Column(j, c, t.values, t.labelled()) for c, t in variants]
+        pick = np.logical_or.reduce([subsample.labelled_of(c) for c in cols]) & fold.train
+        out.append(subsample.IterSolve(params, fold.train.copy(), fold.test.copy(), pick, cols, int(pick.sum()),
+                                       None, int(fold.seed)))
+    return out
+
+
+def _solves(kind: Any, jobs: list[Job], n: int, R: int) -> list[subsample.IterSolve]:
+    """Batched logistic kinds: one L-BFGS problem per Solve, every column in it."""
+    out = []
+    for idx in _by_params_and_split(jobs):
         params = kind.check_params(jobs[idx[0]].params)
         fold = jobs[idx[0]].fold
         cols = []
@@ -139,6 +192,8 @@ def _shape_costs(spec: subsample.IterSpec, job: GroupJob) -> tuple[int, int, int
     # The reader decodes whole stored chunks: one chunk's values sit beside a block of rows (a
     # fixed ~94 MiB over the idle worker measured whatever the cap, until this term was added).
     block = spec.block_rows * vpr * (item + 4 + 4 + 8) + min(info.chunk_samples, len(spec.rows)) * vpr * item
+    if spec.per_sample:
+        return _sample_costs(spec, vpr, block)
     held = sum(len(s.columns) * 8 + d * 4 for s in spec.solves)
     widest = max(len(s.columns) * _classes(s) for s in spec.solves)
     # The solve: X - mu, its whitened copy Z, Zᵀ and the allocator's slack (4 float32 copies of
@@ -147,6 +202,22 @@ def _shape_costs(spec: subsample.IterSpec, job: GroupJob) -> tuple[int, int, int
     solve_row = 4 * d * 4 + 12 * widest * 4
     fixed = WORKER_BASE_ITERATIVE + len(spec.solves) * gram + 5 * gram + block
     return fixed, held, solve_row, spec.block_rows * spec.units * (2 * d * 4 + widest * 8)
+
+
+def _sample_costs(spec: subsample.IterSpec, vpr: int, block: int) -> tuple[int, int, int, int]:
+    """Per-sample kinds: the buffer holds vpr float32 per picked sample and Solve; the fit of one
+    column adds the kind's training bytes per sample (its standardised copy, ...), the column's
+    own copy when it lacks labels for some picked samples, and the labels; a test block is read,
+    selected and standardised (3 copies) beside every column's predictions over the test split."""
+    d = vpr // spec.units
+    widest = max(spec.solves, key=lambda s: len(s.columns))
+    label = max(np.asarray(c.labels[0]).size * 8 if c.labels.dtype != object else 64 for c in widest.columns)
+    cells = max(label // 8, 1)
+    step, per = spec.kind.train_bytes(widest.params, spec.units, d, cells)
+    n_test = max(int(s.test.sum()) for s in spec.solves)
+    preds = sum(len(s.columns) for s in spec.solves) * n_test * label
+    fixed = WORKER_BASE_ITERATIVE + block + step + preds
+    return fixed, len(spec.solves) * vpr * 4, per + vpr * 4 + 2 * label, spec.block_rows * vpr * 4 * 3
 
 
 def _classes(solve: subsample.IterSolve) -> int:
@@ -172,11 +243,13 @@ def plan_memory(spec: subsample.IterSpec, job: GroupJob, capped_by: str | None =
     info = job.arrays[0]
     reads = len(job.arrays) * len(job.rows) * info.values_per_row * np.dtype(info.stored_dtype).itemsize
     cap = spec.solves[0].cap
-    what = (f"out-of-core L-BFGS ({max(m)} training rows per batch{'' if cap is None else f', cap {cap}'},"
+    unit, least = ("samples", MIN_TRAIN_SAMPLES) if spec.per_sample else ("rows", MIN_TRAIN_ROWS)
+    how = spec.kind.name if spec.per_sample else "L-BFGS"
+    what = (f"out-of-core {how} ({max(m)} training {unit} per batch{'' if cap is None else f', cap {cap}'},"
             f" {len(spec.solves)} batch(es), block of {spec.block_rows} rows)")
-    if min(m) < min(MIN_TRAIN_ROWS, min(s.candidates for s in spec.solves)):
-        what += f"; under {MIN_TRAIN_ROWS} training rows"
-        peak = max(peak, fixed + test + MIN_TRAIN_ROWS * (held + solve_row))
+    if min(m) < min(least, min(s.candidates for s in spec.solves)):
+        what += f"; under {least} training {unit}"
+        peak = max(peak, fixed + test + least * (held + solve_row))
     return MemoryPlan(reads, int(peak), what)
 
 
@@ -233,7 +306,8 @@ def finish(job: GroupJob, spec: subsample.IterSpec, fits: list[subsample.LayerFi
                 if col.control or task is None:
                     continue
                 try:
-                    out = _outcome(job, task, spec, fit, s, c, fit.flops / n_probes)
+                    outcome = _sample_outcome if spec.per_sample else _outcome
+                    out = outcome(job, task, spec, fit, s, c, fit.flops / n_probes)
                     result.records.append(_record(job, task, out, seconds / n_probes, worker, result.weights))
                     result.flops += out.flops
                 except (ProbeError, ValueError) as err:
@@ -271,6 +345,43 @@ def _outcome(job: GroupJob, task: Any, spec: subsample.IterSpec, fit: subsample.
             preds = PerSample(te, None, None, fit.hits[s][c][te] / fit.count[s][c][te])
     return Outcome("accuracy", score, ctrl, int((target.labelled() & fold.train).sum()),
                    int((target.labelled() & fold.test).sum()), metrics, probe, flops, predictions=preds)
+
+
+def _sample_outcome(job: GroupJob, task: Any, spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int,
+                    flops: float) -> Outcome:
+    """A per-sample kind's probe: its model rebuilt from the worker's state, scored from the
+    predictions over every test sample it has a label for (its control's the same way)."""
+    solve = spec.solves[s]
+    col = solve.columns[c]
+    target, fold = job.targets[task.target], job.folds[task.fold_id]
+    probe, score, metrics, preds = _scored(spec, fit, s, c)
+    ctrl = next((_scored(spec, fit, s, k)[1] for k, o in enumerate(solve.columns)
+                 if o.job == col.job and o.control), None)
+    at = np.flatnonzero(solve.pick)
+    metrics.update({"n_train_samples": int(subsample.labelled_of(col)[at].sum()),
+                    "n_test_samples": len(preds.positions), "streamed": True,
+                    "subsample": {"rows": len(at), "of": solve.candidates, "max_train_rows": solve.cap,
+                                  "seed": solve.seed,
+                                  "draw": "uniform over labelled training samples, without replacement"}})
+    return Outcome(spec.kind.metric, score, ctrl, int((target.labelled() & fold.train).sum()),
+                   int((target.labelled() & fold.test).sum()), metrics, probe, flops, predictions=preds)
+
+
+def _scored(spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int
+            ) -> tuple[Any, float, dict[str, Any], PerSample]:
+    solve = spec.solves[s]
+    col = solve.columns[c]
+    probe = spec.kind(random_state=solve.seed, **solve.params)
+    probe.load_state(*fit.states[s][c])
+    te = np.flatnonzero(solve.test & subsample.labelled_of(col))
+    if not len(te):
+        raise ProbeError(f"{spec.kind.name}: no labelled test sample; select more rows")
+    blocks = fit.tested[s][c]
+    # conv_spatial predicts a grid array per block, detect a list of (boxes, scores) per sample
+    pred: Any = np.concatenate(blocks) if isinstance(blocks[0], np.ndarray) else [p for b in blocks for p in b]
+    y = col.labels[te]
+    score, metrics, (p, truth, per) = probe.scored(pred, y if y.dtype == object else y.astype(np.int64))
+    return probe, score, metrics, PerSample(te, p, truth, per)
 
 
 def _accuracy(fit: subsample.LayerFit, s: int, c: int) -> float:

@@ -203,13 +203,15 @@ def _rows_bytes(info: Any, n: int) -> int:
     return int(info.bytes * n / max(info.n_samples, 1))
 
 
-def check_fits(plan: MemoryPlan, limit: int | None, job: GroupJob, streamed: bool) -> None:
-    """A ProbeError naming the setting that fixes a plan whose task cannot fit the worker limit."""
+def check_fits(plan: MemoryPlan, limit: int | None, job: GroupJob, streamed: bool, fix: str | None = None) -> None:
+    """A ProbeError naming the setting that fixes a plan whose task cannot fit the worker limit
+    (``fix``: the kinds' own remedy, said before more memory)."""
     if limit is None or plan.peak_bytes <= FIT_FRACTION * limit:
         return
     need = plan.peak_bytes / FIT_FRACTION / MiB
-    fix = ("set --block-rows lower (plan key block_rows), kind ridge's precision: float32 (halves XᵀX),"
-           if streamed else "use kind ridge (streams chunk by chunk), select fewer rows (where:) or layers_per_task: 1,")
+    fix = fix or ("set --block-rows lower (plan key block_rows), kind ridge's precision: float32 (halves XᵀX),"
+                  if streamed else "use kind ridge (streams chunk by chunk), select fewer rows (where:) or"
+                  " layers_per_task: 1,")
     raise ProbeError(
         f"group {job.group} ({job.arrays[0].key()}, {len(job.arrays)} layer(s)) needs {plan.peak_bytes / MiB:.0f} MiB per"
         f" worker at its peak ({plan.what}), over {FIT_FRACTION:.0%} of the {limit / MiB:.0f} MiB worker memory limit:"

@@ -125,9 +125,10 @@ class Plan(_Strict):
     # machine) and samples per read block of streamed kinds (None: ~32 MiB of float32 per block).
     memory_limit: str | int | None = None
     block_rows: int | None = Field(None, ge=1)
-    # Iterative kinds (linear, pooled classification) out of core: auto when their in-memory
-    # features exceed memory_limit; trained on at most max_train_rows labelled training units
-    # per probe batch (None: as many as the limit holds), see probes/farm_iterative.py.
+    # Iterative kinds (linear, pooled classification, conv_spatial, detect) out of core: auto when
+    # their in-memory features exceed memory_limit; trained on at most max_train_rows labelled
+    # training units (conv_spatial, detect: samples) per probe batch (None: as many as the limit
+    # holds), see probes/farm_iterative.py.
     out_of_core: Literal["auto", "always", "never"] = "auto"
     max_train_rows: int | None = Field(None, ge=1)
     defaults: Defaults = Defaults()

@@ -1,6 +1,9 @@
 """Iterative kinds out of core (``linear``, ``pooled`` classification): the batched logistic
 L-BFGS trained on a recorded, deterministic subsample of the training rows, whitened with
-statistics streamed over *all* of them, and scored on every test row chunk by chunk.
+statistics streamed over *all* of them, and scored on every test row chunk by chunk. The small
+neural kinds (``conv_spatial``, ``detect``) the same way with whole samples as the unit
+(:func:`fit_samples`): a subsample of training samples, standardised with moments streamed over
+every token of every training sample, predicted block by block over the whole test split.
 
 One task per layer reads its selected rows ``block_rows`` samples at a time, twice:
 
@@ -25,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from probes.features import read_features, tune_malloc
+from probes.features import as_float32, read_features, tune_malloc
 from store.location import ArrayRoot
 from store.records import ArrayInfo
 
@@ -36,7 +39,8 @@ class Column:
 
     job: int
     control: bool
-    labels: np.ndarray           # int64 [n, R] class codes, -1: no label
+    labels: np.ndarray           # int64 [n, R] class codes, -1: no label; per-sample kinds: the target's values
+    labelled: np.ndarray | None = None   # per-sample kinds: bool [n], the samples this column has a label for
 
 
 @dataclass
@@ -46,7 +50,7 @@ class IterSolve:
     params: Any                  # the kind's validated parameters
     train: np.ndarray            # bool [n]: training samples
     test: np.ndarray             # bool [n]
-    pick: np.ndarray             # bool [n, R]: training units fitted (the subsample)
+    pick: np.ndarray             # bool [n, R]: training units fitted (the subsample); per-sample kinds [n]
     columns: list[Column]
     candidates: int              # labelled training units the subsample was drawn from
     cap: int | None              # max_train_rows in force (None: every unit)
@@ -64,6 +68,7 @@ class IterSpec:
     block_rows: int
     solves: list[IterSolve]
     dense_tokens: int | None = None
+    per_sample: bool = False     # a kind trained on whole samples (conv_spatial, detect): fit_samples
 
 
 @dataclass
@@ -79,6 +84,9 @@ class LayerFit:
     pred: list[np.ndarray | None] = field(default_factory=list)   # [C, n] codes when R = 1
     fitted_rows: list[np.ndarray] = field(default_factory=list)   # [C]: labelled rows each column trained on
     n_iter: list[int] = field(default_factory=list)
+    # per-sample kinds, [solve][column]: the fitted probe's (state_, meta_) and its test predictions
+    states: list[list[tuple[dict[str, np.ndarray], dict[str, Any]]]] = field(default_factory=list)
+    tested: list[list[list[Any]]] = field(default_factory=list)
     converged: list[bool] = field(default_factory=list)
     flops: float = 0.0
     read_bytes: int = 0
@@ -125,8 +133,8 @@ class Moments:
 
 def _units(spec: IterSpec, X: Any, params: Any, cache: dict[Any, np.ndarray]) -> np.ndarray:
     key = getattr(params, "pool", None)
-    if key not in cache:
-        cache[key] = spec.kind.sample_rows(X, params)
+    if key not in cache:   # a per-sample kind's unit is the sample's token grid [T, d] as read
+        cache[key] = as_float32(X) if spec.per_sample else spec.kind.sample_rows(X, params)
     return cache[key]
 
 
@@ -187,15 +195,18 @@ def fit_layer(spec: IterSpec, info: ArrayInfo) -> LayerFit:
     torch.set_num_threads(1)
     try:
         with threadpool_limits(1):
-            gram = [bool(s.params.precondition) and d <= MAX_PRECONDITION_DIM for s in spec.solves]
-            moments, subs, labels = train_pass(spec, info, out, gram)
-            solved = []
-            for s, solve in enumerate(spec.solves):
-                sub, lab = subs[s], labels[s]
-                subs[s] = labels[s] = np.empty(0)          # the solve owns the buffer: freed after it
-                solved.append(_solve(solve, moments[s], sub, lab, gram[s], out, solve_standardized))
-                del sub, lab
-            score_pass(spec, info, solved, out)
+            if spec.per_sample:
+                fit_samples(spec, info, out)
+            else:
+                gram = [bool(s.params.precondition) and d <= MAX_PRECONDITION_DIM for s in spec.solves]
+                moments, subs, labels = train_pass(spec, info, out, gram)
+                solved = []
+                for s, solve in enumerate(spec.solves):
+                    sub, lab = subs[s], labels[s]
+                    subs[s] = labels[s] = np.empty(0)          # the solve owns the buffer: freed after it
+                    solved.append(_solve(solve, moments[s], sub, lab, gram[s], out, solve_standardized))
+                    del sub, lab
+                score_pass(spec, info, solved, out)
     finally:
         torch.set_num_threads(threads)
     out.seconds = time.perf_counter() - t0
@@ -263,3 +274,62 @@ def score_pass(spec: IterSpec, info: ArrayInfo, solved: list[Any], out: LayerFit
             pred = out.pred[s]
             if pred is not None:
                 pred[c, at] = p[:, 0]
+
+
+# ----------------------------------------------------------------------------- per-sample kinds
+
+
+def fit_samples(spec: IterSpec, info: ArrayInfo, out: LayerFit) -> None:
+    """conv_spatial / detect: per column (a probe or its control) one model fitted on the picked
+    training samples it has labels for, standardised with its own training samples' moments
+    (every token, streamed), then predictions over its test samples, block by block."""
+    moments, subs = sample_pass(spec, info, out)
+    probes: list[list[Any]] = []
+    for s, solve in enumerate(spec.solves):
+        sub, subs[s] = subs[s], np.empty(0)                 # freed once the solve's columns are fitted
+        at = np.flatnonzero(solve.pick)                      # buffer row i holds sample at[i]
+        probes.append([_fit_column(spec, solve, col, sub, at, moments[s][c]) for c, col in enumerate(solve.columns)])
+        out.states.append([(p.state_, p.meta_) for p in probes[-1]])
+        del sub
+    out.tested = [[[] for _ in solve.columns] for solve in spec.solves]
+    for s, solve, idx, mask, U in _blocks(spec, info, [v.test for v in spec.solves], out):
+        for c, col in enumerate(solve.columns):
+            sel = labelled_of(col)[idx][mask]
+            if sel.any():
+                out.tested[s][c].append(probes[s][c].predict(U[sel]))
+
+
+def labelled_of(col: Column) -> np.ndarray:
+    assert col.labelled is not None, "a per-sample column says which samples it has labels for"
+    return col.labelled
+
+
+def sample_pass(spec: IterSpec, info: ArrayInfo, out: LayerFit) -> tuple[list[list[Moments]], list[np.ndarray]]:
+    """Per column, per-feature moments over every token of its training samples; per Solve, the
+    picked samples' tokens [k, T, d] in one float32 buffer (ascending sample order)."""
+    d = info.item_shape[-1]
+    moments = [[Moments(d, gram=False) for _ in s.columns] for s in spec.solves]
+    subs = [np.empty((int(s.pick.sum()), spec.units, d), np.float32) for s in spec.solves]
+    filled = [0] * len(spec.solves)
+    for s, solve, idx, mask, U in _blocks(spec, info, [v.train for v in spec.solves], out):   # U [m, T, d]
+        for c, col in enumerate(solve.columns):
+            sel = labelled_of(col)[idx][mask]
+            if sel.any():
+                out.flops += moments[s][c].add(U[sel].reshape(-1, d))
+        got = U[solve.pick[idx][mask]]
+        subs[s][filled[s] : filled[s] + len(got)] = got
+        filled[s] += len(got)
+    return moments, subs
+
+
+def _fit_column(spec: IterSpec, solve: IterSolve, col: Column, sub: np.ndarray, at: np.ndarray, mom: Moments) -> Any:
+    """One model on the buffer's samples this column has labels for (the buffer itself when all)."""
+    from probes.kinds import _torch as T
+    from probes.kinds.base import _wide
+
+    has = labelled_of(col)[at]
+    probe = spec.kind(random_state=solve.seed, **solve.params)
+    mean, var = mom.mean_cov()
+    X = sub if has.all() else sub[has]
+    y = _wide(col.labels[at[has]])
+    return probe.fit_scaled(X, y, *T.standardizer(mean, var, probe.standardizes))

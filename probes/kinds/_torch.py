@@ -126,7 +126,15 @@ def stats(X: np.ndarray, standardize: bool) -> tuple[np.ndarray, np.ndarray]:
     if not standardize:
         return np.zeros(d, np.float32), np.ones(d, np.float32)
     flat = X.reshape(-1, d).astype(np.float64)
-    mean, std = flat.mean(0), flat.std(0)
+    return standardizer(flat.mean(0), flat.var(0), True)
+
+
+def standardizer(mean: np.ndarray, var: np.ndarray, standardize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(shift, scale) float32 from per-channel moments (population variance, float64): the same
+    numbers :func:`stats` makes from the rows, for moments streamed over them (out of core)."""
+    if not standardize:
+        return np.zeros(len(mean), np.float32), np.ones(len(mean), np.float32)
+    std = np.sqrt(np.maximum(var, 0.0))
     std[std < 1e-8] = 1.0
     return mean.astype(np.float32), std.astype(np.float32)
 

@@ -13,7 +13,7 @@ the preset.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -79,6 +79,8 @@ class ConvSpatialProbe(Probe):
     accepts = ("grid",)
     metric = "cell_accuracy"
     uses_grid = True
+    #: trained out of core on a subsample of training samples (probes/farm_iterative.py)
+    out_of_core: ClassVar[bool] = True
 
     def _check(self, X: Any, y: Any = None) -> tuple[np.ndarray, np.ndarray | None]:
         X = np.asarray(X, dtype=np.float32)
@@ -92,11 +94,35 @@ class ConvSpatialProbe(Probe):
 
     def fit(self, X: Any, y: Any) -> ConvSpatialProbe:
         X, y = self._check(X, y)
+        return self.fit_scaled(X, y, *T.stats(X, self.standardizes))
+
+    @property
+    def standardizes(self) -> bool:
+        return bool(self.params.resolved()["standardize"])
+
+    @classmethod
+    def train_bytes(cls, params: dict[str, Any], tokens: int, d: int, cells: int) -> tuple[int, int]:
+        """Planned bytes of training beside the samples' features (the out-of-core memory plan):
+        (one step: the batch's features indexed and reshaped, ~8 float32 activations and gradients
+        of width ``hidden`` per token and output cell; per training sample: the standardised copy,
+        the training part's copy under a hold-out and the hold-out's forward pass)."""
+        p = cls.check_params(params)
+        cfg = p.resolved()
+        step = p.batch_size * (2 * tokens * d * 4 + 8 * (tokens + cells) * cfg["hidden"] * 4)
+        per = tokens * d * 4 * (2 if cfg["eval_every"] else 1)
+        if cfg["eval_every"]:
+            per += int(p.valid_fraction * 3 * (tokens + cells) * cfg["hidden"] * 4)
+        return step, per
+
+    def fit_scaled(self, X: np.ndarray, y: Any, mean: np.ndarray, scale: np.ndarray) -> ConvSpatialProbe:
+        """Fit on rows X standardised with (mean, scale) given: the rows' own (fit), or moments
+        streamed over every training token (out of core, probes/subsample.py)."""
+        X, y = self._check(X, y)
+        assert y is not None
         cfg = self.params.resolved()
         grid = T.grid_of(X.shape[1], self.params.grid, "conv_spatial")
         n_classes = int(y.max()) + 1
         torch.manual_seed(self.random_state)
-        mean, scale = T.stats(X, cfg["standardize"])
         self.model_ = SpatialHead(X.shape[2], cfg["hidden"], n_classes, grid, (y.shape[1], y.shape[2]))
         xs = torch.from_numpy((X - mean) / scale)
         ys = torch.from_numpy(y)
@@ -114,7 +140,8 @@ class ConvSpatialProbe(Probe):
                 ok = yv >= 0
                 return float((pred[ok] == yv[ok]).float().mean())
 
-        xt, yt = xs[train_idx], ys[train_idx]
+        # Without a hold-out every row trains: no indexed copy of the features (the same tensor).
+        xt, yt = (xs, ys) if valid_fn is None else (xs[train_idx], ys[train_idx])
         info = T.train(
             self.model_, lambda idx: F.cross_entropy(self.model_(xt[idx]), yt[idx], ignore_index=-1), len(xt),
             iters=cfg["iters"], batch_size=self.params.batch_size, lr=cfg["lr"], weight_decay=self.params.weight_decay,
@@ -142,25 +169,41 @@ class ConvSpatialProbe(Probe):
 
     def score(self, X: Any, y: Any) -> float:
         _, y = self._check(X, y)
-        ok = y >= 0
-        return float((self.predict(X)[ok] == y[ok]).mean()) if ok.any() else float("nan")
+        return cell_accuracy(self.predict(X), y)
 
     def sample_scores(self, X: Any, y: Any) -> np.ndarray:
         """Cell accuracy of each grid (labelled cells only): the probe side of G2M's gap curve."""
         _, y = self._check(X, y)
-        ok = (y >= 0).reshape(len(y), -1)
-        hit = ((self.predict(X) == y).reshape(len(y), -1) & ok).sum(1)
-        return hit / np.maximum(ok.sum(1), 1)
+        return grid_scores(self.predict(X), y)
 
     def metrics(self, X: Any, y: Any) -> dict[str, Any]:
         _, y = self._check(X, y)
-        pred = self.predict(X)
+        return self.metrics_of(self.predict(X), y)
+
+    def metrics_of(self, pred: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         ok = y >= 0
         exact = ((pred == y) | ~ok).reshape(len(y), -1).all(1)
         per = {int(c): float((pred[y == c] == c).mean()) for c in np.unique(y[ok])}
         return {"exact_match": float(exact.mean()) if len(y) else float("nan"), "per_colour": per,
                 "iters": self.meta_.get("iters"), "best_iter": self.meta_.get("best_iter"),
                 "error_maps": error_maps(pred, y)}
+
+    def scored(self, pred: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, Any], tuple[Any, Any, Any]]:
+        """(score, metrics, per-sample (prediction, truth, score)) of predictions already made
+        (out of core: predicted block by block, never holding the test features)."""
+        y = np.asarray(y, np.int64)
+        return cell_accuracy(pred, y), self.metrics_of(pred, y), (None, None, grid_scores(pred, y))
+
+
+def cell_accuracy(pred: np.ndarray, y: np.ndarray) -> float:
+    ok = y >= 0
+    return float((pred[ok] == y[ok]).mean()) if ok.any() else float("nan")
+
+
+def grid_scores(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
+    ok = (y >= 0).reshape(len(y), -1)
+    hit = ((pred == y).reshape(len(y), -1) & ok).sum(1)
+    return hit / np.maximum(ok.sum(1), 1)
 
 
 MAX_MAP_CELLS = 64 * 64  # larger maps are left out of the recorded metrics (they would bloat params)

@@ -16,7 +16,7 @@ default, since a random projection of a narrow tap mostly throws information awa
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -185,13 +185,34 @@ class DetectProbe(Probe):
     accepts = ("boxes",)
     metric = "ap50"
     uses_grid = True
+    #: trained out of core on a subsample of training samples (probes/farm_iterative.py)
+    out_of_core: ClassVar[bool] = True
 
     def fit(self, X: Any, y: Any) -> DetectProbe:
+        X = _dense(X)
+        return self.fit_scaled(X, y, *T.stats(X, self.standardizes))
+
+    @property
+    def standardizes(self) -> bool:
+        return bool(self.params.standardize)
+
+    @classmethod
+    def train_bytes(cls, params: dict[str, Any], tokens: int, d: int, cells: int) -> tuple[int, int]:
+        """Planned bytes of training beside the samples' features (the out-of-core memory plan):
+        (one step: the batch's features indexed and reshaped, ~8 float32 activations and gradients
+        per token of the bottleneck and both 3x3 blocks; per training sample: the standardised
+        copy and the assigned target boxes)."""
+        p = cls.check_params(params)
+        step = p.batch_size * (2 * tokens * d * 4 + 8 * tokens * (p.bottleneck + 2 * p.hidden + 5 + p.n_classes) * 4)
+        return step, tokens * d * 4 + tokens * 17
+
+    def fit_scaled(self, X: np.ndarray, y: Any, mean: np.ndarray, scale: np.ndarray) -> DetectProbe:
+        """Fit on rows X standardised with (mean, scale) given: the rows' own (fit), or moments
+        streamed over every training token (out of core, probes/subsample.py)."""
         X = _dense(X)
         p = self.params
         grid = T.grid_of(X.shape[1], p.grid, "detect")
         torch.manual_seed(self.random_state)
-        mean, scale = T.stats(X, p.standardize)
         self.model_ = DetectHead(X.shape[2], p, grid)
         xs = torch.from_numpy((X - mean) / scale)
         tgt, pos = assign(list(y), grid)
@@ -243,23 +264,36 @@ class DetectProbe(Probe):
         return out
 
     def score(self, X: Any, y: Any) -> float:
-        return ap50(self.predict(X), [np.asarray(b, np.float32).reshape(-1, 4) for b in y])
+        return ap50(self.predict(X), _truths(y))
 
     def sample_predictions(self, X: Any, y: Any) -> tuple[Any, Any, Any]:
         """Per image: boxes predicted, boxes true (a count read from detection), the image's AP@50
         (NaN for an image with no true box: nothing to recall)."""
-        preds = self.predict(X)
-        truths = [np.asarray(b, np.float32).reshape(-1, 4) for b in y]
-        ap = [ap50([p], [t]) for p, t in zip(preds, truths, strict=True)]
-        return (np.array([len(p[0]) for p in preds], np.float64), np.array([len(t) for t in truths], np.float64),
-                np.array(ap, np.float64))
+        return per_image(self.predict(X), _truths(y))
 
     def metrics(self, X: Any, y: Any) -> dict[str, Any]:
-        preds = self.predict(X)
-        n_gt = sum(len(np.asarray(b).reshape(-1, 4)) for b in y)
-        return {"n_pred": int(sum(len(p[0]) for p in preds)), "n_true": int(n_gt),
-                "count_exact": float(np.mean([len(p[0]) == len(np.asarray(b).reshape(-1, 4))
-                                             for p, b in zip(preds, y, strict=False)]))}
+        return detect_metrics(self.predict(X), _truths(y))
+
+    def scored(self, pred: list[tuple[np.ndarray, np.ndarray]], y: Any) -> tuple[float, dict[str, Any], tuple[Any, ...]]:
+        """(score, metrics, per-sample (prediction, truth, score)) of predictions already made
+        (out of core: predicted block by block, never holding the test features)."""
+        truths = _truths(y)
+        return ap50(pred, truths), detect_metrics(pred, truths), per_image(pred, truths)
+
+
+def _truths(y: Any) -> list[np.ndarray]:
+    return [np.asarray(b, np.float32).reshape(-1, 4) for b in y]
+
+
+def per_image(preds: list[tuple[np.ndarray, np.ndarray]], truths: list[np.ndarray]) -> tuple[Any, Any, Any]:
+    ap = [ap50([p], [t]) for p, t in zip(preds, truths, strict=True)]
+    return (np.array([len(p[0]) for p in preds], np.float64), np.array([len(t) for t in truths], np.float64),
+            np.array(ap, np.float64))
+
+
+def detect_metrics(preds: list[tuple[np.ndarray, np.ndarray]], truths: list[np.ndarray]) -> dict[str, Any]:
+    return {"n_pred": int(sum(len(p[0]) for p in preds)), "n_true": int(sum(len(t) for t in truths)),
+            "count_exact": float(np.mean([len(p[0]) == len(t) for p, t in zip(preds, truths, strict=False)]))}
 
 
 def _dense(X: Any) -> np.ndarray:
