@@ -39,6 +39,8 @@ MIN_TRAIN_ROWS = 256
 #: The same for kinds trained on whole samples (conv_spatial, detect): fewer grids than this.
 MIN_TRAIN_SAMPLES = 32
 MODES = ("auto", "always", "never")
+#: What a kind trained per sample out of core provides (probes/kinds/conv_spatial.py, detect.py).
+PER_SAMPLE_PROTOCOL = ("fit_scaled", "standardizes", "scored", "train_bytes")
 
 
 def eligible(job: GroupJob) -> bool:
@@ -48,6 +50,8 @@ def eligible(job: GroupJob) -> bool:
     for t in job.tasks:
         kind = job.kinds[t.kind]
         if not kind.__dict__.get("out_of_core", False):
+            return False
+        if not _batched(kind) and not all(hasattr(kind, m) for m in PER_SAMPLE_PROTOCOL):
             return False
         if issubclass(kind, PooledProbe):
             target = job.targets[t.target]
@@ -355,7 +359,7 @@ def _sample_outcome(job: GroupJob, task: Any, spec: subsample.IterSpec, fit: sub
     col = solve.columns[c]
     target, fold = job.targets[task.target], job.folds[task.fold_id]
     probe, score, metrics, preds = _scored(spec, fit, s, c)
-    ctrl = next((_scored(spec, fit, s, k)[1] for k, o in enumerate(solve.columns)
+    ctrl = next((_control_score(spec, fit, s, k) for k, o in enumerate(solve.columns)
                  if o.job == col.job and o.control), None)
     at = np.flatnonzero(solve.pick)
     metrics.update({"n_train_samples": int(subsample.labelled_of(col)[at].sum()),
@@ -365,6 +369,13 @@ def _sample_outcome(job: GroupJob, task: Any, spec: subsample.IterSpec, fit: sub
                                   "draw": "uniform over labelled training samples, without replacement"}})
     return Outcome(spec.kind.metric, score, ctrl, int((target.labelled() & fold.train).sum()),
                    int((target.labelled() & fold.test).sum()), metrics, probe, flops, predictions=preds)
+
+
+def _control_score(spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int) -> float:
+    """NaN (no control score recorded, as in memory) when the shuffled labels leave no test sample."""
+    if not (spec.solves[s].test & subsample.labelled_of(spec.solves[s].columns[c])).any():
+        return float("nan")
+    return _scored(spec, fit, s, c)[1]
 
 
 def _scored(spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int
