@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +147,15 @@ def test_plans_that_cannot_fit_are_refused_before_training_with_the_fix_named(ws
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "hidden_number_ridge" in lines[0], lines
     assert not ws.rows("SELECT 1 FROM probes WHERE seed = 3")   # refused before any training
+
+
+def test_a_kind_that_only_says_out_of_core_stays_in_memory(ws):
+    job = _job(ws, _plan("always", CONV), "g2m")
+    ((_, spec, _),) = plan_work([job], 5, None, "always")
+    assert isinstance(spec, IterSpec)
+    bare = type("Bare", (Probe,), {"out_of_core": True, "accepts": ("grid",)})   # no fit_scaled, scored, ...
+    ((_, spec, _),) = plan_work([replace(job, kinds={"conv_spatial": bare})], 5, None, "always")
+    assert spec is None                                    # the in-memory path, not an AttributeError mid-run
 
 
 def _big_g2m(path: Path, n: int, d: int, chunk: int = 256) -> Workspace:
