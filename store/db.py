@@ -42,6 +42,9 @@ DEFAULT_TIMEOUT = 30.0
 # so that SQL cannot turn it back on (docs/reliability.md, "Security").
 READ_ONLY_CONFIG: dict[str, str | bool | int | float | list[str]] = {
     "enable_external_access": False, "lock_configuration": True}
+# Writes are short transactions (a commit, a registration): one thread does them as fast, and
+# DuckDB's default pool (one thread per core) would wake beside an extraction's torch threads.
+WRITE_CONFIG: dict[str, str | bool | int | float | list[str]] = {"threads": 1}
 _MARKER_STALE_S = 5.0
 _READER_YIELD_S = 1.0
 
@@ -118,7 +121,7 @@ def _open(path: Path, read_only: bool, deadline: float, timeout: float) -> duckd
     try:
         while True:
             try:
-                return duckdb.connect(str(path), read_only=read_only, config=READ_ONLY_CONFIG if read_only else {})
+                return duckdb.connect(str(path), read_only=read_only, config=READ_ONLY_CONFIG if read_only else WRITE_CONFIG)
             except duckdb.Error as err:
                 if not is_lock_conflict(err):
                     raise manifest_error(path, err) from err

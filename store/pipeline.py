@@ -74,16 +74,19 @@ class Pipeline(Committer):
                 self._item_jobs = []
             if self._has_pending() and time.monotonic() >= self._retry_at:
                 elapsed = time.monotonic() - self._last_commit
-                if elapsed >= self._commit_every or (
-                    self._pending_chunks and self._queue.empty() and elapsed >= self._min_gap
-                ):
+                if self._pending_chunks:
+                    due = elapsed >= self._commit_every or (self._queue.empty() and elapsed >= self._min_gap)
+                else:  # records alone: each commit is CPU beside the model's, for progress only
+                    due = elapsed >= self._records_every
+                if due:
                     self._try_commit(blocking=False)
 
     def _commit_due(self) -> float | None:
         """When the pending records are to be committed (None: nothing pending)."""
         if not self._has_pending():
             return None
-        return max(self._last_commit + (self._min_gap if self._pending_chunks else self._commit_every), self._retry_at)
+        wait = self._min_gap if self._pending_chunks else self._records_every
+        return max(self._last_commit + wait, self._retry_at)
 
     def _lane(self, chunk: int) -> ThreadPoolExecutor:
         return self._lanes[chunk % len(self._lanes)]

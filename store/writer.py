@@ -22,9 +22,11 @@ Guarantees:
   is its row inserted into ``chunks`` (with a CRC-32C of the stored values and NaN/inf and clip
   counts). Token spans and generations queued before a block are committed in the same or an
   earlier transaction, so a committed chunk implies its rows' records are committed.
-* Manifest commits are short transactions, batched: at most every
-  ``commit_every`` seconds while the producer keeps the queue busy, within ``min_commit_gap``
-  when it goes idle. A crash loses the blocks not yet committed; their rows are recomputed.
+* Manifest commits are short transactions, batched: a written block is committed at most
+  ``commit_every`` seconds later while the producer keeps the queue busy, within ``min_commit_gap``
+  when it goes idle. Token spans and generations with no block to go with them wait up to
+  ``records_every`` seconds (they only show progress: a crash recomputes their rows anyway). A
+  crash loses the blocks not yet committed; their rows are recomputed.
   All of a run's transactions share one read-write connection, given up whenever another
   connection needs the file (:class:`store.db.HeldConnection`); :meth:`arrays` declares a run's
   arrays in one transaction.
@@ -86,6 +88,7 @@ class Writer(Registration, Tensors, Producer, Pipeline):
         max_pending_bytes: int = 256 << 20,
         commit_every: float = 1.0,
         min_commit_gap: float = 0.2,
+        records_every: float = 5.0,
         manifest_timeout: float = db.DEFAULT_TIMEOUT,
         shard: Shard | str | None = None,
     ) -> None:
@@ -96,6 +99,7 @@ class Writer(Registration, Tensors, Producer, Pipeline):
         self.stats = WriterStats()
         self._commit_every = commit_every
         self._min_gap = min_commit_gap
+        self._records_every = records_every
         self._manifest_timeout = manifest_timeout
         self._locks = self._acquire_locks()
         self._manifest = db.HeldConnection(ws.manifest_path)

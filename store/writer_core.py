@@ -71,6 +71,7 @@ class WriterCore:
     _manifest: db.HeldConnection  # the run's one read-write connection (store/db.py)
     _commit_every: float
     _min_gap: float
+    _records_every: float  # how long token spans and generations alone wait for a commit
     _handles: dict[str, ArrayHandle]
     _chunk_sizes: set[int] | None  # the chunk sizes of the run's arrays in the manifest, once asked
     _stimuli: list[str] | None
