@@ -12,9 +12,10 @@ import time
 import duckdb
 import numpy as np
 import pytest
-from storetest_lib import DIM, TOKENS, dense_values, python, stimulus_rows
+from storetest_lib import DIM, TOKENS, dense_values, python, stimulus_rows, wait_for
 
-from store import ArraySpec, RunInfo, Workspace
+from store import ArraySpec, Generation, RunInfo, Workspace
+from store import db
 
 
 @pytest.fixture
@@ -96,3 +97,25 @@ def test_other_processes_read_while_a_writer_holds_the_manifest(tmp_path):
         w.finish()
     np.testing.assert_array_equal(ws.read("r", "vision", 0, tokens="image"),
                                   dense_values(range(8)).astype(np.float16))
+
+
+def test_records_alone_wait_for_records_every_while_chunks_commit_at_once(tmp_path):
+    """Asserts: generations with no chunk to go with them are not committed within commit_every
+    (before: a commit every second for progress alone, CPU beside the model's); a complete chunk
+    is committed at once, its records with it; and manifest writes run DuckDB on one thread."""
+    ws = Workspace.open(tmp_path / "ws")
+    with ws.writer(RunInfo(run="r", model="m", chunk_samples=4), commit_every=0.05, min_commit_gap=0.0,
+                   records_every=60.0) as w:
+        w.set_samples(w.register_stimuli(stimulus_rows(8), dataset="d"))
+        (h,) = w.arrays(_specs()[:1])
+        commits = w.stats.commits
+        w.record_generations(0, [Generation(text="1"), Generation(text="2")])
+        time.sleep(0.6)  # 12 x commit_every
+        assert w.stats.commits == commits
+        w.write(h, 0, dense_values(range(4)))
+        wait_for(lambda: w.stats.commits > commits, timeout=10)
+        with db.connect(ws.manifest_path, read_only=False) as con:
+            assert con.execute("SELECT count(*) FROM generations").fetchone() == (2,)
+            assert con.execute("SELECT current_setting('threads')").fetchone() == (1,)
+        w.write(h, 4, dense_values(range(4, 8)))
+        w.finish()
