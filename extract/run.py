@@ -392,13 +392,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         specs = array_specs(lm, request, (with_images or samples)[0], dense_images, dtype, codec)
         handles = dict(zip(specs, w.arrays(list(specs.values())), strict=True))  # one manifest transaction
         if lens is not None and (w.shard is None or w.shard.index == 0):
-            w.write_tensor("lm_head.weight", lens.unembed, dtype=dtype, module=lens.unembed_path)
-            if lens.unembed_bias is not None:
-                w.write_tensor("lm_head.bias", lens.unembed_bias, dtype=dtype, module=lens.unembed_path)
-            w.write_tensor("final_norm.weight", lens.norm.weight, dtype=dtype, module=lens.norm.module_path)
-            if lens.norm.bias is not None:
-                w.write_tensor("final_norm.bias", lens.norm.bias, dtype=dtype, module=lens.norm.module_path)
-            ws.record_vocab(manifest.run, vocabulary(lm, int(lens.unembed.shape[0])))
+            write_lens(ws, w, lm, lens, manifest.run, dtype)
         todo = w.todo()
         total = sum(len(r) for r in todo)
         warning = one_chunk_warning(manifest, len(samples)) if total else None
@@ -429,6 +423,17 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         bar.close()
         w.finish()
     return ws, computed, (correct / scored if scored else None), len(handles)
+
+
+def write_lens(ws: Workspace, w: Writer, lm: LoadedModel, lens: Any, run: str, dtype: str) -> None:
+    """The run tensors an offline logit lens needs (unembedding, final norm) and the vocabulary."""
+    w.write_tensor("lm_head.weight", lens.unembed, dtype=dtype, module=lens.unembed_path)
+    if lens.unembed_bias is not None:
+        w.write_tensor("lm_head.bias", lens.unembed_bias, dtype=dtype, module=lens.unembed_path)
+    w.write_tensor("final_norm.weight", lens.norm.weight, dtype=dtype, module=lens.norm.module_path)
+    if lens.norm.bias is not None:
+        w.write_tensor("final_norm.bias", lens.norm.bias, dtype=dtype, module=lens.norm.module_path)
+    ws.record_vocab(run, vocabulary(lm, int(lens.unembed.shape[0])))
 
 
 def one_chunk_warning(manifest: Manifest, n_samples: int) -> str | None:
