@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 from storetest_lib import DIM, TOKENS, dense_values, python, stimulus_rows, wait_for
 
-from store import ArraySpec, Generation, RunInfo, Workspace
-from store import db
+from store import ArraySpec, Generation, RunInfo, Workspace, db
 
 
 @pytest.fixture
