@@ -294,3 +294,43 @@ def test_dry_run_shows_what_each_group_reads_and_writes_nothing(ws, capsys):
     got, out = groups()
     assert [g[0] for g in got] == ["-", "stale"] and "first derives" not in out
     assert got[1][2] == round(N * 4 * D * 2 / 2**20, 1)                         # stale: the tokens, on the fly
+
+
+def test_verify_checks_derived_arrays(ws):
+    """store verify: a derived array's chunks are there and read back, its node matches its row;
+    a stale one is a note (readers pool on the fly), a missing or damaged one a problem."""
+    got = derive(ws, ws.array_info("spatial", "vision", 0), "mean")
+    derive(ws, ws.array_info("spatial", "vision", 1), "max")
+    rep = ws.verify()
+    assert rep.ok and not rep.warnings and rep.derived == 2, (rep.problems, rep.warnings)
+    assert rep.bytes_checked >= 2 * N * D * 4
+    source = ws.array_info("spatial", "vision", 1)
+    with duckdb.connect(str(ws.manifest_path)) as con:   # layer 1 re-extracted since it was derived
+        con.execute("UPDATE chunks SET committed_at = now() WHERE zarr_path = ? AND chunk = 1", [source.zarr_path])
+    rep = ws.verify()
+    assert rep.ok and len(rep.warnings) == 1, (rep.problems, rep.warnings)
+    assert "vision.1.resid_post.image.pool_max is stale" in rep.warnings[0]
+    assert "python -m probes derive --run spatial --pool max" in rep.warnings[0]
+    chunk = ws.zarr_path / got.zarr_path / "c.2.0"
+    chunk.write_bytes(chunk.read_bytes()[:100])             # a truncated chunk file
+    (ws.zarr_path / got.zarr_path / "c.3.0").unlink()
+    rep = ws.verify()
+    assert len(rep.problems) == 1 and "chunk 2 (rows 50-74) unreadable" in rep.problems[0], rep.problems
+    assert "c.2.0 is 100 bytes, expected 1600" in rep.problems[0]
+    with duckdb.connect(str(ws.manifest_path)) as con:
+        con.execute("UPDATE derived_arrays SET shape = [99, 16] WHERE op = 'pool_mean'")
+    problems = ws.verify().problems
+    assert len(problems) == 1 and "its derived_arrays row says (99, 16)" in problems[0], problems
+    assert ws.verify(run="other").derived == 0                 # another run's check leaves them out
+
+
+def test_store_verify_cli_names_derived_arrays(ws, capsys):
+    from store.cli import main as store_cli
+
+    derive(ws, ws.array_info("spatial", "vision", 0), "mean")
+    assert store_cli(["verify", "--data", str(ws.path)]) == 0
+    assert "2 array(s) and 1 derived array(s)" in capsys.readouterr().out
+    (ws.zarr_path / "spatial/_derived/vision.0.resid_post.image.pool_mean/c.0.0").unlink()
+    assert store_cli(["verify", "--data", str(ws.path)]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM: derived array spatial/_derived/vision.0.resid_post.image.pool_mean: chunk 0 (rows 0-24)" in out
