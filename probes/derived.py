@@ -2,9 +2,11 @@
 (store/derived.py), so plans whose probes pool the same way read ``[n, d]`` float32 instead of the
 token arrays, with the same values to the bit (``pool`` of a sample depends on that sample alone).
 
-``python -m probes derive --run RUN --pool mean`` writes them on the client (workers write nothing);
-the farm then reads a fresh one for every group whose probes are all ``pooled`` with that ``pool``,
-and pools on the fly, saying why, when the source has been re-extracted since (stale).
+``python -m probes derive --run RUN --pool mean``, or the farm under the plan's ``derive: auto``
+before it dispatches any group, writes them on the client (workers write nothing). The farm reads
+a fresh one for every group whose probes all pool one way (:func:`pooling_of`: ``pooled``, and the
+streamed statistics kinds on sample targets), and pools on the fly, saying why, when the source
+has been re-extracted since (stale) and the plan says ``derive: never``.
 """
 
 from __future__ import annotations
