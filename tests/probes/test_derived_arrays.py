@@ -262,6 +262,7 @@ def test_derive_auto_derives_on_first_use_and_never_leaves_the_store_alone(ws):
     assert later.trained == 24 and later.failed == 0 and not any("derive: auto" in x for x in logged)
 
 
+@pytest.mark.slow
 def test_dry_run_shows_what_each_group_reads_and_writes_nothing(ws, capsys):
     plan_file = ws.path.parent / "plan.yaml"
     # A group of two poolings (layer 0, where: below): no one derived array serves it, it reads the tokens.
