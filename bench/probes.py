@@ -398,7 +398,7 @@ def real_shape(quick: bool) -> None:
         }
         constants: dict[str, Any] = {}
         for what, entry in plans.items():
-            plan = parse_plan({"name": "real", "memory_limit": limit,
+            plan = parse_plan({"name": "real", "memory_limit": limit, "derive": "never",   # measure the token reads
                                "probes": [{"runs": ["real"], "tokens": ["image"], **entry}]})
             rep = run_plan(plan, tmp / "ws", workers=2, progress=False, log=lambda s: None, force=True)
             assert rep.failed == 0, rep.failures[:2]

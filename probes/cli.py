@@ -221,19 +221,26 @@ def _memory_plan(ws, plan, groups, args) -> None:
 
     limit = parse_bytes(args.memory_limit if args.memory_limit is not None else plan.memory_limit)
     prep = _Preparer(ws, plan)
+    prep.prospective = plan.derive == "auto"  # reads what the run will read once it has derived (writes nothing)
     jobs = [prep.job(g) for g in groups if len(prep.samples(g.run, g.where)[0])]
     rows = args.block_rows or plan.block_rows
     work = plan_work(jobs, rows, limit, plan.out_of_core, plan.max_train_rows, check=False)
     cap = f"{limit >> 20} MiB" if limit else "Dask's default"
     print(f"memory plan (worker limit {cap}; a task must fit 80% of it):")
-    print(f"  {'group':18} {'path':9} {'layers':>6} {'rows':>7} {'reads MiB':>10} {'peak MiB':>9}  peak set by")
+    print(f"  {'group':18} {'path':9} {'derived':10} {'layers':>6} {'rows':>7} {'reads MiB':>10} {'peak MiB':>9}"
+          "  peak set by")
     for job, specs, mem in work[: None if args.verbose else 40]:
         path = "in-memory" if specs is None else "streamed" if isinstance(specs, list) else "subsample"
-        print(f"  {job.group:18} {path:9} {len(job.arrays):6d} {len(job.rows):7d} {mem.read_bytes / 2**20:10.1f}"
-              f" {mem.peak_bytes / 2**20:9.1f}  {mem.what}")
+        reads = getattr(prep.derived.get(job.group[:16]), "status", None) or "-"   # docs/probes.md, derived arrays
+        print(f"  {job.group:18} {path:9} {reads:10} {len(job.arrays):6d} {len(job.rows):7d}"
+              f" {mem.read_bytes / 2**20:10.1f} {mem.peak_bytes / 2**20:9.1f}  {mem.what}")
     if work:
         print(f"  total read {sum(m.read_bytes for _, _, m in work) / 2**20:.1f} MiB;"
               f" largest peak {max(m.peak_bytes for _, _, m in work) / 2**20:.1f} MiB")
+    todo = {(s.zarr_path, g.how): s for g in prep.derived.values() for s in g.todo}
+    if todo:
+        print(f"derive: auto first derives {len(todo)} array(s) on this client, reading"
+              f" {sum(s.bytes for s in todo.values()) / 2**20:.1f} MiB of tokens once; later plans read them instead")
     plan_work(jobs, rows, limit, plan.out_of_core, plan.max_train_rows)
 
 

@@ -2,15 +2,19 @@
 (store/derived.py), so plans whose probes pool the same way read ``[n, d]`` float32 instead of the
 token arrays, with the same values to the bit (``pool`` of a sample depends on that sample alone).
 
-``python -m probes derive --run RUN --pool mean`` writes them on the client (workers write nothing);
-the farm then reads a fresh one for every group whose probes are all ``pooled`` with that ``pool``,
-and pools on the fly, saying why, when the source has been re-extracted since (stale).
+``python -m probes derive --run RUN --pool mean``, or the farm under the plan's ``derive: auto``
+before it dispatches any group, writes them on the client (workers write nothing). The farm reads
+a fresh one for every group whose probes all pool one way (:func:`pooling_of`: ``pooled``, and the
+streamed statistics kinds on sample targets), and pools on the fly, saying why, when the source
+has been re-extracted since (stale) and the plan says ``derive: never``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from probes.errors import ProbeError
@@ -22,6 +26,8 @@ from store import derived as store_derived
 POOLS = ("mean", "max", "first", "last")
 #: The kinds whose features are ``pool(X, params.pool)`` and nothing else before training.
 POOLING_KINDS = ("pooled",)
+#: Streamed kinds whose sample-target features are ``pool(X, params.pool)`` (probes/stream.py read_block).
+STREAM_SOLVERS = ("ridge", "lda", "centroid")
 CODE = "probes.pooling.pool"
 
 
@@ -51,28 +57,101 @@ def derive(ws: Workspace, source: ArrayInfo, how: str) -> store_derived.DerivedI
     return store_derived.write(ws, source, op_name(how), CODE, chunk)
 
 
+def pooling_of(tasks: list[Any]) -> str | None:
+    """The one ``pool`` every task's features are (``pool(X, how)`` and nothing else before training),
+    or None when some task needs the tokens themselves (a token target, a kind that reads tokens) or
+    the tasks pool in different ways. ``pooled`` pools always; the streamed statistics kinds
+    (``ridge``, ``lda``, ``nearest_centroid``: probes/stream.py ``read_block``) pool for sample targets."""
+    from probes.kinds import get_kind
+    from probes.targets import get_target
+
+    hows = set()
+    for t in tasks:
+        kind = get_kind(t.kind)
+        params = kind.check_params(t.params)
+        how = getattr(params, "pool", None)
+        streamed = getattr(kind, "streaming", False) and getattr(kind, "stream_solver", None) in STREAM_SOLVERS
+        if how not in POOLS or not (t.kind in POOLING_KINDS or (streamed and get_target(t.target).shape == "sample")):
+            return None
+        hows.add(how)
+    return hows.pop() if len(hows) == 1 else None
+
+
+@dataclass
+class GroupDerived:
+    """What a group reads. ``status``: ``fresh`` (``arrays``: its derived arrays), ``to derive`` /
+    ``to refresh`` (derive: auto writes the missing / stale ones, ``todo``, before dispatch; ``arrays``
+    as they will be), ``stale`` (derive: never: pooling on the fly, ``note`` says why), or None (no
+    derived array: the tasks need the tokens, or derive: never and none was derived)."""
+
+    how: str | None = None
+    status: str | None = None
+    arrays: list[ArrayInfo] | None = None
+    note: str | None = None
+    todo: list[ArrayInfo] = field(default_factory=list)
+
+
+def group_status(ws: Workspace, sources: list[ArrayInfo], tasks: list[Any], auto: bool = False) -> GroupDerived:
+    """Whether a group of ``tasks`` over ``sources`` (one per layer) reads derived arrays.
+    ``auto``: a missing or stale derivation counts as one to derive (the plan's ``derive: auto``)."""
+    how = pooling_of(tasks) if tasks else None
+    if how is None or not all(poolable(s) for s in sources):
+        return GroupDerived()
+    out, todo, stale = [], [], None
+    for source in sources:
+        got = store_derived.find(ws, source, op_name(how))
+        if got is not None and store_derived.is_fresh(ws, got, source):
+            out.append(got.array_info())
+            continue
+        if got is not None and stale is None:
+            stale = (got, source)
+        todo.append(source)
+        out.append(store_derived.planned(source, op_name(how), _pooled_shape(source)).array_info())
+    if not todo:
+        return GroupDerived(how, "fresh", out)
+    if auto:
+        return GroupDerived(how, "to refresh" if stale else "to derive", out, todo=todo)
+    if stale is None:
+        return GroupDerived(how)
+    return GroupDerived(how, "stale", None,
+                        f"derived array {stale[0].zarr_path} is stale (its source {stale[1].key()} was re-extracted"
+                        f" since): pooling on the fly; refresh it with python -m probes derive --run {stale[1].run}"
+                        f" --pool {how}, or leave the plan's derive: auto (the default) to refresh it")
+
+
 def for_group(ws: Workspace, sources: list[ArrayInfo], tasks: list[Any]) -> tuple[list[ArrayInfo] | None, str | None]:
     """The derived arrays to read instead of ``sources`` when every task pools the same way and a
     fresh derivation exists for every layer; else None, with a note when one exists but is stale."""
-    from probes.kinds import get_kind
+    got = group_status(ws, sources, tasks)
+    return (got.arrays if got.status == "fresh" else None), got.note
 
-    if not tasks or any(t.kind not in POOLING_KINDS for t in tasks):
-        return None, None
-    hows = {get_kind(t.kind).check_params(t.params).pool for t in tasks}
-    if len(hows) != 1:
-        return None, None
-    how = hows.pop()
-    out = []
-    for source in sources:
-        got = store_derived.find(ws, source, op_name(how))
-        if got is None:
-            return None, None
-        if not store_derived.is_fresh(ws, got, source):
-            return None, (f"derived array {got.zarr_path} is stale (its source {source.key()} was re-extracted since):"
-                          f" pooling on the fly; refresh it with python -m probes derive --run {source.run}"
-                          f" --pool {how}")
-        out.append(got.array_info())
-    return out, None
+
+def derive_for_plan(ws: Workspace, groups: list[tuple[list[ArrayInfo], list[Any]]],
+                    log: Callable[[str], None]) -> int:
+    """``derive: auto``: before any group is dispatched, derive (on this client: workers write
+    nothing) every array that a pooling group selects and that has no fresh derivation of that pool.
+    An array that cannot be derived (a sample without tokens) is one line in the log, and its groups
+    pool on the fly. Returns how many arrays were derived."""
+    wanted: dict[tuple[str, str], tuple[ArrayInfo, str]] = {}
+    for sources, tasks in groups:
+        got = group_status(ws, sources, tasks, auto=True)
+        for s in got.todo:
+            wanted.setdefault((s.zarr_path, str(got.how)), (s, str(got.how)))
+    made = 0
+    for source, how in wanted.values():
+        old = store_derived.find(ws, source, op_name(how))
+        if old is not None and store_derived.is_fresh(ws, old, source):
+            continue
+        try:
+            info = derive(ws, source, how)
+        except (ProbeError, StoreError) as err:
+            log(f"derive: auto: {err}; pooling on the fly")
+            continue
+        made += 1
+        why = "refreshed (its source was re-extracted)" if old is not None else "derived"
+        log(f"derive: auto: {info.zarr_path} {why}, {info.shape[0]} x {info.shape[1]} float32 from {source.key()}"
+            " (once: later plans read it instead of the tokens)")
+    return made
 
 
 def main(argv: list[str]) -> int:
@@ -117,8 +196,16 @@ def _derive_one(ws: Workspace, source: ArrayInfo, how: str) -> bool:
     return True
 
 
+def poolable(a: ArrayInfo) -> bool:
+    """Whether ``a`` holds tokens x features per sample (what ``pool`` reduces)."""
+    return (a.layout == "dense" and len(a.shape) == 3) or (a.layout == "ragged" and len(a.shape) == 3)
+
+
+def _pooled_shape(source: ArrayInfo) -> tuple[int, ...]:
+    return (source.n_samples, source.shape[-1])
+
+
 def _wanted(a: ArrayInfo, args: argparse.Namespace) -> bool:
-    poolable = (a.layout == "dense" and len(a.shape) >= 3) or (a.layout == "ragged" and len(a.shape) == 3)
-    poolable &= a.tap != "attn" or args.tap == "attn"  # attention maps are [query, key], not tokens x features
-    return poolable and all(want is None or got == want for got, want in
+    ok = poolable(a) and (a.tap != "attn" or args.tap == "attn")  # attention maps are [query, key], not tokens x d
+    return ok and all(want is None or got == want for got, want in
                             ((a.tap, args.tap), (a.layer, args.layer), (a.site, args.site), (a.tokens, args.tokens)))

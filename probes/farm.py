@@ -116,6 +116,8 @@ class _Preparer:
         self._committed: dict[str, dict[str, set[int]]] = {}
         self._arrays: dict[str, dict[tuple[str, int, str, str], Any]] = {}
         self.notes: list[str] = []  # said in the log once the jobs are built (e.g. a stale derived array)
+        self.prospective = False    # a dry run of derive: auto: missing derived arrays count as to be derived
+        self.derived: dict[str, derived.GroupDerived] = {}  # group key -> what it reads (derived.group_status)
 
     def samples(self, run: str, where: str | None) -> tuple[np.ndarray, list[SampleInfo]]:
         key = (run, where)
@@ -205,10 +207,11 @@ class _Preparer:
         if n_tokens and any(k.uses_grid for k in kinds.values()):
             grids = {token_grid(i, n_tokens) for i in {(i.grid_h, i.grid_w): i for i in infos}.values()}
             grid = grids.pop() if len(grids) == 1 else None
-        pooled, note = derived.for_group(self.ws, arrays, group.tasks)  # stored pooled features, when fresh
-        if note:
-            self.notes.append(note)
-        return GroupJob(workspace=str(self.ws.path), root=self.ws.root, group=group.key, arrays=pooled or arrays,
+        pooled = derived.group_status(self.ws, arrays, group.tasks, self.prospective)  # stored pooled features
+        if pooled.note:
+            self.notes.append(pooled.note)
+        self.derived[group.key] = pooled
+        return GroupJob(workspace=str(self.ws.path), root=self.ws.root, group=group.key, arrays=pooled.arrays or arrays,
                         rows=rows,
                         tasks=group.tasks,
                         kinds=kinds, targets=targets, folds=folds, grid=grid, plan=self.plan.name,
@@ -405,7 +408,11 @@ def _jobs_to_train(plan: Plan, ws: Workspace, force: bool, report: FarmReport,
     if not tri.todo:
         log(f"plan {plan.name}: nothing left to train ({report.skipped} done)")
         return []
-    jobs = [prep.job(g) for g in group_tasks(tri.todo, plan.layers_per_task)]
+    groups = group_tasks(tri.todo, plan.layers_per_task)
+    if plan.derive == "auto":  # the client derives what pooling groups read, before any is dispatched
+        derived.derive_for_plan(ws, [([prep.array(g.run, g.tap, layer, g.site, g.tokens) for layer in g.layers],
+                                      g.tasks) for g in groups], lambda line: log(f"plan {plan.name}: {line}"))
+    jobs = [prep.job(g) for g in groups]
     for note in dict.fromkeys(prep.notes):
         log(f"plan {plan.name}: {note}")
     return jobs

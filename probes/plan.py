@@ -4,6 +4,7 @@
 name: go-counting                    # recorded with every probe (params.plan)
 plugins: [my_lab.probes]             # modules to import first (they register kinds / targets)
 layers_per_task: 1                   # layers packed into one Dask task (one batched solve)
+derive: auto                         # or never: store pooled features once (docs/probes.md, derived arrays)
 defaults:                            # apply to every entry unless it says otherwise
   seeds: [0]
   test_fraction: 0.2                 # hash split by stimulus key (probes/splits.py)
@@ -131,6 +132,10 @@ class Plan(_Strict):
     # holds), see probes/farm_iterative.py.
     out_of_core: Literal["auto", "always", "never"] = "auto"
     max_train_rows: int | None = Field(None, ge=1)
+    # Pooled features stored once (probes/derived.py): auto derives, on the client before any group
+    # is dispatched, every array a pooling group selects that has no fresh derived array of its pool;
+    # never leaves the store as it is (fresh derived arrays are still read).
+    derive: Literal["auto", "never"] = "auto"
     defaults: Defaults = Defaults()
     probes: list[Entry] = Field(min_length=1)
 

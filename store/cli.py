@@ -97,10 +97,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     rep = ws.verify(run=args.run, checksums=not args.no_checksums)
     if args.json:
         print(json.dumps({"ok": rep.ok, "problems": rep.problems, "warnings": rep.warnings, "runs": rep.runs,
-                          "arrays": rep.arrays, "chunks": rep.chunks, "bytes_checked": rep.bytes_checked}, indent=2))
+                          "arrays": rep.arrays, "derived": rep.derived, "chunks": rep.chunks,
+                          "bytes_checked": rep.bytes_checked}, indent=2))
     else:
-        print(f"checked {rep.runs} run(s), {rep.arrays} array(s), {rep.chunks} chunk(s), {human(rep.bytes_checked)}"
-              f" in {rep.seconds:.1f} s")
+        derived = f" and {rep.derived} derived array(s)" if rep.derived else ""
+        print(f"checked {rep.runs} run(s), {rep.arrays} array(s){derived}, {rep.chunks} chunk(s),"
+              f" {human(rep.bytes_checked)} in {rep.seconds:.1f} s")
         for w in rep.warnings:
             print(f"warning: {w}")
         for p in rep.problems:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from store import arrays as layout
-from store import db
+from store import db, location
 from store.errors import StoreError
 from store.records import ArrayInfo
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from store.workspace import Workspace
 
 DTYPE = "float32"
-_COLUMNS = ("zarr_path, run, tap, layer, site, tokens, source_zarr_path, op, shape, dtype, chunk_samples, n_chunks,"
+COLUMNS = ("zarr_path, run, tap, layer, site, tokens, source_zarr_path, op, shape, dtype, chunk_samples, n_chunks,"
             " source_digest, code, created_at")
 
 
@@ -66,16 +67,22 @@ def derived_path(source: ArrayInfo, op: str) -> str:
 
 def source_digest(ws: Workspace, source: ArrayInfo) -> str:
     """What the source's committed chunks are now: changes when any chunk is re-written."""
+    return digest_of(ws, source.run, source.zarr_path)
+
+
+def digest_of(ws: Workspace, run: str, zarr_path: str) -> str:
     rows = ws.rows("SELECT chunk, n_rows, crc32c, CAST(committed_at AS VARCHAR) FROM chunks"
-                   " WHERE run = ? AND zarr_path = ? ORDER BY chunk", [source.run, source.zarr_path])
+                   " WHERE run = ? AND zarr_path = ? ORDER BY chunk", [run, zarr_path])
     return hashlib.sha256(repr(rows).encode()).hexdigest()
 
 
 def find(ws: Workspace, source: ArrayInfo, op: str) -> DerivedInfo | None:
-    got = ws.rows(f"SELECT {_COLUMNS} FROM derived_arrays WHERE zarr_path = ?", [derived_path(source, op)])
-    if not got:
-        return None
-    r = got[0]
+    got = ws.rows(f"SELECT {COLUMNS} FROM derived_arrays WHERE zarr_path = ?", [derived_path(source, op)])
+    return from_row(got[0]) if got else None
+
+
+def from_row(r: tuple[Any, ...]) -> DerivedInfo:
+    """A ``SELECT {COLUMNS} FROM derived_arrays`` row as a DerivedInfo."""
     return DerivedInfo(zarr_path=r[0], run=r[1], tap=r[2], layer=int(r[3]), site=r[4], tokens=r[5],
                        source_zarr_path=r[6], op=r[7], shape=tuple(int(x) for x in r[8]), chunk_samples=int(r[10]),
                        n_chunks=int(r[11]), source_digest=r[12], code=r[13])
@@ -85,14 +92,20 @@ def is_fresh(ws: Workspace, derived: DerivedInfo, source: ArrayInfo) -> bool:
     return derived.source_zarr_path == source.zarr_path and derived.source_digest == source_digest(ws, source)
 
 
+def planned(source: ArrayInfo, op: str, shape: tuple[int, ...]) -> DerivedInfo:
+    """The row ``write`` would register for ``source`` (a dry run's bytes; nothing is written)."""
+    return DerivedInfo(zarr_path=derived_path(source, op), run=source.run, tap=source.tap, layer=source.layer,
+                       site=source.site, tokens=source.tokens, source_zarr_path=source.zarr_path, op=op,
+                       shape=tuple(shape), chunk_samples=source.chunk_samples, n_chunks=source.n_chunks,
+                       source_digest="", code="")
+
+
 def write(ws: Workspace, source: ArrayInfo, op: str, code: str,
           compute: Callable[[int, range], np.ndarray]) -> DerivedInfo:
     """Compute ``compute(chunk, rows) -> [len(rows), ...]`` for every chunk of ``source``, write the
     values as float32 and register them (replacing an older derivation of the same op) in one
-    short transaction once every chunk is on disk. Local workspaces only."""
-    if ws.root.remote:
-        raise StoreError(f"derived arrays are written to a local workspace; {ws.path} keeps its arrays in"
-                         f" {ws.root.where('')}: derive on a local copy")
+    short transaction once every chunk is on disk, or, when the workspace's arrays live in an object
+    store, uploaded (then the staged local copies go, as the writer's do)."""
     committed = {int(c) for (c,) in ws.rows("SELECT chunk FROM chunks WHERE run = ? AND zarr_path = ?",
                                             [source.run, source.zarr_path])}
     missing = sorted(set(range(source.n_chunks)) - committed)
@@ -101,8 +114,35 @@ def write(ws: Workspace, source: ArrayInfo, op: str, code: str,
                          " extraction before deriving from it")
     digest = source_digest(ws, source)
     path = derived_path(source, op)
+    shape, files = _write_chunks(ws, source, path, op, code, compute)
+    if ws.root.remote:
+        # An object shows only once whole: every chunk and the metadata up, then the row.
+        try:
+            ws.root.upload(files)
+            ws.root.upload_meta(path)
+        except OSError as err:
+            raise location.describe_remote_error(str(ws.root.url), err) from err
+    info = replace(planned(source, op, shape), source_digest=digest, code=code)
+    with db.connect(ws.manifest_path, read_only=False, timeout=ws.timeout) as con:
+        con.execute("BEGIN TRANSACTION")
+        con.execute("DELETE FROM derived_arrays WHERE zarr_path = ?", [path])
+        con.execute(f"INSERT INTO derived_arrays ({COLUMNS}) VALUES ({', '.join('?' * 15)})",
+                    [path, info.run, info.tap, info.layer, info.site, info.tokens, info.source_zarr_path, op,
+                     list(info.shape), DTYPE, info.chunk_samples, info.n_chunks, digest, code,
+                     datetime.now(UTC).replace(tzinfo=None)])
+        con.execute("COMMIT")
+    if ws.root.remote:
+        for f in files:
+            f.unlink(missing_ok=True)
+    return info
+
+
+def _write_chunks(ws: Workspace, source: ArrayInfo, path: str, op: str, code: str,
+                  compute: Callable[[int, range], np.ndarray]) -> tuple[tuple[int, ...], list[Path]]:
+    """Every chunk computed and written (fsynced) under the workspace's ``arrays/``: (shape, chunk files)."""
     root = layout.open_root(ws.path, read_only=False)
     arr: Any = None
+    files = []
     for k in range(source.n_chunks):
         rows = source.chunk_rows(k)
         values = np.ascontiguousarray(compute(k, rows), dtype=np.float32)
@@ -113,19 +153,9 @@ def write(ws: Workspace, source: ArrayInfo, op: str, code: str,
                                       layout.parse_codec("none", DTYPE), ("feature",) * (values.ndim - 1),
                                       {"source": source.zarr_path, "op": op, "code": code})
         arr[rows.start:rows.stop] = values
-        layout.fsync_path(layout.dense_chunk_file(ws.path, path, values.ndim, k))
+        files.append(layout.dense_chunk_file(ws.path, path, values.ndim, k))
+        layout.fsync_path(files[-1])
     if arr is None:
         raise StoreError(f"{source.key()} has no rows to derive from")
     layout.fsync_node_chain(ws.path, path)
-    info = DerivedInfo(zarr_path=path, run=source.run, tap=source.tap, layer=source.layer, site=source.site,
-                       tokens=source.tokens, source_zarr_path=source.zarr_path, op=op, shape=tuple(arr.shape),
-                       chunk_samples=source.chunk_samples, n_chunks=source.n_chunks, source_digest=digest, code=code)
-    with db.connect(ws.manifest_path, read_only=False, timeout=ws.timeout) as con:
-        con.execute("BEGIN TRANSACTION")
-        con.execute("DELETE FROM derived_arrays WHERE zarr_path = ?", [path])
-        con.execute(f"INSERT INTO derived_arrays ({_COLUMNS}) VALUES ({', '.join('?' * 15)})",
-                    [path, info.run, info.tap, info.layer, info.site, info.tokens, info.source_zarr_path, op,
-                     list(info.shape), DTYPE, info.chunk_samples, info.n_chunks, digest, code,
-                     datetime.now(UTC).replace(tzinfo=None)])
-        con.execute("COMMIT")
-    return info
+    return tuple(arr.shape), files

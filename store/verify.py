@@ -16,6 +16,7 @@ import numpy as np
 import zarr
 
 from store import arrays as layout
+from store import derived as store_derived
 from store import location
 from store.checksum import crc32c
 from store.dtypes import numpy_dtype
@@ -36,6 +37,7 @@ class VerifyReport:
     warnings: list[str] = field(default_factory=list)
     runs: int = 0
     arrays: int = 0
+    derived: int = 0
     chunks: int = 0
     bytes_checked: int = 0
     seconds: float = 0.0
@@ -67,6 +69,9 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
     for run_id, status, n_samples in m.runs:
         _check_run(ws, m, run_id, status, n_samples, run_id in writing, checksums, rep)
     _check_tensors(ws, [t for t in m.tensors if not run or t[0] == run], checksums, rep)
+    for row in m.derived:
+        if not run or row[1] == run:
+            _check_derived(ws, row, rep)
     if root_ok and run is None:
         _check_leftovers(ws, {r[0] for r in m.runs}, rep)
     rep.seconds = time.perf_counter() - started
@@ -82,6 +87,7 @@ class _Manifest:
     samples: dict[str, tuple[Any, ...]]  # run -> (rows, min row, max row, rows with a registered stimulus)
     tensors: list[tuple[Any, ...]]
     version: int | None
+    derived: list[tuple[Any, ...]] = field(default_factory=list)   # derived_arrays rows (schema >= 7)
 
 
 def _read_manifest(ws: Workspace, run: str | None) -> _Manifest:
@@ -107,7 +113,11 @@ def _read_manifest(ws: Workspace, run: str | None) -> _Manifest:
         }
         tensors = con.execute("SELECT run, name, zarr_path, stored_dtype, crc32c FROM tensors").fetchall()
         version = con.execute("SELECT max(version) FROM schema_version").fetchone()
-    return _Manifest(runs, chunks, samples, tensors, version[0] if version else None)
+        derived = []
+        if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'derived_arrays'"
+                       ).fetchone() == (1,):
+            derived = con.execute(f"SELECT {store_derived.COLUMNS} FROM derived_arrays ORDER BY zarr_path").fetchall()
+    return _Manifest(runs, chunks, samples, tensors, version[0] if version else None, derived)
 
 
 def _check_run(ws: Workspace, m: _Manifest, run_id: str, status: str, n_samples: int | None, writing: bool,
@@ -142,6 +152,48 @@ def _check_tensors(ws: Workspace, tensors: list[tuple[Any, ...]], checksums: boo
                 rep.problems.append(f"tensor {run_id}/{name}: checksum mismatch at {ws.root.where(path)}")
         except Exception as err:  # noqa: BLE001 - any failure to read is the finding
             rep.problems.append(f"tensor {run_id}/{name} unreadable at {ws.root.where(path)}: {err}")
+
+
+def _check_derived(ws: Workspace, row: tuple[Any, ...], rep: VerifyReport) -> None:
+    """A derived array (store/derived.py): its node matches its row and every chunk is there and
+    reads back. No checksum is kept for derived chunks (they can be recomputed from their source);
+    a source re-extracted since makes it stale, which readers handle (they pool on the fly): a note."""
+    info = store_derived.from_row(row)
+    where = f"derived array {info.zarr_path}"
+    rep.derived += 1
+    try:
+        node = ws.root.open(layout.check_zarr_path(info.zarr_path)) if ws.root.has(info.zarr_path) else None
+    except Exception as err:  # noqa: BLE001 - any failure to open is the finding
+        rep.problems.append(f"{where}: cannot open {ws.root.where(info.zarr_path)}: {err}")
+        return
+    fix = f"derive it again: python -m probes derive --run {info.run} --pool {info.op.removeprefix('pool_')}"
+    if not isinstance(node, zarr.Array):
+        rep.problems.append(f"{where}: array missing at {ws.root.where(info.zarr_path, 'zarr.json')}; {fix}")
+        return
+    if tuple(node.shape) != info.shape or node.dtype != np.dtype(store_derived.DTYPE) \
+            or node.chunks[0] != info.chunk_samples:
+        rep.problems.append(f"{where}: on disk {tuple(node.shape)} {node.dtype} in chunks of {node.chunks[0]}, its"
+                            f" derived_arrays row says {info.shape} {store_derived.DTYPE} in chunks of"
+                            f" {info.chunk_samples}; {fix}")
+        return
+    expect = info.chunk_samples * int(np.prod(info.shape[1:])) * 4
+    for k in range(info.n_chunks):
+        name = layout.chunk_file_key(len(info.shape), k)
+        size = ws.root.size(info.zarr_path, name)
+        lo, hi = k * info.chunk_samples, min((k + 1) * info.chunk_samples, info.shape[0])
+        try:
+            if size != expect:
+                raise StoreError(f"{ws.root.where(info.zarr_path, name)} is "
+                                 + ("missing" if size is None else f"{size} bytes, expected {expect}"))
+            rep.bytes_checked += np.asarray(node[lo:hi]).nbytes
+        except Exception as err:  # noqa: BLE001 - any failure to read is the finding
+            rep.problems.append(f"{where}: chunk {k} (rows {lo}-{hi - 1}) unreadable: {err}; {fix}")
+            return
+    source = ws.rows("SELECT count(*) FROM activations WHERE run = ? AND zarr_path = ?",
+                     [info.run, info.source_zarr_path])
+    if source != [(1,)] or info.source_digest != store_derived.digest_of(ws, info.run, info.source_zarr_path):
+        rep.warnings.append(f"{where} is stale: its source {info.source_zarr_path} was re-extracted or dropped since,"
+                            f" so plans pool the tokens on the fly instead of reading it; {fix}")
 
 
 def _check_leftovers(ws: Workspace, known: set[str], rep: VerifyReport) -> None:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import duckdb
 import numpy as np
 import pytest
+import yaml
 from probetest_lib import D, probe_rows, spatial_family, spatial_features, write_run
 
 from probes import run_plan
 from probes.cli import main as probes_cli
-from probes.derived import derive, for_group
+from probes.derived import derive, for_group, group_status
 from probes.farm import plan_tasks
 from probes.features import read_features
 from probes.plan import parse_plan
@@ -74,8 +76,9 @@ def test_provenance_is_a_manifest_row(ws):
 
 @pytest.mark.slow
 def test_a_later_plan_reads_the_derived_array_not_the_tokens(ws):
+    run_plan(parse_plan({**PLAN, "derive": "never"}), ws.path, in_process=True, **QUIET)
+    assert ws.rows("SELECT count(*) FROM derived_arrays") == [(0,)]  # never: the store is left as it is
     plan = parse_plan(PLAN)
-    run_plan(plan, ws.path, in_process=True, **QUIET)
     on_the_fly = probe_rows(ws)
     preds = ws.rows("SELECT key, array_row, prediction, score FROM probe_predictions ORDER BY ALL")
     assert probes_cli(["derive", "--data", str(ws.path), "--run", "spatial", "--pool", "mean"]) == 0
@@ -86,7 +89,7 @@ def test_a_later_plan_reads_the_derived_array_not_the_tokens(ws):
     run_plan(plan, ws.path, in_process=True, force=True, **QUIET)
     assert probe_rows(ws) == on_the_fly  # the same probes, to the last digit recorded
     assert ws.rows("SELECT key, array_row, prediction, score FROM probe_predictions ORDER BY ALL") == preds
-    other = {**PLAN, "probes": [{**PLAN["probes"][0], "kinds": {"pooled": {"pool": "max"}}}]}
+    other = {**PLAN, "derive": "never", "probes": [{**PLAN["probes"][0], "kinds": {"pooled": {"pool": "max"}}}]}
     report = run_plan(parse_plan(other), ws.path, in_process=True, **QUIET)  # no max derivation: needs the tokens
     assert report.trained == 0 and report.failed == 8
     assert "is committed in the manifest but its file" in report.failures[0][1]  # proof the mean plan read none
@@ -100,13 +103,22 @@ def test_a_stale_derivation_is_not_read_and_says_how_to_refresh(ws, capsys):
     with duckdb.connect(str(ws.manifest_path)) as con:
         con.execute("UPDATE chunks SET crc32c = crc32c + 1, committed_at = now() WHERE zarr_path = ? AND chunk = 2",
                     [source.zarr_path])
-    plan = parse_plan(PLAN)
+    plan = parse_plan({**PLAN, "derive": "never"})
     tasks = [t for t in plan_tasks(plan, ws) if t.layer == 1]
     arrays, note = for_group(ws, [source], tasks)
     assert arrays is None and "is stale" in note and "python -m probes derive --run spatial --pool mean" in note
     logged = []
     run_plan(plan, ws.path, in_process=True, progress=False, log=logged.append)
     assert any("is stale" in line for line in logged)
+    assert for_group(ws, [source], tasks)[0] is None     # never: still stale after the plan
+    logged.clear()
+    run_plan(parse_plan(PLAN), ws.path, in_process=True, force=True, progress=False, log=logged.append)
+    assert any("vision.1.resid_post.image.pool_mean refreshed (its source was re-extracted)" in line for line in logged)
+    assert not any("is stale" in line for line in logged)
+    assert for_group(ws, [source], tasks)[0] is not None  # auto refreshed it before dispatching
+    with duckdb.connect(str(ws.manifest_path)) as con:    # stale again, for derive's own refresh
+        con.execute("UPDATE chunks SET crc32c = crc32c + 1, committed_at = now() WHERE zarr_path = ? AND chunk = 2",
+                    [source.zarr_path])
     capsys.readouterr()
     assert probes_cli(["derive", "--data", str(ws.path), "--run", "spatial", "--layer", "1"]) == 0
     assert "recomputed: its source was re-extracted" in capsys.readouterr().out
@@ -173,3 +185,153 @@ def test_a_ragged_array_with_empty_samples_is_refused_and_the_rest_derived(tmp_p
     every = np.arange(n)
     assert read_features(ws.root, got.array_info(), every).tobytes() == pool(read_features(ws.root, source, every),
                                                                               "mean").tobytes()
+
+
+STREAMED = {"name": "streamed", "defaults": {"seeds": [0, 1]},
+            "probes": [{"runs": ["spatial"], "layers": "all", "targets": ["spatial.relation", "truth:flag_1"],
+                        "kinds": {"ridge": {"pool": "mean", "alphas": [0.1, 1.0, 10.0]},
+                                  "lda": {"pool": "mean", "shrinkage": 0.1},
+                                  "nearest_centroid": {"pool": "mean"}}}]}
+
+
+def _tasks(ws, plan, layer=0):
+    return [t for t in plan_tasks(parse_plan(plan), ws) if t.layer == layer]
+
+
+@pytest.mark.slow
+def test_streamed_kinds_read_the_derived_array_not_the_tokens(ws):
+    """ridge, lda and nearest_centroid pool inside probes/stream.py: with a fresh derived array they
+    read it instead, to the same records and predictions, and none of the token chunks."""
+    tokens = run_plan(parse_plan({**STREAMED, "derive": "never"}), ws.path, in_process=True, **QUIET)
+    assert tokens.trained == 24 and tokens.failed == 0, tokens.failures[:2]
+    on_the_fly = probe_rows(ws)
+    preds = ws.rows("SELECT key, array_row, prediction, score FROM probe_predictions ORDER BY ALL")
+    assert probes_cli(["derive", "--data", str(ws.path), "--run", "spatial", "--pool", "mean"]) == 0
+    for c in _source_chunks(ws):
+        c.rename(c.with_name("moved-" + c.name))
+    derived = run_plan(parse_plan(STREAMED), ws.path, in_process=True, force=True, **QUIET)
+    assert derived.trained == 24 and derived.failed == 0, derived.failures[:2]
+    assert probe_rows(ws) == on_the_fly
+    assert ws.rows("SELECT key, array_row, prediction, score FROM probe_predictions ORDER BY ALL") == preds
+    source = ws.array_info("spatial", "vision", 0)
+    per_row = source.shape[1] * np.dtype(source.stored_dtype).itemsize  # T stored values per feature
+    assert derived.read_bytes * per_row == tokens.read_bytes * 4        # d float32 per sample instead of T x d
+
+
+def test_which_groups_pool_one_way(ws):
+    """A group reads a derived array only when every task's features are pool(X, how) with one how."""
+    derive(ws, ws.array_info("spatial", "vision", 0), "mean")
+    sources = [ws.array_info("spatial", "vision", 0)]
+    mixed = {**STREAMED, "probes": [{**STREAMED["probes"][0], "kinds": {"pooled": {"pool": "mean"},
+                                                                        "ridge": {"pool": "mean"}}}]}
+    assert for_group(ws, sources, _tasks(ws, mixed))[0] is not None      # pooled and ridge on sample targets
+    token = {**STREAMED, "probes": [{**STREAMED["probes"][0], "targets": ["spatial.relation", "g2m.cell_color"],
+                                     "kinds": {"ridge": {"pool": "mean"}}}]}
+    assert for_group(ws, sources, _tasks(ws, token))[0] is None          # a token target needs every token
+    two = {**STREAMED, "probes": [{**STREAMED["probes"][0], "kinds": {"ridge": {"pool": "mean"},
+                                                                      "lda": {"pool": "max"}}}]}
+    assert for_group(ws, sources, _tasks(ws, two))[0] is None            # two poolings: no one array serves both
+    linear = {**STREAMED, "probes": [{**STREAMED["probes"][0], "targets": ["g2m.cell_color"],
+                                      "kinds": {"linear": {}}}]}
+    assert for_group(ws, sources, _tasks(ws, linear))[0] is None
+    assert group_status(ws, sources, _tasks(ws, linear), auto=True).status is None   # auto derives nothing for it
+    fresh = group_status(ws, [ws.array_info("spatial", "vision", 1)], _tasks(ws, STREAMED, 1), auto=True)
+    assert fresh.status == "to derive" and fresh.arrays[0].shape == (N, D) and fresh.todo[0].layer == 1
+
+
+@pytest.mark.slow
+def test_derive_auto_derives_on_first_use_and_never_leaves_the_store_alone(ws):
+    logged = []
+    plan = {**STREAMED, "probes": [{**STREAMED["probes"][0], "where": "array_row < 40"}]}
+    never = run_plan(parse_plan({**plan, "derive": "never"}), ws.path, in_process=True, progress=False,
+                     log=logged.append)
+    assert ws.rows("SELECT count(*) FROM derived_arrays") == [(0,)] and never.failed == 0
+    logged.clear()
+    first = run_plan(parse_plan(plan), ws.path, in_process=True, force=True, progress=False, log=logged.append)
+    derived_lines = [line for line in logged if "derive: auto" in line]
+    assert len(derived_lines) == 2 and all(" derived, 100 x 16 float32 from spatial:vision/" in x for x in derived_lines)
+    # The whole array, though the plan selects 40 rows: a later where: reads it too.
+    assert ws.rows("SELECT layer, op, shape FROM derived_arrays ORDER BY layer") == [(0, "pool_mean", [N, D]),
+                                                                                      (1, "pool_mean", [N, D])]
+    assert first.read_bytes * (4 * 2) == never.read_bytes * 4  # its groups read them: d float32, not T = 4 float16
+    for c in _source_chunks(ws):
+        c.rename(c.with_name("moved-" + c.name))
+    logged.clear()
+    later = run_plan(parse_plan({**plan, "probes": [{**plan["probes"][0], "where": "array_row >= 40"}]}), ws.path,
+                     in_process=True, progress=False, log=logged.append)
+    assert later.trained == 24 and later.failed == 0 and not any("derive: auto" in x for x in logged)
+
+
+@pytest.mark.slow
+def test_dry_run_shows_what_each_group_reads_and_writes_nothing(ws, capsys):
+    plan_file = ws.path.parent / "plan.yaml"
+    # A group of two poolings (layer 0, where: below): no one derived array serves it, it reads the tokens.
+    both = {"runs": ["spatial"], "layers": [0], "where": "array_row < 50", "targets": ["truth:flag_1"], "tag": "both",
+            "kinds": {"ridge": {"pool": "mean"}, "lda": {"pool": "max"}}}
+    plan_file.write_text(yaml.safe_dump({**STREAMED, "probes": [STREAMED["probes"][0], both]}))
+    line = re.compile(r"^  (\S+)\s+(?:in-memory|streamed|subsample)\s+(fresh|to derive|to refresh|stale|-)\s+(\d+)"
+                      r"\s+(\d+)\s+([\d.]+)\s")
+
+    def groups() -> tuple[list[tuple[str, int, float]], str]:
+        assert probes_cli([str(plan_file), "--data", str(ws.path), "--dry-run", "-v"]) == 0
+        out = capsys.readouterr().out
+        got = [m.groups() for m in map(line.match, out.splitlines()) if m]
+        return sorted((status, int(rows), float(mib)) for _, status, _, rows, mib in got), out
+
+    got, out = groups()
+    assert ws.rows("SELECT count(*) FROM derived_arrays") == [(0,)]            # the dry run derived nothing
+    assert got == [("-", 50, round(50 * 4 * D * 2 / 2**20, 1)),                  # T = 4 float16 values per feature
+                   ("to derive", N, round(N * D * 4 / 2**20, 1)), ("to derive", N, round(N * D * 4 / 2**20, 1))]
+    assert f"derive: auto first derives 2 array(s) on this client, reading {2 * N * 4 * D * 2 / 2**20:.1f} MiB" in out
+    derive(ws, ws.array_info("spatial", "vision", 0), "mean")
+    got, out = groups()
+    assert [g[0] for g in got] == ["-", "fresh", "to derive"] and "first derives 1 array(s)" in out
+    path = ws.array_info("spatial", "vision", 0).zarr_path
+    with duckdb.connect(str(ws.manifest_path)) as con:    # layer 0's source re-extracted since
+        con.execute("UPDATE chunks SET committed_at = now() WHERE zarr_path = ? AND chunk = 0", [path])
+    got, out = groups()
+    assert [g[0] for g in got] == ["-", "to derive", "to refresh"]
+    plan_file.write_text(yaml.safe_dump({**STREAMED, "derive": "never"}))
+    got, out = groups()
+    assert [g[0] for g in got] == ["-", "stale"] and "first derives" not in out
+    assert got[1][2] == round(N * 4 * D * 2 / 2**20, 1)                         # stale: the tokens, on the fly
+
+
+def test_verify_checks_derived_arrays(ws):
+    """store verify: a derived array's chunks are there and read back, its node matches its row;
+    a stale one is a note (readers pool on the fly), a missing or damaged one a problem."""
+    got = derive(ws, ws.array_info("spatial", "vision", 0), "mean")
+    derive(ws, ws.array_info("spatial", "vision", 1), "max")
+    rep = ws.verify()
+    assert rep.ok and not rep.warnings and rep.derived == 2, (rep.problems, rep.warnings)
+    assert rep.bytes_checked >= 2 * N * D * 4
+    source = ws.array_info("spatial", "vision", 1)
+    with duckdb.connect(str(ws.manifest_path)) as con:   # layer 1 re-extracted since it was derived
+        con.execute("UPDATE chunks SET committed_at = now() WHERE zarr_path = ? AND chunk = 1", [source.zarr_path])
+    rep = ws.verify()
+    assert rep.ok and len(rep.warnings) == 1, (rep.problems, rep.warnings)
+    assert "vision.1.resid_post.image.pool_max is stale" in rep.warnings[0]
+    assert "python -m probes derive --run spatial --pool max" in rep.warnings[0]
+    chunk = ws.zarr_path / got.zarr_path / "c.2.0"
+    chunk.write_bytes(chunk.read_bytes()[:100])             # a truncated chunk file
+    (ws.zarr_path / got.zarr_path / "c.3.0").unlink()
+    rep = ws.verify()
+    assert len(rep.problems) == 1 and "chunk 2 (rows 50-74) unreadable" in rep.problems[0], rep.problems
+    assert "c.2.0 is 100 bytes, expected 1600" in rep.problems[0]
+    with duckdb.connect(str(ws.manifest_path)) as con:
+        con.execute("UPDATE derived_arrays SET shape = [99, 16] WHERE op = 'pool_mean'")
+    problems = ws.verify().problems
+    assert len(problems) == 1 and "its derived_arrays row says (99, 16)" in problems[0], problems
+    assert ws.verify(run="other").derived == 0                 # another run's check leaves them out
+
+
+def test_store_verify_cli_names_derived_arrays(ws, capsys):
+    from store.cli import main as store_cli
+
+    derive(ws, ws.array_info("spatial", "vision", 0), "mean")
+    assert store_cli(["verify", "--data", str(ws.path)]) == 0
+    assert "2 array(s) and 1 derived array(s)" in capsys.readouterr().out
+    (ws.zarr_path / "spatial/_derived/vision.0.resid_post.image.pool_mean/c.0.0").unlink()
+    assert store_cli(["verify", "--data", str(ws.path)]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM: derived array spatial/_derived/vision.0.resid_post.image.pool_mean: chunk 0 (rows 0-24)" in out

@@ -154,7 +154,7 @@ def test_group_bigger_than_worker_memory_completes_under_the_limit(tmp_path):
     n, t, d = 2048, 64, 512                 # float32 features: 2048*64*512*4 = 256 MiB > the 240 MiB limit
     ws = _big_run(tmp_path / "ws", n, t, d)
     limit = 240 << 20
-    plan = parse_plan({"name": "big", "probes": [{"runs": ["big"], "targets": ["truth:flag_0"],
+    plan = parse_plan({"name": "big", "derive": "never", "probes": [{"runs": ["big"], "targets": ["truth:flag_0"],
                                                    "kinds": {"ridge": {"pool": "mean"}}}]})
     job = _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
     assert len(job.rows) * t * d * 4 > limit
