@@ -129,7 +129,8 @@ def read_block(spec: StreamSpec, info: ArrayInfo, rows: np.ndarray) -> tuple[np.
     from probes.features import read_features
     from probes.pooling import pool
 
-    X = read_features(spec.root, info, rows, spec.dense_tokens)
+    # Pooled: float16 stays as stored until pool(), which averages its bits without a float32 copy.
+    X = read_features(spec.root, info, rows, spec.dense_tokens, stored=spec.level != "token")
     values = X.values if hasattr(X, "offsets") else X
     nbytes = int(np.asarray(values).size * np.dtype(info.stored_dtype).itemsize)
     if spec.level == "token":
