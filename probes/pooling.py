@@ -19,7 +19,7 @@ from probes.features import as_float32, half_bits_scaled
 #: run in the core's L2 cache instead of streaming the whole sample through memory once per pass.
 SLAB_VALUES = 1 << 16
 _UNSCALE = np.float32(2.0**112)
-_HALF_EXP = np.uint16(0x7C00)
+_NEG_NONFINITE, _POS_NONFINITE = np.uint16(0xFC00), np.int16(0x7C00)
 
 
 def pool(X: Any, how: str) -> np.ndarray:
@@ -67,9 +67,8 @@ def _pool_half(X: np.ndarray, how: str) -> np.ndarray:
     out = np.empty((n, d), np.float32)
     slab = max(1, min(T, SLAB_VALUES // d))
     work = np.empty((slab + 1, d), np.int32)     # row 0 carries the running result into the next slab
-    check = np.empty((slab, d), np.uint16)
     for i in range(n):
-        if _reduce_half(X[i], how, work, check, out[i]):
+        if _reduce_half(X[i], how, work, out[i]):
             out[i] *= _UNSCALE
         else:   # NaN/inf tokens: numpy's own cast
             x = X[i].astype(np.float32)
@@ -79,17 +78,17 @@ def _pool_half(X: np.ndarray, how: str) -> np.ndarray:
     return out
 
 
-def _reduce_half(x: np.ndarray, how: str, work: np.ndarray, check: np.ndarray, acc: np.ndarray) -> bool:
+def _reduce_half(x: np.ndarray, how: str, work: np.ndarray, acc: np.ndarray) -> bool:
     """acc = sum / max over axis 0 of float16 [T, d] ``x``, scaled by 2**-112; False (acc not
     usable) when a token is NaN or inf, whose bits the trick does not map."""
     ufunc = np.add if how == "mean" else np.maximum
     bits = x.view(np.uint16)
-    step = len(check)
+    step = len(work) - 1
     for t0 in range(0, len(x), step):
         k = min(step, len(x) - t0)
         part = bits[t0:t0 + k]
-        np.bitwise_and(part, _HALF_EXP, out=check[:k])
-        if check[:k].max() == _HALF_EXP:
+        # NaN/inf: exponent all ones: 0x7C00-0x7FFF (positive), 0xFC00-0xFFFF (negative)
+        if part.max() >= _NEG_NONFINITE or part.view(np.int16).max() >= _POS_NONFINITE:
             return False
         half_bits_scaled(part, work[1:1 + k])
         if t0 == 0:   # the first slab starts the reduction exactly as numpy's own does
