@@ -159,10 +159,7 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     part = Part([None] * len(designs))
     pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
     with threadpool_limits(1):
-        for a in range(0, len(pos), spec.block_rows):
-            idx = pos[a : a + spec.block_rows]
-            U, nbytes = read_block(spec, info, spec.rows[idx])
-            part.read_bytes += nbytes
+        for idx, U in _units(spec, info, pos, part):
             for s, (units, labels, gram) in enumerate(designs):
                 mask = units[idx]
                 if mask.any():
@@ -180,6 +177,28 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     part.seconds = time.perf_counter() - t0
     part.rss_peak = _rss()
     return part
+
+
+def _units(spec: StreamSpec, info: ArrayInfo, pos: np.ndarray, part: Part) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(positions, units) to accumulate: each block as read (token level), or pooled rows of
+    several blocks together (sample level). A block of pooled samples is a few rows, and a
+    rank-few XᵀX update streams the whole d×d matrix through memory for them (at d = 3,584,
+    three rows per block cost ~8 ms of syrk); the rows gathered stay within what the plan
+    counts for one block's float32 tokens (probes/farm_stream.py plan_stream)."""
+    tokens = max(1, info.values_per_row // max(info.item_shape[-1], 1))
+    batch = spec.block_rows * tokens if spec.level == "sample" else spec.block_rows
+    got: list[tuple[np.ndarray, np.ndarray]] = []
+    held = 0
+    for a in range(0, len(pos), spec.block_rows):
+        idx = pos[a : a + spec.block_rows]
+        U, nbytes = read_block(spec, info, spec.rows[idx])
+        part.read_bytes += nbytes
+        got.append((idx, U))
+        held += len(idx)
+        if held >= batch or a + spec.block_rows >= len(pos):
+            yield got[0] if len(got) == 1 else (np.concatenate([g[0] for g in got]),
+                                                np.concatenate([g[1] for g in got]))
+            got, held = [], 0
 
 
 Design = tuple[np.ndarray, Callable[[np.ndarray], np.ndarray] | None, bool]

@@ -159,3 +159,25 @@ def test_dense_rows_read_straight_from_the_chunk_files(tmp_path):
     chunk.write_bytes(chunk.read_bytes()[:-2])
     with pytest.raises(WorkspaceError, match="has .* bytes, expected"):
         reader.read_dense(ws.root, info, np.array([5]), None, "float32")
+
+
+def test_pooled_blocks_are_accumulated_together(tmp_path):
+    """A pooled block is a few rows (the farm's blocks are sized for the tokens: 3 samples at real
+    shape), and each XᵀX update of a few rows streams all of the d×d matrix through memory; the
+    map task gathers pooled rows up to the tokens a block holds before it updates."""
+    from probes.stream import Part, _units
+
+    ws, dense, _ = _store(tmp_path / "ws", "float16", False)
+    info = ws.array_info("r", "llm", 0, tokens="image")
+    pos = np.array([0, 1, 2, 4, 5, 7, 8, 9, 10])
+    for level, sizes in (("sample", [len(pos)]), ("token", [2, 2, 2, 2, 1])):
+        spec = StreamSpec(root=ws.root, rows=np.arange(N), level=level, pool="mean", alphas=(1.0,),
+                          standardize=False, precision="float64", block_rows=2, solves=[])
+        part = Part([])
+        got = list(_units(spec, info, pos, part))
+        assert [len(idx) for idx, _ in got] == sizes
+        assert np.concatenate([idx for idx, _ in got]).tolist() == pos.tolist()
+        U = np.concatenate([u for _, u in got])
+        want = _reference(dense[pos], "mean")[:, None, :] if level == "sample" else dense[pos].astype(np.float32)
+        assert U.tobytes() == want.tobytes()
+        assert part.read_bytes == len(pos) * T * D * 2
