@@ -88,12 +88,11 @@ def half_bits_scaled(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
     The sign goes to bit 31 and the 15 exponent-and-mantissa bits to bits 13-27: read as float32,
     that is v's exponent rebased by -112 with v's mantissa, and float16 subnormals land exactly on
     float32 subnormals. Exact for every finite float16; NaN/inf come out finite (callers check).
-    numpy casts float16 one value at a time (~200 M values/s here); these four vectorised integer
+    numpy casts float16 one value at a time (~200 M values/s here); these three vectorised integer
     passes run several times faster.
     """
-    out[...] = bits
-    np.left_shift(out, 16, out=out)
-    np.right_shift(out, 3, out=out)          # arithmetic: bits 28-30 get copies of the sign, masked off next
+    out[...] = bits.view(np.int16)             # sign-extended: bit 31 is the sign
+    np.left_shift(out, 13, out=out)            # bits 28-30 now hold copies of the sign: masked off next
     np.bitwise_and(out, _SIGN_EXP_MANT, out=out)
     return out
 
