@@ -179,14 +179,21 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     return part
 
 
+#: Pooled rows gathered per XᵀX update (see _units).
+POOLED_ROWS = 256
+
+
 def _units(spec: StreamSpec, info: ArrayInfo, pos: np.ndarray, part: Part) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(positions, units) to accumulate: each block as read (token level), or pooled rows of
     several blocks together (sample level). A block of pooled samples is a few rows, and a
     rank-few XᵀX update streams the whole d×d matrix through memory for them (at d = 3,584,
-    three rows per block cost ~8 ms of syrk); the rows gathered stay within what the plan
-    counts for one block's float32 tokens (probes/farm_stream.py plan_stream)."""
+    three rows per block cost ~8 ms of syrk); from ~256 rows on, the update is compute-bound.
+    The rows gathered stay within what the plan counts for one block's float32 tokens
+    (probes/farm_stream.py plan_stream), which pooled reads no longer hold."""
     tokens = max(1, info.values_per_row // max(info.item_shape[-1], 1))
-    batch = spec.block_rows * tokens if spec.level == "sample" else spec.block_rows
+    batch = spec.block_rows
+    if spec.level == "sample":
+        batch = max(batch, min(batch * tokens, POOLED_ROWS))
     got: list[tuple[np.ndarray, np.ndarray]] = []
     held = 0
     for a in range(0, len(pos), spec.block_rows):
