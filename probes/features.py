@@ -79,7 +79,13 @@ def as_float32(X: Any) -> np.ndarray:
 #: float16 values widened per step: ~256 KiB of float32, so each step's passes stay in L2.
 _WIDEN_STEP = 1 << 16
 _SIGN_EXP_MANT = np.uint32(0x8FFFE000).view(np.int32)
-_HALF_EXP = np.uint16(0x7C00)
+_NEG_NONFINITE, _POS_NONFINITE = np.uint16(0xFC00), np.int16(0x7C00)
+
+
+def has_nonfinite_half(bits: np.ndarray) -> bool:
+    """Whether float16 bits (uint16) hold a NaN or inf: exponent all ones, 0x7C00-0x7FFF when
+    positive, 0xFC00-0xFFFF when negative. Two read-only max passes."""
+    return bool(bits.max() >= _NEG_NONFINITE or bits.view(np.int16).max() >= _POS_NONFINITE)
 
 
 def half_bits_scaled(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -101,11 +107,9 @@ def _widen_half(X: np.ndarray) -> np.ndarray:
     """float16 -> float32, equal to ``X.astype(np.float32)`` bit for bit (NaN payloads included)."""
     flat = X.reshape(-1).view(np.uint16)
     out = np.empty(flat.shape, np.float32)
-    check = np.empty(min(_WIDEN_STEP, len(flat)), np.uint16)
     for a in range(0, len(flat), _WIDEN_STEP):
         part, dst = flat[a:a + _WIDEN_STEP], out[a:a + _WIDEN_STEP]
-        np.bitwise_and(part, _HALF_EXP, out=check[:len(part)])
-        if check[:len(part)].max() == _HALF_EXP:   # NaN/inf: numpy maps their bits
+        if has_nonfinite_half(part):   # numpy maps their bits
             dst[...] = part.view(np.float16)
             continue
         half_bits_scaled(part, dst.view(np.int32))

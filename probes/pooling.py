@@ -13,13 +13,12 @@ from typing import Any
 import numpy as np
 
 from probes.errors import ProbeError
-from probes.features import as_float32, half_bits_scaled
+from probes.features import as_float32, half_bits_scaled, has_nonfinite_half
 
 #: Tokens reduced per step of :func:`_reduce_half`: ~256 KiB of float32 bits, so each step's passes
 #: run in the core's L2 cache instead of streaming the whole sample through memory once per pass.
 SLAB_VALUES = 1 << 16
 _UNSCALE = np.float32(2.0**112)
-_NEG_NONFINITE, _POS_NONFINITE = np.uint16(0xFC00), np.int16(0x7C00)
 
 
 def pool(X: Any, how: str) -> np.ndarray:
@@ -87,8 +86,7 @@ def _reduce_half(x: np.ndarray, how: str, work: np.ndarray, acc: np.ndarray) -> 
     for t0 in range(0, len(x), step):
         k = min(step, len(x) - t0)
         part = bits[t0:t0 + k]
-        # NaN/inf: exponent all ones: 0x7C00-0x7FFF (positive), 0xFC00-0xFFFF (negative)
-        if part.max() >= _NEG_NONFINITE or part.view(np.int16).max() >= _POS_NONFINITE:
+        if has_nonfinite_half(part):
             return False
         half_bits_scaled(part, work[1:1 + k])
         if t0 == 0:   # the first slab starts the reduction exactly as numpy's own does
