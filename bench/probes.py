@@ -329,15 +329,67 @@ def make_real_shape(path: Path, n: int, T: int, d: int, layers: int, chunk: int 
     return time.perf_counter() - t0
 
 
+def _chunk_files(ws: Workspace, info: Any) -> list[Path]:
+    folder = Path(ws.root.where(info.zarr_path))
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "zarr.json")
+
+
 def sequential_read(ws: Workspace) -> tuple[int, float]:
     """(bytes, seconds) of numpy.fromfile over every chunk file of the run's arrays, in order."""
-    files = []
-    for info in ws.arrays("real"):
-        folder = Path(ws.root.where(info.zarr_path))
-        files += sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "zarr.json")
+    files = [p for info in ws.arrays("real") for p in _chunk_files(ws, info)]
     t0 = time.perf_counter()
     total = sum(np.fromfile(p, dtype=np.uint8).nbytes for p in files)
     return total, time.perf_counter() - t0
+
+
+def pooled_read_rate(ws: Workspace, layer: int = 0, rounds: int = 3) -> dict[str, float]:
+    """MiB/s of stored bytes, in this process on one thread, best of ``rounds`` interleaved rounds:
+    ``fromfile`` (numpy.fromfile of the layer's chunk files), ``pool`` (the streamed pass's reads of
+    every row, mean-pooled: probes/stream.py read_block, in the farm's blocks) and ``accumulate``
+    (the map task: those reads of the training rows plus their ridge statistics, XᵀX included)."""
+    from threadpoolctl import threadpool_limits
+
+    from probes import parse_plan
+    from probes.farm import _Preparer, plan_tasks
+    from probes.farm_stream import build_specs
+    from probes.features import tune_malloc
+    from probes.plan import group_tasks
+    from probes.stream import accumulate, read_block
+
+    tune_malloc()   # as a farm worker does: block buffers then stay on the heap, not mmap'd afresh per block
+    plan = parse_plan({"name": "read", "probes": [{"runs": ["real"], "tokens": ["image"], "layers": [layer],
+                                                   "targets": ["truth:dominant"],
+                                                   "kinds": {"ridge": {"pool": "mean", "precision": "float32"}}}]})
+    (job,) = [_Preparer(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws), plan.layers_per_task)]
+    spec, info = build_specs(job)[0].spec, job.arrays[0]
+    files = _chunk_files(ws, info)
+    stored = sum(p.stat().st_size for p in files)
+    acc_bytes = 0
+
+    def pooled() -> None:
+        for a in range(0, len(spec.rows), spec.block_rows):
+            read_block(spec, info, spec.rows[a:a + spec.block_rows])
+
+    def accumulated() -> None:
+        nonlocal acc_bytes
+        acc_bytes = accumulate(spec, info, 0, len(spec.rows)).read_bytes
+
+    best = {"fromfile": np.inf, "pool": np.inf, "accumulate": np.inf}
+    with threadpool_limits(1):
+        for _ in range(rounds):
+            for name, fn in (("fromfile", lambda: [np.fromfile(p, np.uint8) for p in files]), ("pool", pooled),
+                             ("accumulate", accumulated)):
+                best[name] = min(best[name], _timed(fn))
+    return {"stored_mib": stored / 2**20, "block_rows": spec.block_rows,
+            **{k: (acc_bytes if k == "accumulate" else stored) / v / 2**20 for k, v in best.items()}}
+
+
+def print_read_rate(ws: Workspace, layer: int = 0) -> None:
+    r = pooled_read_rate(ws, layer)
+    print(f"  pooled read, in-process, 1 thread, layer {layer} ({r['stored_mib']:.0f} MiB stored, blocks of"
+          f" {r['block_rows']:.0f} samples): numpy.fromfile {r['fromfile']:.0f} MiB/s; read + mean-pool"
+          f" {r['pool']:.0f} MiB/s = {r['pool'] / r['fromfile']:.2f}x; the map task (+ ridge statistics of the"
+          f" training rows) {r['accumulate']:.0f} MiB/s = {r['accumulate'] / r['fromfile']:.2f}x (goal >= 0.5x)")
 
 
 #: (model, LLM layers, d) of docs/scale.md's rows, all LLM layers x image tokens over the G2M sweep
@@ -390,6 +442,7 @@ def real_shape(quick: bool) -> None:
         seq = nbytes / secs
         print(f"  sequential numpy.fromfile of the same chunk files: {nbytes / 2**30:.2f} GiB in {secs:.1f} s ="
               f" {seq / 2**20:.0f} MiB/s; fp32 matmul peak {peak1:.1f} GFLOP/s (1 thread), {peak2:.1f} (2)")
+        print_read_rate(ws)
         plans: dict[str, dict[str, Any]] = {
             "pooled (truth:dominant, mean of 256 tokens; read-bound)":
                 {"layers": "all", "targets": ["truth:dominant"], "kinds": {"ridge": {"pool": "mean", "precision": "float32"}}},
@@ -500,3 +553,31 @@ def many_probes(quick: bool) -> None:
               f" training; {rep.read_bytes / 2**20:.0f} MiB of features read")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_main(argv: list[str]) -> None:
+    """``python -m bench.probes read [--samples N] [--layers L]``: the pooled-read micro-bench alone,
+    on a fresh store of real-model shape (256 image tokens, d = 3,584, float16, chunks of 8)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.probes read", description=read_main.__doc__)
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    args = p.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-read-"))
+    try:
+        make_real_shape(tmp / "ws", args.samples, 256, 3584, args.layers, chunk=8)
+        ws = Workspace.open(tmp / "ws", readonly=True)
+        for layer in range(args.layers):
+            print_read_rate(ws, layer)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] != ["read"]:
+        sys.exit("usage: python -m bench.probes read [--samples N] [--layers L]"
+                 " (the whole bench: python -m bench probes)")
+    read_main(sys.argv[2:])

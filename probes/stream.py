@@ -129,7 +129,8 @@ def read_block(spec: StreamSpec, info: ArrayInfo, rows: np.ndarray) -> tuple[np.
     from probes.features import read_features
     from probes.pooling import pool
 
-    X = read_features(spec.root, info, rows, spec.dense_tokens)
+    # Pooled: float16 stays as stored until pool(), which averages its bits without a float32 copy.
+    X = read_features(spec.root, info, rows, spec.dense_tokens, stored=spec.level != "token")
     values = X.values if hasattr(X, "offsets") else X
     nbytes = int(np.asarray(values).size * np.dtype(info.stored_dtype).itemsize)
     if spec.level == "token":
@@ -158,10 +159,7 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     part = Part([None] * len(designs))
     pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
     with threadpool_limits(1):
-        for a in range(0, len(pos), spec.block_rows):
-            idx = pos[a : a + spec.block_rows]
-            U, nbytes = read_block(spec, info, spec.rows[idx])
-            part.read_bytes += nbytes
+        for idx, U in _units(spec, info, pos, part):
             for s, (units, labels, gram) in enumerate(designs):
                 mask = units[idx]
                 if mask.any():
@@ -179,6 +177,35 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     part.seconds = time.perf_counter() - t0
     part.rss_peak = _rss()
     return part
+
+
+#: Pooled rows gathered per XᵀX update (see _units).
+POOLED_ROWS = 256
+
+
+def _units(spec: StreamSpec, info: ArrayInfo, pos: np.ndarray, part: Part) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(positions, units) to accumulate: each block as read (token level), or pooled rows of
+    several blocks together (sample level). A block of pooled samples is a few rows, and a
+    rank-few XᵀX update streams the whole d×d matrix through memory for them (at d = 3,584,
+    three rows per block cost ~8 ms of syrk); from ~256 rows on, the update is compute-bound.
+    The rows gathered stay within what the plan counts for one block's float32 tokens
+    (probes/farm_stream.py plan_stream), which pooled reads no longer hold."""
+    tokens = max(1, info.values_per_row // max(info.item_shape[-1], 1))
+    batch = spec.block_rows
+    if spec.level == "sample":
+        batch = max(batch, min(batch * tokens, POOLED_ROWS))
+    got: list[tuple[np.ndarray, np.ndarray]] = []
+    held = 0
+    for a in range(0, len(pos), spec.block_rows):
+        idx = pos[a : a + spec.block_rows]
+        U, nbytes = read_block(spec, info, spec.rows[idx])
+        part.read_bytes += nbytes
+        got.append((idx, U))
+        held += len(idx)
+        if held >= batch or a + spec.block_rows >= len(pos):
+            yield got[0] if len(got) == 1 else (np.concatenate([g[0] for g in got]),
+                                                np.concatenate([g[1] for g in got]))
+            got, held = [], 0
 
 
 Design = tuple[np.ndarray, Callable[[np.ndarray], np.ndarray] | None, bool]
