@@ -329,17 +329,23 @@ def run_dask(client: Any, work: list[tuple[GroupJob, list[SpecGroup]]], parts: i
     scattered: dict[int, Any] = {}
     remaining = Counter(id(x.group) for x in layers)
     ac = as_completed(loop=client.loop)   # the farm's client is not the default one
-    by_key: dict[str, _Layer] = {}
+    by_key: dict[str, tuple[_Layer, bool]] = {}   # future key -> (layer, whether it ends the layer)
     todo = iter(layers)
     nxt, in_flight, last = next(todo, None), 0, time.perf_counter()
-    while nxt is not None or in_flight:
+    while nxt is not None or by_key:
         while nxt is not None and (in_flight == 0 or in_flight < nxt.cap):
             _submit(client, nxt, parts, scattered)
-            by_key[nxt.done.key] = nxt
+            if not nxt.fused:   # a graph's layer leaves the bound once solved; its test maps may still run
+                by_key[nxt.sol.key] = (nxt, False)
+                ac.add(nxt.sol)
+            by_key[nxt.done.key] = (nxt, True)
             ac.add(nxt.done)
             nxt, in_flight = next(todo, None), in_flight + 1
-        layer = by_key.pop(next(ac).key)
-        in_flight -= 1
+        layer, ends = by_key.pop(next(ac).key)
+        if layer.fused or not ends:
+            in_flight -= 1
+        if not ends:
+            continue
         try:
             sol, sc = layer.done.result() if layer.fused else client.gather([layer.sol, layer.done])
             now = time.perf_counter()
