@@ -1,4 +1,4 @@
-"""``python -m bench [TOPIC ...] [--quick] [--samples N] [--rounds R]``: run the benchmarks and print their figures."""
+"""``python -m bench [TOPIC ...] [--quick] [--samples N] [--rounds R] [--part P]``: run the benchmarks and print their figures."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run, not figures to report")
     parser.add_argument("--samples", type=int, help="stimuli per run, for the benchmarks that take it (extract)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds, for the benchmarks that take it (extract)")
+    parser.add_argument("--part", help="one part of a benchmark that has parts (probes: logistic, a, b, c, d)")
     args = parser.parse_args()
     for flag in ("samples", "rounds"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -29,12 +30,16 @@ def main() -> None:
     unknown = set(chosen) - set(topics())
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}: choose from {', '.join(topics())}")
+    for name in chosen if args.part is not None else ():
+        parts = getattr(importlib.import_module(f"bench.{name}"), "PARTS", ())
+        if args.part not in parts:
+            parser.error(f"--part {args.part}: benchmark {name} has " + (f"parts {', '.join(parts)}" if parts else "no parts"))
     for name in chosen:
         print(f"\n== {name} ==")
         started = time.perf_counter()
         run = importlib.import_module(f"bench.{name}").main
         takes = inspect.signature(run).parameters
-        extra = {k: getattr(args, k) for k in ("samples", "rounds") if k in takes and getattr(args, k) is not None}
+        extra = {k: getattr(args, k) for k in ("samples", "rounds", "part") if k in takes and getattr(args, k) is not None}
         run(quick=args.quick, **extra)
         print(f"   ({time.perf_counter() - started:.1f} s)")
 

@@ -20,6 +20,7 @@ here with torch on 1 and 2 threads.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -192,7 +193,39 @@ def farm_run(tmp: Path, name: str, plan: Any, workers: int) -> tuple[Any, dict[t
     return rep, farm_scores(Workspace.open(path, readonly=True))
 
 
-def main(quick: bool) -> None:
+PARTS = ("logistic", "a", "b", "c", "d")
+
+
+def main(quick: bool, part: str | None = None) -> None:
+    """Every part, or only ``part``: logistic (the farm's batched L-BFGS against scikit-learn),
+    (a) real-model shape, (b) the ridge statistics path on the 1,000 tasks, (c) thousands of probes
+    over the demo store, (d) seeds sharing one XᵀX pass."""
+    if part == "b":
+        return ridge_only(quick)
+    if part in (None, "logistic"):
+        logistic(quick, with_ridge=part is None)
+    runs = {"d": seed_sharing, "a": real_shape, "c": many_probes}
+    for name, fn in runs.items():
+        if part in (None, name):
+            fn(quick)
+
+
+def ridge_only(quick: bool) -> None:
+    """(b) alone: the bench store, scikit-learn's RidgeClassifier per probe, the farm's ridge."""
+    n, d, layers, targets = (500, 64, 4, 10) if quick else (2000, 256, 20, 50)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-probes-"))
+    try:
+        make_workspace(tmp / "ws", n, d, layers, targets)
+        print(f"{layers * targets} probe tasks = {layers} layers x {targets} binary targets, d={d}, n={n} (80/20 hash"
+              " split); each with its shuffled-label control (2 fits per task)")
+        ws = Workspace.open(tmp / "ws", readonly=True)
+        ridge_thousand(tmp, ws, layers, targets, _plan(targets, {"ridge": {}}).defaults.test_fraction, None)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def logistic(quick: bool, with_ridge: bool) -> None:
+    """The farm's batched logistic probes against one scikit-learn fit per probe; then (b)."""
     from sklearn.linear_model import LogisticRegression
 
     n, d, layers, targets = (500, 64, 4, 10) if quick else (2000, 256, 20, 50)
@@ -235,15 +268,15 @@ def main(quick: bool) -> None:
         print(f"  farm solver throughput: {gf2:.1f} GFLOP/s with 2 workers = {gf2 / peak2:.0%} of the 2-thread peak;"
               f" {gf1:.1f} GFLOP/s with 1 = {gf1 / peak1:.0%} of the 1-thread peak"
               f" (matmul FLOPs of the solver over the whole timed phase, reading and recording included)")
-        ridge_thousand(tmp, ws, layers, targets, plan.defaults.test_fraction, float(np.mean([v[0] for v in sk.values()])))
+        if with_ridge:
+            ridge_thousand(tmp, ws, layers, targets, plan.defaults.test_fraction,
+                           float(np.mean([v[0] for v in sk.values()])))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    seed_sharing(quick)
-    real_shape(quick)
-    many_probes(quick)
 
 
-def ridge_thousand(tmp: Path, ws: Workspace, layers: int, targets: int, test_fraction: float, logistic_acc: float) -> None:
+def ridge_thousand(tmp: Path, ws: Workspace, layers: int, targets: int, test_fraction: float,
+                   logistic_acc: float | None) -> None:
     """(b) The statistics path on the same 1,000 tasks: kind ridge (one pass per layer trains all
     50 targets and their controls) against one scikit-learn RidgeClassifier fit per probe."""
     from sklearn.linear_model import RidgeClassifier
@@ -257,7 +290,9 @@ def ridge_thousand(tmp: Path, ws: Workspace, layers: int, targets: int, test_fra
     print(f"  farm ridge, LocalCluster 2 workers:       {rep.seconds:6.2f} s  {rep.probes_per_s:8.1f} probes/s"
           f"   {rep.probes_per_s / (tasks / spent):.1f}x sklearn ridge (goal >= 20x; +{rep.startup_seconds:.1f} s cluster start)")
     print(f"  accuracy vs sklearn RidgeClassifier per probe: |diff| max {np.abs(diffs).max():.4f} (goal <= 0.01);"
-          f" mean {np.mean([v[0] for v in farm.values()]):.4f} (the logistic probes above: {logistic_acc:.4f})")
+          f" mean {np.mean([v[0] for v in farm.values()]):.4f}"
+          + ("" if logistic_acc is None else f" (the logistic probes above: {logistic_acc:.4f})"))
+    print(f"  (load average {os.getloadavg()[0]:.2f} after the farm run: the machine's other work shares its cores)")
 
 
 def seed_sharing(quick: bool) -> None:

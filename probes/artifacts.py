@@ -31,6 +31,12 @@ _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 def artifact_path(workspace: str | os.PathLike[str], key: str) -> Path:
     """``<workspace>/probes/<key>.safetensors``; a key that would leave that folder is refused."""
+    return Path(workspace) / artifact_name(key)
+
+
+def artifact_name(key: str) -> str:
+    """``probes/<key>.safetensors``, the probes table's ``artifact`` (relative to the workspace);
+    a key that would leave that folder is refused."""
     if not isinstance(key, str) or not _KEY.match(key):
         from probes.errors import ProbeError
 
@@ -38,7 +44,7 @@ def artifact_path(workspace: str | os.PathLike[str], key: str) -> Path:
             f"probe key {key!r} is not a probe key (letters, digits, '_', '.', '-'; the farm writes 16 hex digits,"
             " see params->>'key' of the probes table): refusing a path outside the workspace's probes/ folder"
         )
-    return Path(workspace) / FOLDER / f"{key}.safetensors"
+    return f"{FOLDER}/{key}.safetensors"
 
 
 PENDING = ".pending"
@@ -51,10 +57,30 @@ def pending_path(workspace: str | os.PathLike[str], key: str) -> Path:
     return final.with_name(f".{key}.{os.getpid()}{PENDING}")
 
 
-def publish(pending: Path) -> Path:
+def write_pending(workspace: str | os.PathLike[str], blobs: dict[str, bytes]) -> dict[str, str]:
+    """Each probe's weights (key -> safetensors bytes) put whole at its :func:`pending_path`;
+    returns key -> that path. The same files as :func:`write` per key, in plain ``os`` calls and
+    one folder check: the farm's client writes a file per probe, so pathlib's per-call parsing
+    would be a visible share of its time."""
+    folder = os.path.join(os.fspath(workspace), FOLDER)
+    os.makedirs(folder, exist_ok=True)
+    pid = os.getpid()
+    out = {}
+    for key, blob in blobs.items():
+        artifact_name(key)   # refuses a key that would leave the folder
+        pending = os.path.join(folder, f".{key}.{pid}{PENDING}")
+        tmp = f"{pending}.{pid}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, pending)
+        out[key] = pending
+    return out
+
+
+def publish(pending: str | os.PathLike[str]) -> str:
     """Rename a pending weight file to its final name (after its row is committed)."""
-    key = pending.name[1:].split(".")[0]
-    final = pending.with_name(f"{key}.safetensors")
+    folder, name = os.path.split(os.fspath(pending))
+    final = os.path.join(folder, f"{name[1:].split('.')[0]}.safetensors")
     os.replace(pending, final)
     return final
 

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from probes.plan import Plan
@@ -231,7 +231,7 @@ def _memory_plan(ws, plan, groups, args) -> None:
           "  peak set by")
     for job, specs, mem in work[: None if args.verbose else 40]:
         path = "in-memory" if specs is None else "streamed" if isinstance(specs, list) else "subsample"
-        reads = getattr(prep.derived.get(job.group[:16]), "status", None) or "-"   # docs/probes.md, derived arrays
+        reads = _derived_status(prep, jobs, job)
         print(f"  {job.group:18} {path:9} {reads:10} {len(job.arrays):6d} {len(job.rows):7d}"
               f" {mem.read_bytes / 2**20:10.1f} {mem.peak_bytes / 2**20:9.1f}  {mem.what}")
     if work:
@@ -242,6 +242,18 @@ def _memory_plan(ws, plan, groups, args) -> None:
         print(f"derive: auto first derives {len(todo)} array(s) on this client, reading"
               f" {sum(s.bytes for s in todo.values()) / 2**20:.1f} MiB of tokens once; later plans read them instead")
     plan_work(jobs, rows, limit, plan.out_of_core, plan.max_train_rows)
+
+
+_STATUS_ORDER = ("to refresh", "to derive", "stale", "fresh")
+
+
+def _derived_status(prep: Any, jobs: list[Any], job: Any) -> str:
+    """What a dry-run job reads (docs/probes.md, derived arrays). A job of merged layers shows the
+    status that costs most among its layers' groups (one to derive makes the job 'to derive')."""
+    paths = {a.zarr_path for a in job.arrays}
+    statuses = {getattr(prep.derived.get(j.group[:16]), "status", None) for j in jobs
+                if any(a.zarr_path in paths for a in j.arrays)}
+    return next((s for s in _STATUS_ORDER if s in statuses), "-")
 
 
 def _summary(report, data, keys, wall: float) -> None:

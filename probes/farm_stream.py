@@ -9,15 +9,16 @@ probes table's records and safetensors files, exactly as for in-memory kinds.
 
 from __future__ import annotations
 
+import copy
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
 
-from probes import stream
+from probes import stream, stream_layer
 from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, params_json
 from probes.kinds.ridge import RidgeParams, RidgeProbe, gcv_pick, one_hot, regresses
@@ -43,6 +44,33 @@ class SpecGroup:
     sigs: list[tuple[Any, ...]]             # task signatures, one per Job (all layers share it)
     jobs: list[Job]
     kind: type[RidgeProbe] = RidgeProbe     # ridge, or a kind solving from ridge's statistics (lda, centroid)
+    where: list[_Where] | None = field(default=None, repr=False)   # per Job, built once (:func:`_where`)
+
+
+@dataclass
+class _Where:
+    """What every layer's outcome of one Job shares: its columns and its labelled row counts."""
+
+    own: tuple[int, int]                    # (Solve, Variant) of the probe
+    control: tuple[int, int] | None         # ... of its shuffled-label control
+    n_train: int
+    n_test: int
+    probe: RidgeProbe                       # built once; each layer's probe is a copy with its own weights
+
+
+def _where(g: SpecGroup) -> list[_Where]:
+    """Each Job's columns, found in one pass over the variants (not one per probe and layer)."""
+    if g.where is None:
+        found: list[dict[bool, tuple[int, int]]] = [{} for _ in g.jobs]
+        for s, solve in enumerate(g.spec.solves):
+            for v, var in enumerate(solve.variants):
+                found[var.job][var.control] = (s, v)
+        g.where = []
+        for job, at in zip(g.jobs, found, strict=True):
+            labelled = job.target.labelled()
+            g.where.append(_Where(at[False], at.get(True), int((labelled & job.fold.train).sum()),
+                                  int((labelled & job.fold.test).sum()), g.kind.build(job, job.fold.seed)))
+    return g.where
 
 
 def is_streaming(kind_cls: type) -> bool:
@@ -222,29 +250,15 @@ def check_fits(plan: MemoryPlan, limit: int | None, job: GroupJob, streamed: boo
 # ----------------------------------------------------------------------------- running
 
 
-def fit_layer(call: Callable[..., Any], spec: Any, info: Any, parts: int, rows: np.ndarray) -> Any:
-    """map (partitions of whole chunks) -> tree of merges -> solve. ``call(fn, *args)`` runs a
-    task here, or submits it to Dask and returns its future."""
-    cuts = stream.partitions(rows, info.chunk_samples, parts)
-    maps = [call(stream.accumulate, spec, info, lo, hi) for lo, hi in cuts]
-    return call(stream.solve, spec, stream.tree_reduce(maps, lambda a, b: call(stream.merge, a, b)))
-
-
-def score_layer(call: Callable[..., Any], spec: Any, info: Any, parts: int, sol: Any, rows: np.ndarray) -> Any:
-    """map over the test rows -> tree of sums."""
-    cuts = stream.partitions(rows, info.chunk_samples, parts)
-    tested = [call(stream.score, spec, info, lo, hi, sol) for lo, hi in cuts]
-    return stream.tree_reduce(tested, lambda a, b: call(stream.add_scores, a, b))
-
-
 def run_local(job: GroupJob, specs: list[SpecGroup]) -> GroupResult:
     t0 = time.perf_counter()
     sols, scores = [], []
     for g in specs:
         for info in job.arrays:
             # Two partitions: the in-process path runs the same merges as the cluster does.
-            sols.append(fit_layer(lambda fn, *a: fn(*a), g.spec, info, 2, job.rows))
-            scores.append(score_layer(lambda fn, *a: fn(*a), g.spec, info, 2, sols[-1], job.rows))
+            sol, sc = stream_layer.run_layer(g.spec, info, 2, job.rows)
+            sols.append(sol)
+            scores.append(sc)
     return finish(job, specs, sols, scores, time.perf_counter() - t0)
 
 
@@ -252,100 +266,226 @@ def layers_in_flight(specs: list[SpecGroup], job: GroupJob, limit: int | None) -
     """How many layers' statistics may be in flight at once: one when a layer's Gram matrices are
     large (then a worker holds at most what plan_stream planned), more when they are small (the
     latency of one solve per layer then no longer idles the workers)."""
+    room = (FIT_FRACTION * limit - WORKER_BASE) if limit else 256 * MiB
+    return int(max(1, min(8, room // _held_bytes(specs, job))))
+
+
+def _held_bytes(specs: list[SpecGroup], job: GroupJob) -> int:
+    """Statistics bytes one layer in flight keeps on the workers (2 copies: a merge's operands)."""
     d = job.arrays[0].item_shape[-1]
     held = sum(2 * (len(g.spec.solves) + g.spec.shared) * d * d * np.dtype(g.spec.precision).itemsize
                for g in specs if g.spec.method != "centroid")
     held += sum(6 * d * d * 8 * len(v.classes if v.classes is not None else []) for g in specs if g.spec.ledoit_wolf
                 for s in g.spec.solves for v in s.variants)
-    held = held or 1
-    room = (FIT_FRACTION * limit - WORKER_BASE) if limit else 256 * MiB
-    return int(max(1, min(8, room // held)))
+    return held or 1
 
 
-def run_dask(client: Any, job: GroupJob, specs: list[SpecGroup], parts: int, limit: int | None = None) -> GroupResult:
-    """Each layer: maps on every worker, merges, one solve, then the score maps; a bounded number
-    of layers in flight (:func:`layers_in_flight`). Specs travel to the workers once (scatter)."""
-    t0 = time.perf_counter()
+#: A layer whose selected rows hold at most this many stored bytes (and whose statistics are as
+#: small) runs as one Dask task rather than a graph of maps, merges, a solve and test maps: at
+#: the 1,000-probe bench's size (2,000 x 256 float32 = 2 MiB a layer) the ~7 task round trips
+#: per layer, not the arithmetic, set the pace. Larger layers keep their partitions on all workers.
+FUSE_BYTES = 64 * MiB
 
+
+def fuses(specs: list[SpecGroup], job: GroupJob, parts: int, limit: int | None) -> bool:
+    """Whether the group's layers each run as one task (:func:`probes.stream_layer.run_layer`).
+    That task holds all ``parts`` partitions' statistics at once, so it must fit beside the plan."""
+    info = job.arrays[0]
+    if any(g.spec.ledoit_wolf for g in specs) or _rows_bytes(info, len(job.rows)) > FUSE_BYTES:
+        return False
+    stats = parts * _held_bytes(specs, job) // 2
+    if stats > FUSE_BYTES:
+        return False
+    return limit is None or plan_stream(specs, job).peak_bytes + stats <= FIT_FRACTION * limit
+
+
+@dataclass
+class _Layer:
+    """One (parameter set, layer) of a streamed group on its way through the cluster."""
+
+    job: GroupJob
+    group: SpecGroup
+    info: Any
+    wanted: dict[tuple[Any, ...], dict[int, Any]]   # the job's tasks by signature and layer
+    fused: bool
+    cap: int                        # how many layers may be in flight while this one is
+    spec: Any = None                # the scattered spec's future
+    sol: Any = None                 # the solution's future (graph only)
+    done: Any = None                # the scores' future (fused: solution and scores)
+
+
+def run_dask(client: Any, work: list[tuple[GroupJob, list[SpecGroup]]], parts: int, limit: int | None,
+             take: Callable[[GroupResult], None], lost: Callable[[GroupJob, BaseException], None]) -> dict[str, int]:
+    """Every layer of every streamed group in one pipeline: small layers as one task each
+    (:func:`fuses`), large ones as maps on every worker, merges, a solve and test maps; a bounded
+    number in flight (:func:`layers_in_flight`); each layer's probes recorded as it lands while
+    the workers go on. Specs travel to the workers once per group (scatter). Returns each
+    worker's peak RSS."""
+    from dask.distributed import as_completed
+
+    layers: list[_Layer] = []
+    for job, specs in work:
+        fused, wanted = fuses(specs, job, parts, limit), _wanted(job)
+        cap = max(8, 2 * parts) if fused else layers_in_flight(specs, job, limit)
+        layers += [_Layer(job, g, info, wanted, fused, cap) for g in specs for info in job.arrays]
+    scattered: dict[int, Any] = {}
+    remaining = Counter(id(x.group) for x in layers)
+    ac = as_completed(loop=client.loop)   # the farm's client is not the default one
+    by_key: dict[str, tuple[_Layer, bool]] = {}   # future key -> (layer, whether it ends the layer)
+    todo = iter(layers)
+    nxt, in_flight, last = next(todo, None), 0, time.perf_counter()
+    while nxt is not None or by_key:
+        while nxt is not None and (in_flight == 0 or in_flight < nxt.cap):
+            _submit(client, nxt, parts, scattered)
+            if not nxt.fused:   # a graph's layer leaves the bound once solved; its test maps may still run
+                by_key[nxt.sol.key] = (nxt, False)
+                ac.add(nxt.sol)
+            by_key[nxt.done.key] = (nxt, True)
+            ac.add(nxt.done)
+            nxt, in_flight = next(todo, None), in_flight + 1
+        layer, ends = by_key.pop(next(ac).key)
+        if layer.fused or not ends:
+            in_flight -= 1
+        if not ends:
+            continue
+        try:
+            sol, sc = layer.done.result() if layer.fused else client.gather([layer.sol, layer.done])
+            now = time.perf_counter()
+            take(finish_layer(layer.job, layer.group, layer.info, sol, sc, now - last, f"dask:{parts}", layer.wanted))
+            last = now
+        except Exception as err:
+            lost(_layer_job(layer), err)
+        remaining[id(layer.group)] -= 1
+        if not remaining[id(layer.group)]:
+            scattered.pop(id(layer.group), None)   # its last layer landed: the workers may drop the spec
+        layer.sol = layer.done = layer.spec = None
+    return client.run(stream._rss)   # each worker's high-water RSS so far
+
+
+def _submit(client: Any, layer: _Layer, parts: int, scattered: dict[int, Any]) -> None:
     def call(fn: Callable[..., Any], *args: Any) -> Any:
         return client.submit(fn, *args, pure=False, retries=1)
 
-    scattered = [client.scatter(g.spec, hash=False) for g in specs]
-    todo = [(scattered[i], info) for i in range(len(specs)) for info in job.arrays]
-    k = layers_in_flight(specs, job, limit)
-    sols: list[Any] = [None] * len(todo)
-    scores: list[Any] = [None] * len(todo)
-    for i, (spec, info) in enumerate(todo[:k]):
-        sols[i] = fit_layer(call, spec, info, parts, job.rows)
-    for i, (spec, info) in enumerate(todo):
-        sols[i].exception()  # blocks until layer i is solved (or failed: gather raises it below)
-        if i + k < len(todo):
-            nspec, ninfo = todo[i + k]
-            sols[i + k] = fit_layer(call, nspec, ninfo, parts, job.rows)
-        scores[i] = score_layer(call, spec, info, parts, sols[i], job.rows)
-    got_sols, got_scores = client.gather(sols), client.gather(scores)
-    result = finish(job, specs, got_sols, got_scores, time.perf_counter() - t0, worker=f"dask:{parts}")
-    result.worker_peaks = client.run(stream._rss)   # each worker's high-water RSS so far
-    return result
+    if id(layer.group) not in scattered:
+        scattered[id(layer.group)] = client.scatter(layer.group.spec, hash=False)
+    layer.spec = spec = scattered[id(layer.group)]
+    rows = layer.job.rows
+    if layer.fused:
+        layer.done = call(stream_layer.run_layer, spec, layer.info, parts, rows)
+    else:
+        layer.sol = stream_layer.fit_layer(call, spec, layer.info, parts, rows)
+        layer.done = stream_layer.score_layer(call, spec, layer.info, parts, layer.sol, rows)
+
+
+def _layer_job(layer: _Layer) -> GroupJob:
+    """The job of one layer's probes of one parameter set (what a failed layer loses)."""
+    sigs = set(layer.group.sigs)
+    tasks = [t for t in layer.job.tasks if t.layer == layer.info.layer and _signature(t) in sigs]
+    return replace(layer.job, tasks=tasks, arrays=[layer.info])
+
+
+def merge_layers(jobs: list[GroupJob]) -> list[GroupJob]:
+    """Streamed jobs that differ only in their layers (same rows, arrays of one shape, the same
+    probes per layer) become one job, in the place of the first: one spec built and sent for all
+    its layers, and the layers pipelined (:func:`run_dask`). Other jobs stay as they are."""
+    out: list[GroupJob] = []
+    merged: dict[tuple[Any, ...], int] = {}
+    for job in jobs:
+        key = _merge_key(job)
+        if key is None or key not in merged:
+            if key is not None:
+                merged[key] = len(out)
+            out.append(job)
+            continue
+        first = out[merged[key]]
+        out[merged[key]] = replace(first, arrays=first.arrays + job.arrays, tasks=first.tasks + job.tasks,
+                                   group=first.group.split("+")[0] + f"+{len(first.arrays) + len(job.arrays) - 1}")
+    return out
+
+
+def _merge_key(job: GroupJob) -> tuple[Any, ...] | None:
+    if not job.tasks or not all(is_streaming(job.kinds[t.kind]) for t in job.tasks):
+        return None
+    shapes = {(a.run, a.tap, a.site, a.tokens, a.layout, tuple(a.shape), a.stored_dtype, a.chunk_samples,
+               a.values_per_row) for a in job.arrays}
+    if len(shapes) != 1 or len({a.layer for a in job.arrays}) != len(job.arrays):
+        return None
+    return (job.workspace, id(job.rows), shapes.pop(), frozenset(_signature(t) for t in job.tasks),
+            tuple(sorted((k, id(v)) for k, v in job.targets.items())),
+            tuple(sorted((k, id(v)) for k, v in job.folds.items())),
+            tuple(sorted((k, id(v)) for k, v in job.kinds.items())), job.grid, job.dense_tokens, job.plan, job.save)
 
 
 def finish(job: GroupJob, specs: list[SpecGroup], sols: list[stream.Solution], scores: list[stream.Scores],
            seconds: float, worker: str = "stream") -> GroupResult:
     """Records and weights of every probe, from the solved layers (client side)."""
-    import os
-    import socket
-
-    result = GroupResult(group=job.group, worker=worker or f"{socket.gethostname()}:{os.getpid()}", started_at=time.time())
-    result.rss_peak = max([x.rss_peak for x in sols] + [x.rss_peak for x in scores] + [0])
-    result.read_bytes = sum(x.read_bytes for x in scores) + sum(x.read_bytes for x in sols)
-    wanted: dict[tuple[Any, ...], dict[int, Any]] = defaultdict(dict)
-    for t in job.tasks:
-        wanted[_signature(t)][t.layer] = t
+    result = GroupResult(group=job.group, worker=worker, started_at=time.time())
+    wanted = _wanted(job)
+    per_probe = seconds / max(len(job.tasks), 1)
     k = 0
-    n_probes = max(len(job.tasks), 1)
     for g in specs:
         for info in job.arrays:
-            sol, sc = sols[k], scores[k]
+            _add_layer(job, g, info, sols[k], scores[k], wanted, per_probe, result)
             k += 1
-            flops = (sol.flops + sc.flops) / max(len(g.jobs), 1)
-            for j, sig in enumerate(g.sigs):
-                task = wanted[sig].get(info.layer)
-                if task is None:
-                    continue
-                try:
-                    out = _outcome(g, j, sol, sc, flops)
-                    result.records.append(_record(job, task, out, seconds / n_probes, result.worker, result.weights))
-                    result.flops += out.flops
-                except (ProbeError, ValueError) as err:
-                    result.failures.append((task.key, f"{type(err).__name__}: {err}"))
     result.seconds = seconds
     return result
 
 
+def finish_layer(job: GroupJob, g: SpecGroup, info: Any, sol: stream.Solution, sc: stream.Scores, seconds: float,
+                 worker: str, wanted: dict[tuple[Any, ...], dict[int, Any]] | None = None) -> GroupResult:
+    """Records and weights of one layer's probes of one parameter set; ``seconds`` shared among them."""
+    result = GroupResult(group=job.group, worker=worker, started_at=time.time())
+    wanted = wanted if wanted is not None else _wanted(job)
+    n = sum(info.layer in wanted[sig] for sig in g.sigs)
+    _add_layer(job, g, info, sol, sc, wanted, seconds / max(n, 1), result)
+    result.seconds = seconds
+    return result
+
+
+def _wanted(job: GroupJob) -> dict[tuple[Any, ...], dict[int, Any]]:
+    """The job's tasks by signature and layer."""
+    got: dict[tuple[Any, ...], dict[int, Any]] = defaultdict(dict)
+    for t in job.tasks:
+        got[_signature(t)][t.layer] = t
+    return got
+
+
+def _add_layer(job: GroupJob, g: SpecGroup, info: Any, sol: stream.Solution, sc: stream.Scores,
+               wanted: dict[tuple[Any, ...], dict[int, Any]], per_probe: float, result: GroupResult) -> None:
+    result.rss_peak = max(result.rss_peak, sol.rss_peak, sc.rss_peak)
+    result.read_bytes += sol.read_bytes + sc.read_bytes
+    flops = (sol.flops + sc.flops) / max(len(g.jobs), 1)
+    for j, sig in enumerate(g.sigs):
+        task = wanted[sig].get(info.layer)
+        if task is None:
+            continue
+        try:
+            out = _outcome(g, j, sol, sc, flops)
+            result.records.append(_record(job, task, out, per_probe, result.worker, result.weights))
+            result.flops += out.flops
+        except (ProbeError, ValueError) as err:
+            result.failures.append((task.key, f"{type(err).__name__}: {err}"))
+
+
 def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flops: float) -> Outcome:
-    sp, job = g.spec, g.jobs[j]
-    found: dict[bool, tuple[int, int]] = {}
-    for s, solve in enumerate(sp.solves):
-        for v, var in enumerate(solve.variants):
-            if var.job == j:
-                found[var.control] = (s, v)
-    s, v = found[False]
+    sp, job, where = g.spec, g.jobs[j], _where(g)[j]
+    s, v = where.own
     var = sp.solves[s].variants[v]
     W_all, b_all, gcv = sol.W[s], sol.b[s], sol.gcv[s]
     if W_all is None or b_all is None or gcv is None:
         raise ProbeError(f"{g.kind.name} on {job.target.name}: fewer than 2 labelled training rows; select more rows")
-    pick = gcv_pick(gcv[var.start : var.stop])
+    pick = _pick(gcv[var.start : var.stop])
     by_alpha = _test_scores(sc, s, v, var)
     ctrl = None
-    if True in found:
-        cs, cv = found[True]
+    if where.control is not None:
+        cs, cv = where.control
         cvar = sp.solves[cs].variants[cv]
         control_gcv = sol.gcv[cs]
         if sol.W[cs] is not None and control_gcv is not None:
-            cpick = gcv_pick(control_gcv[cvar.start : cvar.stop])
+            cpick = _pick(control_gcv[cvar.start : cvar.stop])
             ctrl = float(_test_scores(sc, cs, cv, cvar)[cpick] if sp.count_class is None
                          else _exact(*_counts(sp, sc, cs, cv, cpick)[1:]))
-    probe = g.kind.build(job, job.fold.seed)
+    probe = copy.copy(where.probe)   # the same parameters and seed: no validation per probe
     W, b = W_all[:, var.start : var.stop, pick], b_all[var.start : var.stop, pick]
     regress = var.classes is None
     probe.state_ = {"coef": np.ascontiguousarray(W.T), "intercept": np.ascontiguousarray(b),
@@ -358,9 +498,13 @@ def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flop
         metrics.update(alpha=sp.alphas[pick], alphas=list(sp.alphas), by_alpha=[float(x) for x in by_alpha])
     if sp.count_class is not None:   # hidden_number_ridge: N_H per test board against its count
         return _count_outcome(g, j, sol, sc, (s, v, pick), ctrl, metrics, flops, probe)
-    return Outcome("r2" if regress else "accuracy", float(by_alpha[pick]), ctrl,
-                   int((job.target.labelled() & job.fold.train).sum()), int((job.target.labelled() & job.fold.test).sum()),
+    return Outcome("r2" if regress else "accuracy", float(by_alpha[pick]), ctrl, where.n_train, where.n_test,
                    metrics, probe, flops)
+
+
+def _pick(gcv: np.ndarray) -> int:
+    """gcv_pick, without its NaN-aware sums when there is one alpha to pick from."""
+    return 0 if gcv.shape[-1] == 1 else gcv_pick(gcv)
 
 
 def _counts(sp: stream.StreamSpec, sc: stream.Scores, s: int, v: int, pick: int) -> tuple[np.ndarray, ...]:

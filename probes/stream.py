@@ -139,6 +139,21 @@ def read_block(spec: StreamSpec, info: ArrayInfo, rows: np.ndarray) -> tuple[np.
     return pool(X, spec.pool)[:, None, :], nbytes
 
 
+_CONTROLLER: Any = None
+
+
+def one_blas_thread() -> Any:
+    """``threadpool_limits(1)`` from one cached controller: a fresh ``threadpool_limits`` scans
+    the loaded libraries each time (~3 ms, as long as a small layer's whole solve)."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        import scipy.linalg  # noqa: F401  (its BLAS loaded first, so the controller sees it)
+        from threadpoolctl import ThreadpoolController
+
+        _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER.limit(limits=1)
+
+
 def _blas(precision: str) -> Any:
     from scipy.linalg import blas
 
@@ -149,8 +164,6 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     """Map task: the statistics of selection positions [lo, hi), read ``block_rows`` at a time."""
     import time
 
-    from threadpoolctl import threadpool_limits
-
     t0 = time.perf_counter()
     dtype = np.dtype(spec.precision)
     syrk, syr = _blas(spec.precision)
@@ -158,7 +171,7 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     raw: list[dict[str, Any] | None] = [None] * len(designs)
     part = Part([None] * len(designs))
     pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
-    with threadpool_limits(1):
+    with one_blas_thread():
         for idx, U in _units(spec, info, pos, part):
             for s, (units, labels, gram) in enumerate(designs):
                 mask = units[idx]
@@ -361,10 +374,8 @@ class Solution:
 
 def solve(spec: StreamSpec, part: Part) -> Solution:
     """One Cholesky factor per alpha per Solve solves every column; GCV picks alphas later."""
-    from threadpoolctl import threadpool_limits
-
     out = Solution([], [], [], [], part.flops, read_bytes=part.read_bytes)
-    with threadpool_limits(1):
+    with one_blas_thread():
         for s, st in enumerate(own_stats(spec, part.stats)):
             if st is None or st.n < 2:
                 out.W.append(None)
@@ -520,12 +531,10 @@ def empty_scores(spec: StreamSpec) -> Scores:
 
 def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) -> Scores:
     """Map task over test rows: predictions for every column and alpha, summed into Scores."""
-    from threadpoolctl import threadpool_limits
-
     out = empty_scores(spec)
     A = len(spec.alphas)
     pos = _positions(spec, lo, hi, "test")
-    with threadpool_limits(1):
+    with one_blas_thread():
         for a in range(0, len(pos), spec.block_rows):
             idx = pos[a : a + spec.block_rows]
             U, nbytes = read_block(spec, info, spec.rows[idx])

@@ -136,11 +136,11 @@ def _record(job: GroupJob, task: ProbeTask, out: Outcome, seconds: float, worker
         raise ProbeError(f"{task.kind} on {task.target} scored NaN: no labelled test rows ({out.n_test}); select more rows")
     artifact = None
     if job.save and out.probe is not None:
-        path = artifacts.artifact_path(job.workspace, task.key)  # checks the key; the client writes the file
+        artifact = artifacts.artifact_name(task.key)  # checks the key; the client writes the file
         weights[task.key] = out.probe.dumps(extra={"key": task.key, "task": task.identity(), "split": fold.rule,
                                                    "train_where": task.train_where})
-        artifact = str(path.relative_to(job.workspace))
     control = out.control_score
+    rule = json.dumps(fold.rule, sort_keys=True)
     params = {
         "key": task.key,
         "plan": job.plan,
@@ -161,10 +161,10 @@ def _record(job: GroupJob, task: ProbeTask, out: Outcome, seconds: float, worker
         score=float(out.score), site=task.site, tokens=task.tokens, seed=task.seed,
         n_train=out.n_train, n_test=out.n_test, metric=out.metric,
         control_score=None if control is None or _nan(control) else float(control), artifact=artifact, params=params,
-        key=task.key, kind_params=task.params, split=json.dumps(fold.rule, sort_keys=True), train_where=task.train_where,
+        key=task.key, kind_params=task.params, split=rule, train_where=task.train_where,
         test_fraction=task.test_fraction if task.split == "hash" else None,
         series=series_of(task.tokens, task.record_target, task.kind, task.params, task.where, task.train_where,
-                         json.dumps(fold.rule, sort_keys=True), task.control),
+                         rule, task.control),
         predictions=_predictions(job.rows, out.predictions),
     )
 

@@ -33,9 +33,10 @@ class WorkspaceWrites:
 
     rows: Callable[..., list[tuple[Any, ...]]]  # Workspace.rows
 
-    def record_probes(self, results: Sequence[ProbeResult]) -> int:
+    def record_probes(self, results: Sequence[ProbeResult], held: db.HeldConnection | None = None) -> int:
         """Insert or replace probe results and their per-sample predictions, by probe key (one
-        short transaction). Safe while a writer runs."""
+        short transaction). Safe while a writer runs. ``held``: a caller's read-write connection
+        kept across its transactions (the probe farm's recorder), else one opened for this one."""
         if not results:
             return 0
         now = _now()
@@ -53,7 +54,9 @@ class WorkspaceWrites:
             for r in results
         ], schema=_PROBE_SCHEMA)
         preds = _prediction_table(results)
-        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
+        opened = held.use(self.timeout) if held is not None else db.connect(self.manifest_path, read_only=False,
+                                                                             timeout=self.timeout)
+        with opened as con:
             con.register("new_probes", table)
             con.register("new_predictions", preds)
             con.execute("BEGIN TRANSACTION")
@@ -67,6 +70,8 @@ class WorkspaceWrites:
             con.execute("INSERT INTO probe_predictions SELECT key, run, array_row, prediction, truth, score"
                         " FROM new_predictions")
             con.execute("COMMIT")
+            con.unregister("new_probes")   # a held connection outlives this call: let the tables go
+            con.unregister("new_predictions")
         return len(results)
 
     def record_head_ablations(self, run: str, rows: Sequence[Mapping[str, Any]]) -> int:

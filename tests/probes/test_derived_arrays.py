@@ -280,21 +280,23 @@ def test_dry_run_shows_what_each_group_reads_and_writes_nothing(ws, capsys):
 
     got, out = groups()
     assert ws.rows("SELECT count(*) FROM derived_arrays") == [(0,)]            # the dry run derived nothing
+    # The streamed entry's two layers differ only in their layer: one job (probes/farm_stream.py merge_layers).
     assert got == [("-", 50, round(50 * 4 * D * 2 / 2**20, 1)),                  # T = 4 float16 values per feature
-                   ("to derive", N, round(N * D * 4 / 2**20, 1)), ("to derive", N, round(N * D * 4 / 2**20, 1))]
+                   ("to derive", N, round(2 * N * D * 4 / 2**20, 1))]
     assert f"derive: auto first derives 2 array(s) on this client, reading {2 * N * 4 * D * 2 / 2**20:.1f} MiB" in out
     derive(ws, ws.array_info("spatial", "vision", 0), "mean")
     got, out = groups()
-    assert [g[0] for g in got] == ["-", "fresh", "to derive"] and "first derives 1 array(s)" in out
+    assert [g[0] for g in got] == ["-", "to derive"] and "first derives 1 array(s)" in out   # layer 1 still is
     path = ws.array_info("spatial", "vision", 0).zarr_path
     with duckdb.connect(str(ws.manifest_path)) as con:    # layer 0's source re-extracted since
         con.execute("UPDATE chunks SET committed_at = now() WHERE zarr_path = ? AND chunk = 0", [path])
     got, out = groups()
-    assert [g[0] for g in got] == ["-", "to derive", "to refresh"]
+    assert [g[0] for g in got] == ["-", "to refresh"] and "first derives 2 array(s)" in out
     plan_file.write_text(yaml.safe_dump({**STREAMED, "derive": "never"}))
     got, out = groups()
-    assert [g[0] for g in got] == ["-", "stale"] and "first derives" not in out
-    assert got[1][2] == round(N * 4 * D * 2 / 2**20, 1)                         # stale: the tokens, on the fly
+    assert [g[0] for g in got] == ["stale"] and "first derives" not in out       # layer 0 stale, layer 1 never derived
+    # stale: the tokens, on the fly; a pass per kind (3 parameter sets) over each of the 2 layers
+    assert got[0][2] == round(3 * 2 * N * 4 * D * 2 / 2**20, 1)
 
 
 def test_verify_checks_derived_arrays(ws):
