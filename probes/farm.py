@@ -543,8 +543,6 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
               memory_limit: int | None = None, drain: Callable[[], None] | None = None) -> None:
     """Every group on Dask: streamed layers in one pipeline, then out-of-core groups, then in-memory
     groups in a bounded window. ``drain`` (the recorder's last flush) ends the timed phase."""
-    from dask.distributed import as_completed
-
     started = time.perf_counter()
     n_probes = sum(len(job.tasks) for job, _, _ in work)
     client, cluster = cluster_start(scheduler, workers, len(work), n_probes, memory_limit, report, log)
@@ -571,31 +569,8 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
                     lost(job, err)
         # A bounded window keeps only a few groups' labels in the scheduler's memory at a time;
         # three per worker keeps every worker busy while the next one queues.
-        limit = window or max(3 * max(report.workers, 1), 4)
-        pending = iter([job for job, specs, _ in work if specs is None])
-        by_key: dict[str, GroupJob] = {}
-        ac = as_completed(loop=client.loop)  # the farm's client is not the default one
-
-        def submit_next() -> bool:
-            job = next(pending, None)
-            if job is None:
-                return False
-            fut = client.submit(run_group, job, key=f"probes-{job.group}", pure=False, retries=1)
-            by_key[fut.key] = job
-            ac.add(fut)
-            return True
-
-        for _ in range(limit):
-            if not submit_next():
-                break
-        for fut in ac:
-            job = by_key.pop(fut.key)
-            try:
-                take(fut.result())
-            except Exception as err:
-                lost(job, err)
-            fut.release()
-            submit_next()
+        _run_windowed(client, [job for job, specs, _ in work if specs is None],
+                      window or max(3 * max(report.workers, 1), 4), take, lost)
         if drain is not None:
             drain()
     finally:
@@ -603,6 +578,37 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _run_windowed(client: Any, jobs: list[GroupJob], limit: int, take: Callable[[GroupResult], None],
+                  lost: Callable[[GroupJob, BaseException], None]) -> None:
+    """In-memory groups on Dask, at most ``limit`` in flight, each taken as it completes."""
+    from dask.distributed import as_completed
+
+    pending = iter(jobs)
+    by_key: dict[str, GroupJob] = {}
+    ac = as_completed(loop=client.loop)  # the farm's client is not the default one
+
+    def submit_next() -> bool:
+        job = next(pending, None)
+        if job is None:
+            return False
+        fut = client.submit(run_group, job, key=f"probes-{job.group}", pure=False, retries=1)
+        by_key[fut.key] = job
+        ac.add(fut)
+        return True
+
+    for _ in range(limit):
+        if not submit_next():
+            break
+    for fut in ac:
+        job = by_key.pop(fut.key)
+        try:
+            take(fut.result())
+        except Exception as err:
+            lost(job, err)
+        fut.release()
+        submit_next()
 
 
 def warm_worker(plugins: Sequence[str] = ()) -> bool:
