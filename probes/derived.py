@@ -197,8 +197,10 @@ def _derive_one(ws: Workspace, source: ArrayInfo, how: str) -> bool:
 
 
 def poolable(a: ArrayInfo) -> bool:
-    """Whether ``a`` holds tokens x features per sample (what ``pool`` reduces)."""
-    return (a.layout == "dense" and len(a.shape) == 3) or (a.layout == "ragged" and len(a.shape) == 3)
+    """Whether ``a`` holds tokens x features per sample (what ``pool`` reduces). A dense array of one
+    token per sample (``last``) is not: pooling it is the identity, and a float32 copy of it would
+    only double a float16 store's bytes."""
+    return (a.layout == "dense" and len(a.shape) == 3 and a.shape[1] > 1) or (a.layout == "ragged" and len(a.shape) == 3)
 
 
 def _pooled_shape(source: ArrayInfo) -> tuple[int, ...]:

@@ -337,3 +337,17 @@ def test_store_verify_cli_names_derived_arrays(ws, capsys):
     assert store_cli(["verify", "--data", str(ws.path)]) == 1
     out = capsys.readouterr().out
     assert "PROBLEM: derived array spatial/_derived/vision.0.resid_post.image.pool_mean: chunk 0 (rows 0-24)" in out
+
+
+def test_one_token_arrays_are_not_derived(ws):
+    """Asserts: a dense array of one token per sample (``last``) is no candidate for a derived array
+    (pooling it is the identity; `make demo` derived float32 copies of its float16 last-token arrays),
+    while the fixture's image-token arrays are."""
+    from dataclasses import replace
+
+    from probes.derived import poolable
+
+    tokens = ws.array_info("spatial", "vision", 0)
+    assert poolable(tokens) and tokens.shape[1] > 1
+    one = replace(tokens, shape=(tokens.shape[0], 1, tokens.shape[-1]), tokens="last")
+    assert not poolable(one)
