@@ -49,7 +49,7 @@ def derive(ws: Workspace, source: ArrayInfo, how: str) -> store_derived.DerivedI
         import numpy as np
 
         try:
-            return pool(read_features(ws.root, source, np.arange(rows.start, rows.stop)), how)
+            return pool(read_features(ws.root, source, np.arange(rows.start, rows.stop), stored=True), how)
         except ProbeError as err:  # e.g. samples with no answer tokens: there is no vector to store for them
             raise ProbeError(f"{source.key()} chunk {k}: {err}. A derived array pools every sample, so this array"
                              " stays pooled on the fly by the plans that select such samples out") from err

@@ -29,7 +29,7 @@ from probes.errors import ProbeError
 from probes.farm_stream import FIT_FRACTION, MemoryPlan, MiB, default_block_rows
 from probes.kinds.base import Job, Outcome, PerSample, params_json
 from probes.splits import control_permutation
-from probes.worker import GroupJob, GroupResult, _record, _signature
+from probes.worker import GroupJob, GroupResult, _record, _signature, tasks_by_signature
 
 #: RSS of an idle, warmed LocalCluster worker that imported torch and every kind: 390 MiB
 #: measured here (2026-12-01, the out-of-core test's worker_peaks of the idle worker); rounded up.
@@ -298,9 +298,7 @@ def finish(job: GroupJob, spec: subsample.IterSpec, fits: list[subsample.LayerFi
     result = GroupResult(group=job.group, worker=worker, started_at=time.time(), seconds=seconds)
     result.rss_peak = max([f.rss_peak for f in fits] + [0])
     result.read_bytes = sum(f.read_bytes for f in fits)
-    wanted: dict[tuple[Any, ...], dict[int, Any]] = defaultdict(dict)
-    for t in job.tasks:
-        wanted[_signature(t)][t.layer] = t
+    wanted = tasks_by_signature(job)
     sigs = list(wanted)
     n_probes = max(len(job.tasks), 1)
     for info, fit in zip(job.arrays, fits, strict=True):

@@ -23,7 +23,7 @@ from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, params_json
 from probes.kinds.ridge import RidgeParams, RidgeProbe, gcv_pick, one_hot, regresses
 from probes.splits import control_permutation
-from probes.worker import GroupJob, GroupResult, _record, _signature
+from probes.worker import GroupJob, GroupResult, _record, _signature, tasks_by_signature
 
 MiB = 1 << 20
 #: RSS of an idle farm worker that imported numpy, scipy, zarr and the store reader (no torch):
@@ -325,7 +325,7 @@ def run_dask(client: Any, work: list[tuple[GroupJob, list[SpecGroup]]], parts: i
 
     layers: list[_Layer] = []
     for job, specs in work:
-        fused, wanted = fuses(specs, job, parts, limit), _wanted(job)
+        fused, wanted = fuses(specs, job, parts, limit), tasks_by_signature(job)
         cap = max(8, 2 * parts) if fused else layers_in_flight(specs, job, limit)
         layers += [_Layer(job, g, info, wanted, fused, cap) for g in specs for info in job.arrays]
     scattered: dict[int, Any] = {}
@@ -420,7 +420,7 @@ def finish(job: GroupJob, specs: list[SpecGroup], sols: list[stream.Solution], s
            seconds: float, worker: str = "stream") -> GroupResult:
     """Records and weights of every probe, from the solved layers (client side)."""
     result = GroupResult(group=job.group, worker=worker, started_at=time.time())
-    wanted = _wanted(job)
+    wanted = tasks_by_signature(job)
     per_probe = seconds / max(len(job.tasks), 1)
     k = 0
     for g in specs:
@@ -435,19 +435,11 @@ def finish_layer(job: GroupJob, g: SpecGroup, info: Any, sol: stream.Solution, s
                  worker: str, wanted: dict[tuple[Any, ...], dict[int, Any]] | None = None) -> GroupResult:
     """Records and weights of one layer's probes of one parameter set; ``seconds`` shared among them."""
     result = GroupResult(group=job.group, worker=worker, started_at=time.time())
-    wanted = wanted if wanted is not None else _wanted(job)
+    wanted = wanted if wanted is not None else tasks_by_signature(job)
     n = sum(info.layer in wanted[sig] for sig in g.sigs)
     _add_layer(job, g, info, sol, sc, wanted, seconds / max(n, 1), result)
     result.seconds = seconds
     return result
-
-
-def _wanted(job: GroupJob) -> dict[tuple[Any, ...], dict[int, Any]]:
-    """The job's tasks by signature and layer."""
-    got: dict[tuple[Any, ...], dict[int, Any]] = defaultdict(dict)
-    for t in job.tasks:
-        got[_signature(t)][t.layer] = t
-    return got
 
 
 def _add_layer(job: GroupJob, g: SpecGroup, info: Any, sol: stream.Solution, sc: stream.Scores,

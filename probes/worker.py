@@ -94,12 +94,18 @@ def _signature(t: ProbeTask) -> tuple[Any, ...]:
     return (t.target, t.kind, t.seed, params_json(t.params), t.fold_id, t.control, t.tag)
 
 
+def tasks_by_signature(job: GroupJob) -> dict[tuple[Any, ...], dict[int, ProbeTask]]:
+    """The job's tasks by signature, then layer: probes that differ only in layer share a signature."""
+    got: dict[tuple[Any, ...], dict[int, ProbeTask]] = defaultdict(dict)
+    for t in job.tasks:
+        got[_signature(t)][t.layer] = t
+    return got
+
+
 def _train_all(job: GroupJob, Xs: list[Any], result: GroupResult) -> None:
     layer_index = {info.layer: g for g, info in enumerate(job.arrays)}
     # Probes over the same features that differ only in layer become one job over all layers.
-    wanted: dict[tuple[Any, ...], dict[int, ProbeTask]] = defaultdict(dict)
-    for t in job.tasks:
-        wanted[_signature(t)][t.layer] = t
+    wanted = tasks_by_signature(job)
     batches: dict[tuple[str, str], list[tuple[Any, ...]]] = defaultdict(list)
     for sig in wanted:
         batches[(sig[1], sig[3])].append(sig)
