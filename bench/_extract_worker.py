@@ -9,8 +9,9 @@ the last logits, as ``generate`` with one new token picks it). Both bare sides l
 build batches with agnosia's own loader and ``prepare_batch``, so the sides differ only in the
 capture and the store. Imports happen before the clock starts; loading the weights is timed.
 
-Prints one JSON line: seconds, samples, peak RSS (MiB), and ``duckdb.connect`` calls made while
-the clock ran (every call: the store's, DuckDB's own, anyone's).
+Prints one JSON line: seconds, CPU seconds of every thread of the process, samples, peak RSS
+(MiB), and ``duckdb.connect`` calls made while the clock ran (every call: the store's, DuckDB's
+own, anyone's).
 """
 
 from __future__ import annotations
@@ -77,11 +78,12 @@ def main() -> None:
 
     registry()
     duckdb.connect = _counting_connect  # the store looks it up at each call
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     side = spec["side"]
     samples = _agnosia(spec) if side == "agnosia" else _bare(spec, side)
     seconds = time.perf_counter() - started
-    print(json.dumps({"seconds": seconds, "samples": samples, "connects": _CONNECTS[0],
+    print(json.dumps({"seconds": seconds, "cpu_seconds": time.process_time() - cpu, "samples": samples,
+                      "connects": _CONNECTS[0],
                       "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 

@@ -330,16 +330,15 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
 
         ws, computed, accuracy = run_variant(lm, manifest, sets, samples, where, run_info(lm, manifest, None),
                                              progress=progress)
-        arrays = 0
+        done = Extracted(ws, computed, accuracy, 0, _run_totals(ws.rows, manifest.run))
     else:
         scaled = scaled_vision_rope(lm, manifest.intervention) if kind == "rope_scaling" else nullcontext()
         with scaled:
-            ws, computed, accuracy, arrays = _extract(lm, manifest, sets, samples, where, progress, codec, on_batch)
-    scored, correct = ws.rows("SELECT count(correct), count(*) FILTER (WHERE correct) FROM generations WHERE run = ?",
-                              [manifest.run])[0]
-    return RunSummary(run=manifest.run, workspace=ws.path, samples=len(samples), computed=computed,
+            done = _extract(lm, manifest, sets, samples, where, progress, codec, on_batch)
+    scored, correct = done.totals
+    return RunSummary(run=manifest.run, workspace=done.ws.path, samples=len(samples), computed=done.computed,
                       seconds=time.perf_counter() - started, accuracy=correct / scored if scored else None,
-                      arrays=arrays, new_accuracy=accuracy, scored=scored)
+                      arrays=done.arrays, new_accuracy=done.accuracy, scored=scored)
 
 
 def run_info(lm: LoadedModel, manifest: Manifest, lens: Any, path: tuple[str, str] | None = None) -> RunInfo:
@@ -365,10 +364,21 @@ def run_info(lm: LoadedModel, manifest: Manifest, lens: Any, path: tuple[str, st
                    batch_size=manifest.batch_size)
 
 
+@dataclass(frozen=True)
+class Extracted:
+    """What one call of the activation run did."""
+
+    ws: Workspace
+    computed: int                 # samples computed by this call
+    accuracy: float | None        # of those samples
+    arrays: int
+    totals: tuple[int, int]       # (scored, correct) over the whole run, resumed rows included
+
+
 def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], samples: list[Sample],
              where: str | Path | None, progress: bool, codec: str,
-             on_batch: Callable[[int], None] | None) -> tuple[Workspace, int, float | None, int]:
-    """The activation run proper: (workspace, samples computed now, their accuracy, arrays)."""
+             on_batch: Callable[[int], None] | None) -> Extracted:
+    """The activation run proper."""
     with_images = [s for s in samples if s.image is not None]
     request = tap_request(lm, manifest, with_images=bool(with_images))
     sizes = image_sizes(samples)
@@ -378,7 +388,8 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
     route: tuple[str, str] | None = capture_path(lm, manifest, samples)
     dtype = str(lm.dtype).removeprefix("torch.")
     ws = Workspace.open(where)  # only now: a bad manifest leaves no workspace behind
-    stored = ws.rows("SELECT config FROM runs WHERE run = ?", [manifest.run])
+    # A manifest made just now holds no run: skip the query (opening DuckDB costs ~35 ms a time).
+    stored = [] if ws.created else ws.rows("SELECT config FROM runs WHERE run = ?", [manifest.run])
     if stored and "capture" not in json.loads(stored[0][0] or "{}"):
         route = None  # a run stored before capture paths were recorded ran generate: resume it as it was
     info = run_info(lm, manifest, lens, route)
@@ -392,7 +403,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         specs = array_specs(lm, request, (with_images or samples)[0], dense_images, dtype, codec)
         handles = dict(zip(specs, w.arrays(list(specs.values())), strict=True))  # one manifest transaction
         if lens is not None and (w.shard is None or w.shard.index == 0):
-            write_lens(ws, w, lm, lens, manifest.run, dtype)
+            write_lens(w, lm, lens, dtype)
         todo = w.todo()
         total = sum(len(r) for r in todo)
         warning = one_chunk_warning(manifest, len(samples)) if total else None
@@ -422,10 +433,18 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
             earlier.write(w, handles)
         bar.close()
         w.finish()
-    return ws, computed, (correct / scored if scored else None), len(handles)
+        totals = _run_totals(w.rows, manifest.run)  # on the writer's connection: no second open
+    return Extracted(ws, computed, correct / scored if scored else None, len(handles), totals)
 
 
-def write_lens(ws: Workspace, w: Writer, lm: LoadedModel, lens: Any, run: str, dtype: str) -> None:
+def _run_totals(rows: Callable[..., list[tuple[Any, ...]]], run: str) -> tuple[int, int]:
+    """(scored, correct) over every stored generation of the run, resumed rows included."""
+    scored, correct = rows("SELECT count(correct), count(*) FILTER (WHERE correct) FROM generations WHERE run = ?",
+                           [run])[0]
+    return int(scored), int(correct)
+
+
+def write_lens(w: Writer, lm: LoadedModel, lens: Any, dtype: str) -> None:
     """The run tensors an offline logit lens needs (unembedding, final norm) and the vocabulary."""
     w.write_tensor("lm_head.weight", lens.unembed, dtype=dtype, module=lens.unembed_path)
     if lens.unembed_bias is not None:
@@ -433,7 +452,7 @@ def write_lens(ws: Workspace, w: Writer, lm: LoadedModel, lens: Any, run: str, d
     w.write_tensor("final_norm.weight", lens.norm.weight, dtype=dtype, module=lens.norm.module_path)
     if lens.norm.bias is not None:
         w.write_tensor("final_norm.bias", lens.norm.bias, dtype=dtype, module=lens.norm.module_path)
-    ws.record_vocab(run, vocabulary(lm, int(lens.unembed.shape[0])))
+    w.record_vocab(vocabulary(lm, int(lens.unembed.shape[0])))
 
 
 def one_chunk_warning(manifest: Manifest, n_samples: int) -> str | None:

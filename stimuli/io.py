@@ -226,7 +226,7 @@ def _read_meta(meta_file: Path) -> dict[str, Any]:
 
 def _read_truth(truth_file: Path) -> pa.Table:
     try:
-        table = pq.read_table(truth_file)
+        table = pq.ParquetFile(truth_file).read()  # read_table would import pyarrow.dataset and pandas (~0.5 s)
     except (OSError, pa.ArrowException) as err:
         raise StimulusError(
             f"{truth_file} cannot be read ({err}): the file is truncated or damaged; {_REGENERATE}"

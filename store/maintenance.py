@@ -101,16 +101,20 @@ class WorkspaceWrites:
             con.execute("COMMIT")
         return len(rows)
 
-    def record_vocab(self, run: str, tokens: Sequence[str]) -> int:
-        """Store a run's vocabulary (``tokens[i]`` is token id i as decoded alone), replacing any."""
+    def record_vocab(self, run: str, tokens: Sequence[str], held: db.HeldConnection | None = None) -> int:
+        """Store a run's vocabulary (``tokens[i]`` is token id i as decoded alone), replacing any.
+        ``held``: a caller's read-write connection (a run's writer), else one opened for this one."""
         table = pa.table({"token_id": pa.array(range(len(tokens)), pa.int32()),
                           "token": pa.array(list(tokens), pa.string())})
-        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
+        opened = held.use(self.timeout) if held is not None else db.connect(self.manifest_path, read_only=False,
+                                                                             timeout=self.timeout)
+        with opened as con:
             con.register("new_vocab", table)
             con.execute("BEGIN TRANSACTION")
             con.execute("DELETE FROM vocab WHERE run = ?", [run])
             con.execute("INSERT INTO vocab SELECT ?, token_id, token FROM new_vocab", [run])
             con.execute("COMMIT")
+            con.unregister("new_vocab")  # a held connection outlives this call
         return len(tokens)
 
     def vocab(self, run: str) -> list[str]:

@@ -102,9 +102,10 @@ class Registration(WriterCore):
         self._marked = False
 
     def _load_samples(self) -> list[str] | None:
-        rows = self.ws.rows(
-            "SELECT array_row, stimulus FROM samples WHERE run = ? ORDER BY array_row", [self.run]
-        )
+        with self._write_connection() as con:  # the run's own connection: no second open of the file
+            rows = con.execute(
+                "SELECT array_row, stimulus FROM samples WHERE run = ? ORDER BY array_row", [self.run]
+            ).fetchall()
         return [r[1] for r in rows] if rows else None
 
 
@@ -175,7 +176,7 @@ class Registration(WriterCore):
             raise StoreError(
                 f"{folder} is not a stimulus set (expected {truth}): write one with `python -m stimuli`"
             )
-        rows = pq.read_table(truth).to_pylist()
+        rows = pq.ParquetFile(truth).read().to_pylist()  # not read_table: it imports pandas (~0.5 s)
         return self.register_stimuli(rows, dataset=dataset or folder.name, set_path=folder.resolve())
 
     def set_samples(self, stimuli: Sequence[str]) -> None:
@@ -285,6 +286,7 @@ class Registration(WriterCore):
             if info.zarr_path in by_path:
                 _check_same_array(by_path[info.zarr_path], info)
         handles = []
+        created: list[str] = []
         con.execute("BEGIN TRANSACTION")
         try:
             for info, codec in wanted:
@@ -292,10 +294,12 @@ class Registration(WriterCore):
                 if stored is None:
                     self._mark_running(con)
                     handles.append(ArrayHandle(info, codec, self._create_node(info, codec), set(), id(self)))
+                    created.append(info.zarr_path)
                     _insert_array(con, info)
                 else:
-                    node = self._reopen_node(con, stored, codec, committed[info.zarr_path])
+                    node = self._reopen_node(con, stored, codec, committed[info.zarr_path], created)
                     handles.append(ArrayHandle(stored, codec, node, committed[info.zarr_path], id(self)))
+            self._sync_new_nodes(created)  # before the rows that point at them commit
             if len(by_path) < len(wanted):
                 assign_depths(con, self.run)  # a deeper layer may renumber the run's arrays
             con.execute("COMMIT")
@@ -304,8 +308,10 @@ class Registration(WriterCore):
             raise
         return handles
 
-    def _reopen_node(self, con: Any, info: ArrayInfo, codec: layout.Codec, committed: set[int]) -> Any:
-        """The Zarr node of an array the manifest knows; made again if none of its chunks is committed."""
+    def _reopen_node(self, con: Any, info: ArrayInfo, codec: layout.Codec, committed: set[int],
+                     created: list[str]) -> Any:
+        """The Zarr node of an array the manifest knows; made again (and added to ``created``) if
+        none of its chunks is committed."""
         try:
             return self._root[info.zarr_path]
         except KeyError:
@@ -316,9 +322,20 @@ class Registration(WriterCore):
                     f" re-extract (drop-run {self.run})"
                 ) from None
             self._mark_running(con)
+            created.append(info.zarr_path)
             return self._create_node(info, codec)
 
+    def _sync_new_nodes(self, zarr_paths: list[str]) -> None:
+        """Sync new nodes (each shared parent once) and, for a remote root, upload their metadata."""
+        if not zarr_paths:
+            return
+        with disk_full_names(self.ws.zarr_path / zarr_paths[0]):
+            layout.fsync_node_chains(self.ws.path, zarr_paths)
+        for path in zarr_paths:
+            self._upload(lambda path=path: self.ws.root.upload_meta(path))
+
     def _create_node(self, info: ArrayInfo, codec: layout.Codec) -> Any:
+        """The new array's Zarr node, not yet durable: see :meth:`_sync_new_nodes`."""
         attrs: dict[str, Any] = {
             "run": info.run, "tap": info.tap, "layer": info.layer, "site": info.site, "tokens": info.tokens,
             "module": info.module, "layout": info.layout, "source_dtype": info.dtype,
@@ -348,8 +365,6 @@ class Registration(WriterCore):
                 attrs["row_shape"] = list(info.item_shape)
                 attrs["blocks"] = "b<k>/rows [n_rows, ...] and b<k>/offsets [n+1] per chunk of chunk_samples samples"
                 node = layout.create_ragged_group(self._root, info.zarr_path, attrs)
-            layout.fsync_node_chain(self.ws.path, info.zarr_path)
-        self._upload(lambda: self.ws.root.upload_meta(info.zarr_path))
         return node
 
 

@@ -80,6 +80,7 @@ class Workspace(WorkspaceWrites):
         self.zarr_path = path / layout.ZARR_DIR
         self.root = ArrayRoot(self.zarr_path)  # the remote URL, if any, is read from the group at open
         self.timeout = timeout
+        self.created = False  # whether open() made this manifest (so it holds no run yet)
         # Opening DuckDB costs ~25 ms, more than reading a few MB. What read() needs from the
         # manifest (array rows, committed chunks, selections) is kept while the manifest file
         # and its WAL are unchanged: any commit by any process changes their stat.
@@ -121,7 +122,7 @@ class Workspace(WorkspaceWrites):
                     f" `python -m store init --data {ws.path}` or by running an extraction"
                 )
             ws.path.mkdir(parents=True, exist_ok=True)
-            _create_manifest(ws.manifest_path, migrations, timeout)
+            ws.created = _create_manifest(ws.manifest_path, migrations, timeout)
         else:
             with db.connect(ws.manifest_path, read_only=True, timeout=timeout) as con:
                 version = ws._version(con)
@@ -447,10 +448,11 @@ class Workspace(WorkspaceWrites):
         return verify(self, run=run, checksums=checksums)
 
 
-def _create_manifest(path: Path, migrations: list[schema_mod.Migration], timeout: float) -> None:
+def _create_manifest(path: Path, migrations: list[schema_mod.Migration], timeout: float) -> bool:
     """Build a new manifest beside ``path`` and link it into place whole. A kill or a full disk
     mid-creation then leaves no half-written manifest.duckdb, which every later open would
-    (rightly) refuse as corrupt; at worst a hidden ``.manifest.duckdb.<pid>.new`` file."""
+    (rightly) refuse as corrupt; at worst a hidden ``.manifest.duckdb.<pid>.new`` file. False when
+    another process put its own manifest there first."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
     try:
         try:
@@ -463,12 +465,13 @@ def _create_manifest(path: Path, migrations: list[schema_mod.Migration], timeout
         try:
             os.link(tmp, path)  # atomic, and never replaces a manifest another process made meanwhile
         except FileExistsError:
-            return
+            return False
         except OSError:  # a file system without hard links
             if path.exists():
-                return
+                return False
             os.replace(tmp, path)
         layout.fsync_path(path.parent)
+        return True
     finally:
         for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
             leftover.unlink(missing_ok=True)

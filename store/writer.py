@@ -52,6 +52,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,7 +103,9 @@ class Writer(Registration, Tensors, Producer, Pipeline):
         self._records_every = records_every
         self._manifest_timeout = manifest_timeout
         self._locks = self._acquire_locks()
-        self._manifest = db.HeldConnection(ws.manifest_path)
+        # Each let-go costs a checkpoint and the next commit a reopen (~75 ms together): idle past the
+        # records' commit interval only, and let a plain retrying DuckDB client in within 10 s.
+        self._manifest = db.HeldConnection(ws.manifest_path, idle_s=max(2.0, records_every + 1.0), max_hold_s=10.0)
         self.took_over: Holder | None = self._locks[-1].took_over
         self._handles: dict[str, ArrayHandle] = {}
         self._chunk_sizes: set[int] | None = None
@@ -214,7 +217,7 @@ class Writer(Registration, Tensors, Producer, Pipeline):
         stay (a peer shard may be about to commit them)."""
         if not self.ws.root.remote or not (self.ws.zarr_path / self.run).is_dir():
             return
-        committed = set(self.ws.rows("SELECT zarr_path, chunk FROM chunks WHERE run = ?", [self.run]))
+        committed = set(self.rows("SELECT zarr_path, chunk FROM chunks WHERE run = ?", [self.run]))
         for f in (self.ws.zarr_path / self.run).rglob("c.*"):
             if f.name.endswith(".partial"):
                 continue
@@ -226,6 +229,20 @@ class Writer(Registration, Tensors, Producer, Pipeline):
                 key = (node, int(f.name.split(".")[1]) if f.name.split(".")[1].isdigit() else -1)
             if key in committed:
                 f.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ the run's manifest connection
+
+    def rows(self, sql: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
+        """A query on the run's own manifest connection: it sees every commit so far (after
+        :meth:`finish`, the whole run) and, unlike ``Workspace.rows``, opens no second connection."""
+        with self._write_connection() as con:
+            return con.execute(sql, params or []).fetchall()
+
+    def record_vocab(self, tokens: Sequence[str]) -> int:
+        """The run's vocabulary (``Workspace.record_vocab``), on the run's own connection."""
+        return self.ws.record_vocab(self.run, tokens, held=self._manifest)
+
+    # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
         """Drain the queue, commit what is durable, stop the threads and release the lock.

@@ -1,0 +1,67 @@
+"""What an extraction costs the manifest: DuckDB opens, not just what it stores.
+
+Found by timing each set-up step of `python -m bench extract` (issue 19): a 200-sample run opened
+DuckDB 9 times (~35 ms each, and a checkpoint each time the writer's connection was closed) for
+a run query, the writer's sample map, the vocabulary and the final accuracy, each on a
+connection of its own, and imported pandas (~0.5 s) to read the stimulus set.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import duckdb
+import pytest
+from devices import model_config
+
+from extract.manifest import parse_manifest
+from extract.run import run_extraction
+from stimuli import get_family
+from stimuli.io import write_set
+from store import Workspace
+
+
+@pytest.fixture(scope="module")
+def g2m_set(tmp_path_factory):
+    family = get_family("g2m")
+    return write_set(family, family.config(grid_sizes=(3,), colors=(3,), image_size=112), n=4, seed=0,
+                     split="test", out=tmp_path_factory.mktemp("stimuli") / "g2m")
+
+
+@pytest.mark.slow
+def test_an_extraction_into_a_new_workspace_opens_the_manifest_twice(tiny_dir, g2m_set, tmp_path, monkeypatch):
+    """Asserts: a whole run with the logit lens (arrays, run tensors, vocabulary, generations,
+    the summary's accuracy) opens DuckDB to create the manifest and once for the writer's run
+    (before: 9 opens; one more is allowed for a loaded machine that passes the 10 s a writer
+    holds its connection); and the summary's accuracy, read on the writer's connection, is the
+    stored one."""
+    calls: list[str] = []
+    real = duckdb.connect
+
+    def counting(database=":memory:", *args, **kwargs):
+        calls.append(str(database))
+        return real(database, *args, **kwargs)
+
+    manifest = parse_manifest({
+        "run": "r1", "model": {"path": str(tiny_dir("qwen2_vl")), **model_config()},
+        "stimuli": [{"set": str(g2m_set)}], "taps": [{"tap": "llm", "layers": [0, -1]}],
+        "generation": {"max_new_tokens": 3}, "batch_size": 2, "chunk_samples": 2})
+    monkeypatch.setattr(duckdb, "connect", counting)
+    summary = run_extraction(manifest, workspace=tmp_path / "ws", progress=False)
+    monkeypatch.setattr(duckdb, "connect", real)
+    assert calls[0].endswith(".new") and all(c.endswith("manifest.duckdb") for c in calls[1:]), calls
+    assert 2 <= len(calls) <= 3, calls
+    ws = Workspace.open(tmp_path / "ws", readonly=True)
+    scored, correct = ws.rows("SELECT count(correct), count(*) FILTER (WHERE correct) FROM generations")[0]
+    assert (summary.scored, summary.accuracy) == (scored, correct / scored if scored else None)
+    assert len(ws.vocab("r1")) > 0 and ws.read_tensor("r1", "lm_head.weight").ndim == 2
+
+
+def test_reading_a_stimulus_set_does_not_import_pandas(g2m_set):
+    """Asserts: `read_set(...).rows()` leaves pandas unimported (pyarrow's `read_table` pulls it in
+    through pyarrow.dataset, ~0.5 s of every extraction's start)."""
+    code = ("import sys; from stimuli.io import read_set; read_set(sys.argv[1]).rows(); "
+            "print('pandas' in sys.modules, 'pyarrow.dataset' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(g2m_set)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"], out.stderr
