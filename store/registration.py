@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -332,7 +333,7 @@ class Registration(WriterCore):
         with disk_full_names(self.ws.zarr_path / zarr_paths[0]):
             layout.fsync_node_chains(self.ws.path, zarr_paths)
         for path in zarr_paths:
-            self._upload(lambda path=path: self.ws.root.upload_meta(path))
+            self._upload(partial(self.ws.root.upload_meta, path))
 
     def _create_node(self, info: ArrayInfo, codec: layout.Codec) -> Any:
         """The new array's Zarr node, not yet durable: see :meth:`_sync_new_nodes`."""
