@@ -167,3 +167,20 @@ def test_dual_on_the_dask_graph_equals_the_in_process_run(tmp_path, monkeypatch)
     assert graph.flops == pytest.approx(here.flops)     # the dual's flops, wherever it ran
     got = Workspace.open(tmp_path / "graph", readonly=True).rows("SELECT DISTINCT params->'metrics'->>'solve' FROM probes")
     assert got == [("dual",)]
+
+
+def test_dual_of_token_units_equals_the_primal(tmp_path):
+    """Token targets: every token a unit (ids position x R + token); forced dual, as n > d here."""
+    from probetest_lib import build_workspace
+
+    ws = build_workspace(tmp_path / "ws", n=12, families=("g2m",))
+    plan = parse_plan({"name": "tok", "probes": [{"runs": ["g2m"], "targets": ["g2m.cell_color"],
+                                                  "kinds": {"ridge": {"alphas": [0.5, 5.0], "standardize": True}}}]})
+    job = _job(ws, plan)
+    (g,) = build_specs(job, 3)
+    assert g.spec.level == "token" and not g.spec.dual             # 64 tokens a sample: more units than d = 16
+    dual, ref = (run_layer(replace(g.spec, dual=flag), job.arrays[0], 2, job.rows) for flag in (True, False))
+    assert dual[0].n_train == ref[0].n_train and dual[0].n_train[0] > 16
+    assert np.abs(dual[0].W[0] - ref[0].W[0]).max() < 1e-6 and np.abs(dual[0].b[0] - ref[0].b[0]).max() < 1e-6
+    assert np.abs(dual[0].gcv[0] - ref[0].gcv[0]).max() < 1e-6 * np.abs(ref[0].gcv[0]).max()
+    assert np.array_equal(dual[1].hits[0], ref[1].hits[0])
