@@ -22,6 +22,7 @@ from probes import stream, stream_layer
 from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, params_json
 from probes.kinds.ridge import RidgeParams, RidgeProbe, gcv_pick, one_hot, regresses
+from probes.ridge_dual import chooses_dual
 from probes.splits import control_permutation
 from probes.worker import GroupJob, GroupResult, _record, _signature, tasks_by_signature
 
@@ -147,11 +148,20 @@ def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, l
     info = job.arrays[0]
     rows = block_rows or default_block_rows(info, params.precision)
     lw = getattr(params, "shrinkage", None) == "auto"      # lda: per-class moments, nothing shared
-    return stream.StreamSpec(job.root, job.rows, level, params.pool, kind.stream_alphas(params),
+    alphas = kind.stream_alphas(params)
+    dual = kind.stream_solver == "ridge" and solves_dual(solves, info.item_shape[-1], len(alphas))
+    return stream.StreamSpec(job.root, job.rows, level, params.pool, alphas,
                              bool(getattr(params, "standardize", False)), params.precision, int(rows), solves,
                              job.dense_tokens, kind.stream_solver,
-                             kind.stream_solver != "centroid" and not lw and shares_pass(solves),   # no XᵀX to share
-                             kind.stream_count_class(params), lw)
+                             kind.stream_solver != "centroid" and not lw and not dual and shares_pass(solves),
+                             kind.stream_count_class(params), lw, dual)
+
+
+def solves_dual(solves: list[stream.Solve], d: int, alphas: int) -> bool:
+    """Whether ridge keeps the training rows and solves in its dual form (probes/ridge_dual.py):
+    fewer rows than features, and fewer flops than XᵀX and its factors."""
+    union = int(np.logical_or.reduce([s.train for s in solves]).sum()) if solves else 0
+    return chooses_dual([float(s.train.sum()) for s in solves], union, d, [s.Y.shape[-1] for s in solves], alphas)
 
 
 #: Share one pass between Solves when it accumulates at most this share of the rows that one
@@ -205,15 +215,36 @@ def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
         moving = 8 * d * d * 8 if sp.ledoit_wolf else 0   # Moments.moved's d×d temporaries (merge, solve)
         held = (f"lda shrinkage auto's per-class moments, {gram / MiB:.0f} MiB (a fixed shrinkage needs one XᵀX)"
                 if sp.ledoit_wolf else f"{gram / MiB:.0f} MiB of statistics")
-        peaks += [(2 * gram + block, f"map (2 x {held}, block of {sp.block_rows} rows)"),
-                  (2 * gram + moving, f"merge (2 x {held})"),
-                  (gram + (2 if sp.shared else 1) * xx + 2 * d * cols * A * 8 + moving,
-                   "solve (statistics + one factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
-                  (sp.block_rows * vpr * (item + 4 + 8) + chunk + 2 * d * cols * A * 8 + 2 * counts,
+        if sp.dual:
+            peaks += dual_peaks(sp, d, block, 2 * d * cols * A * 8)
+        else:
+            peaks += [(2 * gram + block, f"map (2 x {held}, block of {sp.block_rows} rows)"),
+                      (2 * gram + moving, f"merge (2 x {held})"),
+                      (gram + (2 if sp.shared else 1) * xx + 2 * d * cols * A * 8 + moving,
+                       "solve (statistics + one factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")"))]
+        peaks += [(sp.block_rows * vpr * (item + 4 + 8) + chunk + 2 * d * cols * A * 8 + 2 * counts,
                    "score (a block of test rows)")]
         read += len(job.arrays) * _rows_bytes(info, len(sp.rows))
     peak, what = max(peaks)
     return MemoryPlan(read, WORKER_BASE + peak, what)
+
+
+def dual_rows(sp: stream.StreamSpec, d: int) -> tuple[int, int]:
+    """(training units a dual spec keeps, their bytes: features in its precision + unit ids)."""
+    n = int(np.logical_or.reduce([s.train for s in sp.solves]).sum()) if sp.solves else 0
+    return n, n * (d * np.dtype(sp.precision).itemsize + 8)
+
+
+def dual_peaks(sp: stream.StreamSpec, d: int, block: int, weights: int) -> list[tuple[int, str]]:
+    """Peaks of a dual spec's tasks (probes/ridge_dual.py): the rows in place of XᵀX. The map fills
+    its share of them; a merge holds both operands and their concatenation; the solve one Solve's
+    rows again, their float64 centred copy, the n×n Gram matrix and its eigenvectors."""
+    n, rows = dual_rows(sp, d)
+    held = f"{rows / MiB:.0f} MiB of training rows ({n} x {d}, dual ridge)"
+    solve = rows + n * d * (np.dtype(sp.precision).itemsize + 8) + 2 * n * n * 8 + weights
+    return [(rows + block, f"map ({held}, block of {sp.block_rows} rows)"),
+            (2 * rows, f"merge (2 x {held})"),
+            (solve, f"solve ({held} + a float64 copy + the {n} x {n} Gram matrix)")]
 
 
 def plan_in_memory(job: GroupJob) -> MemoryPlan:
@@ -273,7 +304,8 @@ def layers_in_flight(specs: list[SpecGroup], job: GroupJob, limit: int | None) -
 def _held_bytes(specs: list[SpecGroup], job: GroupJob) -> int:
     """Statistics bytes one layer in flight keeps on the workers (2 copies: a merge's operands)."""
     d = job.arrays[0].item_shape[-1]
-    held = sum(2 * (len(g.spec.solves) + g.spec.shared) * d * d * np.dtype(g.spec.precision).itemsize
+    held = sum(2 * (dual_rows(g.spec, d)[1] if g.spec.dual else
+                    (len(g.spec.solves) + g.spec.shared) * d * d * np.dtype(g.spec.precision).itemsize)
                for g in specs if g.spec.method != "centroid")
     held += sum(6 * d * d * 8 * len(v.classes if v.classes is not None else []) for g in specs if g.spec.ledoit_wolf
                 for s in g.spec.solves for v in s.variants)
@@ -487,7 +519,8 @@ def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flop
                                "n_test_rows": int(sc.count[s][v]), "streamed": True}
     if sp.method == "ridge":
         probe.meta_["alpha"] = sp.alphas[pick]
-        metrics.update(alpha=sp.alphas[pick], alphas=list(sp.alphas), by_alpha=[float(x) for x in by_alpha])
+        metrics.update(alpha=sp.alphas[pick], alphas=list(sp.alphas), by_alpha=[float(x) for x in by_alpha],
+                       solve="dual" if sp.dual else "primal")   # n×n kernel of the rows, or d×d XᵀX
     if sp.count_class is not None:   # hidden_number_ridge: N_H per test board against its count
         return _count_outcome(g, j, sol, sc, (s, v, pick), ctrl, metrics, flops, probe)
     return Outcome("r2" if regress else "accuracy", float(by_alpha[pick]), ctrl, where.n_train, where.n_test,

@@ -8,7 +8,9 @@ ridge regression: the row count, the feature means, the upper triangle of the ce
 matrix XᵀX, XᵀY and the target sums. Partitions merge pairwise (a tree; Chan's parallel
 update keeps the centred sums exact), one task solves every column and alpha with one
 Cholesky factor per alpha, and a second map over the *test* rows scores them (train and test
-samples are disjoint, so each selected byte is read once per design). Workers import numpy,
+samples are disjoint, so each selected byte is read once per design). With fewer training
+units than features (``StreamSpec.dual``: pooled probes over wide models) the maps keep the
+training rows themselves and the solve works on their n×n Gram matrix (probes/ridge_dual.py). Workers import numpy,
 scipy and the store reader only (never torch), so their resident memory stays small and plannable.
 
 Everything here is plain numpy/scipy on one BLAS thread; the client builds the :class:`StreamSpec`
@@ -26,6 +28,7 @@ import numpy as np
 
 from probes.errors import ProbeError
 from probes.moments import Moments
+from probes.ridge_dual import Rows, merge_rows, solve_rows
 from store.location import ArrayRoot
 from store.records import ArrayInfo
 
@@ -78,6 +81,10 @@ class StreamSpec:
     #: lda's ``shrinkage: auto``: each variant's per-class moments up to the fourth (probes/moments.py)
     #: instead of the pooled XᵀX; never shared between Solves.
     ledoit_wolf: bool = False
+    #: ridge in its dual form (probes/ridge_dual.py): the maps keep the union of the Solves'
+    #: training rows (n×d) instead of accumulating XᵀX (d×d); chosen when n < d and cheaper
+    #: (probes/farm_stream.py _spec). Never shared: the rows of the union serve every Solve.
+    dual: bool = False
 
 
 @dataclass
@@ -98,6 +105,7 @@ class Part:
     """A map task's output: Stats per Solve, plus what it cost."""
 
     stats: list[Stats | None]
+    rows: Rows | None = None     # dual specs: the training rows themselves (stats stay None)
     flops: float = 0.0
     read_bytes: int = 0
     seconds: float = 0.0
@@ -171,6 +179,11 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     raw: list[dict[str, Any] | None] = [None] * len(designs)
     part = Part([None] * len(designs))
     pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
+    if spec.dual:
+        part.rows = _gather(spec, info, pos, part)
+        part.seconds = time.perf_counter() - t0
+        part.rss_peak = _rss()
+        return part
     with one_blas_thread():
         for idx, U in _units(spec, info, pos, part):
             for s, (units, labels, gram) in enumerate(designs):
@@ -190,6 +203,25 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     part.seconds = time.perf_counter() - t0
     part.rss_peak = _rss()
     return part
+
+
+def _gather(spec: StreamSpec, info: ArrayInfo, pos: np.ndarray, part: Part) -> Rows | None:
+    """Dual map: the training units of any Solve among positions ``pos``, copied into one array
+    sized up front (the plan counts n×d once, not a list of blocks beside their concatenation)."""
+    union = np.logical_or.reduce([s.train for s in spec.solves])
+    R = union.shape[1]
+    m = int(union[pos].sum())
+    if m == 0:
+        return None
+    rows = Rows(np.empty(m, np.int64), np.empty((m, info.item_shape[-1]), spec.precision))
+    at = 0
+    for idx, U in _units(spec, info, pos, part):
+        mask = union[idx]
+        k = int(mask.sum())
+        rows.X[at : at + k] = U[mask]
+        rows.units[at : at + k] = (idx[:, None] * R + np.arange(R))[mask]
+        at += k
+    return rows
 
 
 #: Pooled rows gathered per XᵀX update (see _units).
@@ -322,6 +354,7 @@ def _centre(acc: dict[str, Any], syr: Callable[..., Any]) -> Stats:
 
 def merge(a: Part, b: Part) -> Part:
     """Reduce task: b folded into a (in place; Chan et al.'s update of centred sums)."""
+    a.rows = merge_rows(a.rows, b.rows)
     for s, (x, y) in enumerate(zip(a.stats, b.stats, strict=False)):
         if y is None:
             continue
@@ -373,10 +406,13 @@ class Solution:
 
 
 def solve(spec: StreamSpec, part: Part) -> Solution:
-    """One Cholesky factor per alpha per Solve solves every column; GCV picks alphas later."""
+    """One Cholesky factor per alpha per Solve solves every column (dual specs: one eigh of the
+    n×n Gram matrix per Solve); GCV picks alphas later."""
     out = Solution([], [], [], [], part.flops, read_bytes=part.read_bytes)
     with one_blas_thread():
-        for s, st in enumerate(own_stats(spec, part.stats)):
+        if spec.dual:
+            _solve_dual(spec, part.rows, out)
+        for s, st in enumerate([] if spec.dual else own_stats(spec, part.stats)):
             if st is None or st.n < 2:
                 out.W.append(None)
                 out.b.append(None)
@@ -394,6 +430,25 @@ def solve(spec: StreamSpec, part: Part) -> Solution:
             out.flops += flops
     out.rss_peak = max(part.rss_peak, _rss())
     return out
+
+
+def _solve_dual(spec: StreamSpec, rows: Rows | None, out: Solution) -> None:
+    """Each Solve's weights from its own training rows among the gathered ones."""
+    for solve_ in spec.solves:
+        mask = solve_.train.reshape(-1)[rows.units] if rows is not None else np.zeros(0, bool)
+        n = int(mask.sum())
+        out.n_train.append(n)
+        if rows is None or n < 2:
+            out.W.append(None)
+            out.b.append(None)
+            out.gcv.append(None)
+            continue
+        Y = solve_.Y.reshape(-1, solve_.Y.shape[-1])[rows.units[mask]]
+        W, b, gcv, flops = solve_rows(rows.X[mask], Y, spec.alphas, spec.standardize)
+        out.W.append(W)
+        out.b.append(b)
+        out.gcv.append(gcv)
+        out.flops += flops
 
 
 def solve_stats(st: Stats, alphas: tuple[float, ...], standardize: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
