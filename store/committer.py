@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import pyarrow as pa
-
 from store import arrays as layout
 from store import db
 from store.chunks import ChunkRecord
@@ -92,21 +90,27 @@ class Committer(WriterCore):
         return not (row and row[0])
 
 
+_TOKEN_KINDS = dict.fromkeys(("array_row", "seq_len", "image_start", "image_count", "grid_h", "grid_w",
+                              "last_prompt", "answer_start", "answer_count"), "int64")
+_GENERATION_KINDS = {"array_row": "int64", "parse_ok": "bool", "correct": "bool", "score": "float64", "n_tokens": "int64"}
+
+
 def _insert_chunks(con: Any, run: str, chunks: list[ChunkRecord], stats: list[tuple[int, int, int, int | None]],
                    at: Any) -> None:
     """The rows of ``chunks``, and the byte totals of their arrays."""
-    con.register("new_chunks", pa.table({
+    db.register_columns(con, "new_chunks", {
         "zarr_path": [r.handle.info.zarr_path for r in chunks],
-        "chunk": pa.array([r.chunk for r in chunks], pa.int32()),
-        "row_start": pa.array([r.row_start for r in chunks], pa.int64()),
-        "row_stop": pa.array([r.row_stop for r in chunks], pa.int64()),
-        "n_rows": pa.array([r.n_rows for r in chunks], pa.int64()),
-        "nbytes": pa.array([r.nbytes for r in chunks], pa.int64()),
-        "crc32c": pa.array([x[0] for x in stats], pa.int64()),
-        "n_nonfinite": pa.array([x[1] for x in stats], pa.int64()),
-        "n_clipped": pa.array([x[2] for x in stats], pa.int64()),
-        "offsets_crc32c": pa.array([x[3] for x in stats], pa.int64()),
-    }))
+        "chunk": [r.chunk for r in chunks],
+        "row_start": [r.row_start for r in chunks],
+        "row_stop": [r.row_stop for r in chunks],
+        "n_rows": [r.n_rows for r in chunks],
+        "nbytes": [r.nbytes for r in chunks],
+        "crc32c": [x[0] for x in stats],
+        "n_nonfinite": [x[1] for x in stats],
+        "n_clipped": [x[2] for x in stats],
+        "offsets_crc32c": [x[3] for x in stats],
+    }, {"chunk": "int32", **dict.fromkeys(("row_start", "row_stop", "n_rows", "nbytes", "crc32c", "n_nonfinite",
+                                           "n_clipped", "offsets_crc32c"), "int64")})
     con.execute(
         "INSERT INTO chunks (run, zarr_path, chunk, row_start, row_stop, n_rows, nbytes, crc32c,"
         " n_nonfinite, n_clipped, committed_at, offsets_crc32c) SELECT ?, zarr_path, chunk, row_start,"
@@ -124,7 +128,7 @@ def _insert_chunks(con: Any, run: str, chunks: list[ChunkRecord], stats: list[tu
 
 
 def _update_tokens(con: Any, run: str, tokens: list[dict[str, Any]]) -> None:
-    con.register("new_tokens", pa.Table.from_pylist(tokens))
+    db.register_records(con, "new_tokens", tokens, _TOKEN_KINDS)
     con.execute(
         "UPDATE samples SET seq_len = t.seq_len, image_start = t.image_start, image_count = t.image_count,"
         " grid_h = t.grid_h, grid_w = t.grid_w, last_prompt = t.last_prompt, answer_start = t.answer_start,"
@@ -136,7 +140,7 @@ def _update_tokens(con: Any, run: str, tokens: list[dict[str, Any]]) -> None:
 
 
 def _replace_generations(con: Any, run: str, gens: list[dict[str, Any]]) -> None:
-    con.register("new_gens", pa.Table.from_pylist(gens))
+    db.register_records(con, "new_gens", gens, _GENERATION_KINDS)
     con.execute("DELETE FROM generations WHERE run = ? AND stimulus IN (SELECT stimulus FROM new_gens)", [run])
     # Last one wins when a row was generated twice before one commit.
     con.execute(

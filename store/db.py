@@ -27,11 +27,13 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import duckdb
+import numpy as np
 
 from store.errors import DiskFullError, ManifestBusyError, WorkspaceError, disk_full_error, is_disk_full
 
@@ -242,3 +244,37 @@ def manifest_error(path: Path, err: BaseException) -> WorkspaceError | DiskFullE
         " truncated or corrupted: restore it from a backup, or move it away and re-run the extraction"
         " (the Zarr arrays beside it are not enough to rebuild it)"
     )
+
+
+# Column kinds of :func:`register_columns`: numpy dtypes, or Python objects (str, datetime; None is NULL).
+_DTYPES: dict[str, type[np.generic]] = {"int32": np.int32, "int64": np.int64, "float64": np.float64, "bool": np.bool_}
+
+
+def register_columns(con: duckdb.DuckDBPyConnection, name: str, columns: Mapping[str, Sequence[Any]],
+                     kinds: Mapping[str, str]) -> None:
+    """Register Python columns as the relation ``name``, with no pyarrow in between.
+
+    Building any pyarrow array imports pandas (pyarrow's pandas shim checks every input), about
+    0.5 s of an extraction's start, and DuckDB scans a dict of numpy arrays as it is. ``kinds``
+    names each column's numpy type (``int32``, ``int64``, ``float64``, ``bool``; None values are
+    masked, i.e. NULL); a column not named there is an object column (str, datetime or None).
+    """
+    con.register(name, {col: _column(values, kinds.get(col)) for col, values in columns.items()})
+
+
+def register_records(con: duckdb.DuckDBPyConnection, name: str, records: Sequence[Mapping[str, Any]],
+                     kinds: Mapping[str, str]) -> None:
+    """:func:`register_columns` of rows given as mappings (the keys of the first row)."""
+    keys = list(records[0]) if records else list(kinds)
+    register_columns(con, name, {k: [r.get(k) for r in records] for k in keys}, kinds)
+
+
+def _column(values: Sequence[Any], kind: str | None) -> np.ndarray:
+    if kind is None:
+        out = np.empty(len(values), dtype=object)
+        for i, v in enumerate(values):  # element by element: a list-valued item must not become a 2-D array
+            out[i] = v
+        return out
+    missing = np.fromiter((v is None for v in values), dtype=bool, count=len(values))
+    data = np.array([0 if v is None else v for v in values], dtype=_DTYPES[kind])
+    return np.ma.masked_array(data, mask=missing) if missing.any() else data

@@ -104,12 +104,10 @@ class WorkspaceWrites:
     def record_vocab(self, run: str, tokens: Sequence[str], held: db.HeldConnection | None = None) -> int:
         """Store a run's vocabulary (``tokens[i]`` is token id i as decoded alone), replacing any.
         ``held``: a caller's read-write connection (a run's writer), else one opened for this one."""
-        table = pa.table({"token_id": pa.array(range(len(tokens)), pa.int32()),
-                          "token": pa.array(list(tokens), pa.string())})
         opened = held.use(self.timeout) if held is not None else db.connect(self.manifest_path, read_only=False,
                                                                              timeout=self.timeout)
         with opened as con:
-            con.register("new_vocab", table)
+            db.register_columns(con, "new_vocab", {"token_id": range(len(tokens)), "token": tokens}, {"token_id": "int32"})
             con.execute("BEGIN TRANSACTION")
             con.execute("DELETE FROM vocab WHERE run = ?", [run])
             con.execute("INSERT INTO vocab SELECT ?, token_id, token FROM new_vocab", [run])

@@ -66,7 +66,8 @@ class Pipeline(Committer):
                 if self._error is None:
                     self._handle(item)
             except BaseException as err:  # noqa: BLE001 - surfaced to the producer
-                where = self.ws.zarr_path / item[1].info.zarr_path if kind in ("data", "ragged") else None
+                part = self._handling
+                where = self.ws.zarr_path / part[1].info.zarr_path if part[0] in ("data", "ragged") else None
                 self._fail(err, where=where)
             finally:
                 # The batch's memory counts against the budget until its checksums are done.
@@ -128,7 +129,11 @@ class Pipeline(Committer):
 
     def _handle(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
-        if kind == "tokens":
+        self._handling = item  # what a failure names
+        if kind == "batch":  # one model batch: its records, then its arrays
+            for part in item[1]:
+                self._handle(part)
+        elif kind == "tokens":
             self._pending_tokens.extend(item[1])
         elif kind == "generations":
             self._pending_generations.extend(item[1])

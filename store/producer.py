@@ -55,6 +55,47 @@ class Producer(WriterCore):
     def write(self, handle: ArrayHandle, start: int, values: Any) -> None:
         """Queue rows ``start .. start+len(values)`` of a dense array (numpy or torch, any device)."""
         self._check_open()
+        self._put(*self._dense_item(handle, start, values))
+
+    def write_ragged(self, handle: ArrayHandle, start: int, values: Sequence[Any] | Ragged) -> None:
+        """Queue variable-length rows: ``values[i]`` (shape [n_i, *row_shape]) belongs to row start+i."""
+        self._check_open()
+        self._put(*self._ragged_item(handle, start, values))
+
+    def record_tokens(self, start: int, spans: Sequence[TokenSpans]) -> None:
+        """Queue the token spans of rows ``start .. start+len(spans)``."""
+        self._check_open()
+        self._put(*self._tokens_item(start, spans))
+
+    def record_generations(self, start: int, generations: Sequence[Generation]) -> None:
+        """Queue what the model generated for rows ``start .. start+len(generations)``."""
+        self._check_open()
+        self._put(*self._generations_item(start, generations))
+
+    def write_batch(
+        self,
+        start: int,
+        arrays: Mapping[ArrayHandle, Any],
+        *,
+        tokens: Sequence[TokenSpans] | None = None,
+        generations: Sequence[Generation] | None = None,
+    ) -> None:
+        """One model batch: records first, then arrays, so a committed chunk implies its records are.
+        Queued as one item: one hand-over to the writer thread per batch, not one per array."""
+        self._check_open()
+        parts = []
+        if tokens is not None:
+            parts.append(self._tokens_item(start, tokens))
+        if generations is not None:
+            parts.append(self._generations_item(start, generations))
+        for handle, values in arrays.items():
+            parts.append(self._ragged_item(handle, start, values) if handle.ragged
+                         else self._dense_item(handle, start, values))
+        self._put(("batch", [(*item, nbytes) for item, nbytes in parts]), sum(nbytes for _, nbytes in parts))
+
+    # ------------------------------------------------------------------ validated queue items: (item, bytes)
+
+    def _dense_item(self, handle: ArrayHandle, start: int, values: Any) -> tuple[tuple[Any, ...], int]:
         self._check_handle(handle)
         if handle.ragged:
             raise StoreError(f"{handle.info.key()} is ragged: use write_ragged(handle, start, list_of_arrays)")
@@ -66,11 +107,10 @@ class Producer(WriterCore):
                 f" {list(arr.shape)}; reshape or slice the tap output to the declared per-sample shape"
             )
         self._check_rows(start, arr.shape[0])
-        self._put(("data", handle, int(start), arr, kind), arr.nbytes)
+        return ("data", handle, int(start), arr, kind), arr.nbytes
 
-    def write_ragged(self, handle: ArrayHandle, start: int, values: Sequence[Any] | Ragged) -> None:
-        """Queue variable-length rows: ``values[i]`` (shape [n_i, *row_shape]) belongs to row start+i."""
-        self._check_open()
+    def _ragged_item(self, handle: ArrayHandle, start: int,
+                     values: Sequence[Any] | Ragged) -> tuple[tuple[Any, ...], int]:
         self._check_handle(handle)
         if not handle.ragged:
             raise StoreError(f"{handle.info.key()} is dense: use write(handle, start, batch)")
@@ -90,11 +130,9 @@ class Producer(WriterCore):
         if len(kinds) > 1:
             raise StoreError(f"{handle.info.key()}: one batch mixes dtypes {sorted(kinds)}; hand over one dtype")
         self._check_rows(start, len(converted))
-        self._put(("ragged", handle, int(start), converted, kinds.pop() if kinds else handle.info.dtype), nbytes)
+        return ("ragged", handle, int(start), converted, kinds.pop() if kinds else handle.info.dtype), nbytes
 
-    def record_tokens(self, start: int, spans: Sequence[TokenSpans]) -> None:
-        """Queue the token spans of rows ``start .. start+len(spans)``."""
-        self._check_open()
+    def _tokens_item(self, start: int, spans: Sequence[TokenSpans]) -> tuple[tuple[Any, ...], int]:
         self._check_rows(start, len(spans))
         at = now()
         rows = []
@@ -107,11 +145,9 @@ class Producer(WriterCore):
                 "last_prompt": s.last_prompt, "answer_start": s.answer_start, "answer_count": s.answer_count,
                 "spans": to_json(dict(s.extra)) if s.extra else None, "recorded_at": at,
             })
-        self._put(("tokens", rows), 0)
+        return ("tokens", rows), 0
 
-    def record_generations(self, start: int, generations: Sequence[Generation]) -> None:
-        """Queue what the model generated for rows ``start .. start+len(generations)``."""
-        self._check_open()
+    def _generations_item(self, start: int, generations: Sequence[Generation]) -> tuple[tuple[Any, ...], int]:
         self._check_rows(start, len(generations))
         stimuli = self._stimuli or []
         at = now()
@@ -125,26 +161,7 @@ class Producer(WriterCore):
                 "score": None if g.score is None else float(g.score), "metrics": to_json(g.metrics),
                 "n_tokens": g.n_tokens, "recorded_at": at, "stop_reason": g.stop_reason, "answer_kind": g.kind,
             })
-        self._put(("generations", rows), 0)
-
-    def write_batch(
-        self,
-        start: int,
-        arrays: Mapping[ArrayHandle, Any],
-        *,
-        tokens: Sequence[TokenSpans] | None = None,
-        generations: Sequence[Generation] | None = None,
-    ) -> None:
-        """One model batch: records first, then arrays, so a committed chunk implies its records are."""
-        if tokens is not None:
-            self.record_tokens(start, tokens)
-        if generations is not None:
-            self.record_generations(start, generations)
-        for handle, values in arrays.items():
-            if handle.ragged:
-                self.write_ragged(handle, start, values)
-            else:
-                self.write(handle, start, values)
+        return ("generations", rows), 0
 
     def flush(self) -> None:
         """Block until everything queued so far is durable and committed to the manifest."""

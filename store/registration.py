@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
@@ -148,9 +147,8 @@ class Registration(WriterCore):
             raise StoreError(f"stimulus ids must be unique within dataset {dataset}, repeated: {dup}")
         if not records:
             return []
-        table = pa.Table.from_pylist(records)
         with self._write_connection() as con:
-            con.register("new_stimuli", table)
+            db.register_records(con, "new_stimuli", records, {"seed": "int64"})
             changed = con.execute(
                 "SELECT n.stimulus FROM new_stimuli n JOIN stimuli s USING (stimulus)"
                 " WHERE s.digest <> n.digest LIMIT 5"
@@ -167,6 +165,7 @@ class Registration(WriterCore):
                 " WHERE stimulus NOT IN (SELECT stimulus FROM stimuli)",
                 [now()],
             )
+            con.unregister("new_stimuli")  # the run's connection outlives this call
         return keys
 
     def register_stimulus_set(self, path: str | os.PathLike[str], *, dataset: str | None = None) -> list[str]:
@@ -190,7 +189,6 @@ class Registration(WriterCore):
         if self._stimuli is not None:
             self._check_same_samples(self._stimuli, keys)
             return
-        table = pa.table({"array_row": np.arange(len(keys), dtype=np.int64), "stimulus": keys})
         with self._write_connection() as con:
             # Asked again inside the write connection: a peer shard may have mapped the rows meanwhile.
             stored = con.execute(
@@ -200,7 +198,7 @@ class Registration(WriterCore):
                 self._check_same_samples([r[0] for r in stored], keys)
                 self._stimuli = keys
                 return
-            con.register("new_rows", table)
+            db.register_columns(con, "new_rows", {"array_row": range(len(keys)), "stimulus": keys}, {"array_row": "int64"})
             missing = con.execute(
                 "SELECT stimulus FROM new_rows WHERE stimulus NOT IN (SELECT stimulus FROM stimuli) LIMIT 5"
             ).fetchall()
@@ -215,6 +213,7 @@ class Registration(WriterCore):
                         [self.run])
             con.execute("UPDATE runs SET n_samples = ? WHERE run = ?", [len(keys), self.run])
             con.execute("COMMIT")
+            con.unregister("new_rows")
         self._stimuli = keys
 
     def _check_same_samples(self, stored: list[str], keys: list[str]) -> None:

@@ -143,6 +143,7 @@ class Writer(Registration, Tensors, Producer, Pipeline):
         # its batches in order, and neighbouring chunks are checksummed in parallel.
         self._lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"agnosia-io{i}-{self.run}") for i in range(_LANES)]
         self._item_jobs: list[Future[Any]] = []
+        self._handling: tuple[Any, ...] = ("none",)
         self._syncers = ThreadPoolExecutor(4, thread_name_prefix=f"agnosia-fsync-{self.run}")
         self._thread = threading.Thread(target=self._loop, name=f"agnosia-writer-{self.run}", daemon=True)
         self._thread.start()

@@ -92,6 +92,7 @@ class WriterCore:
     _retry_at: float
     _lanes: list[ThreadPoolExecutor]
     _item_jobs: list[Future[Any]]
+    _handling: tuple[Any, ...]
     _syncers: ThreadPoolExecutor
     _thread: threading.Thread
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from storetest_lib import DIM, TOKENS, dense_values, python, stimulus_rows, wait_for
 
-from store import ArraySpec, Generation, RunInfo, Workspace, db
+from store import ArraySpec, Generation, RunInfo, TokenSpans, Workspace, db
+from store.errors import StoreError
 
 
 @pytest.fixture
@@ -118,3 +119,77 @@ def test_records_alone_wait_for_records_every_while_chunks_commit_at_once(tmp_pa
             assert con.execute("SELECT current_setting('threads')").fetchone() == (1,)
         w.write(h, 4, dense_values(range(4, 8)))
         w.finish()
+
+
+WRITER_RUN = """
+import sys
+import numpy as np
+from store import ArraySpec, Generation, RunInfo, TokenSpans, Workspace
+ws = Workspace.open(sys.argv[1])
+rows = [{"id": str(i), "family": "g2m", "seed": i if i % 2 else None, "prompt": "p", "answer": "a",
+         "truth": {"matrix": [[i]]}} for i in range(8)]
+with ws.writer(RunInfo(run="r", model="m", chunk_samples=4)) as w:
+    w.set_samples(w.register_stimuli(rows, dataset="d"))
+    dense, ragged = w.arrays([ArraySpec(tap="llm", layer=0, tokens="image", shape=(2, 3), dtype="float32"),
+                              ArraySpec(tap="llm", layer=0, tokens="answer", shape=(3,), ragged=True,
+                                        dtype="float32")])
+    w.write_tensor("lm_head.weight", np.ones((4, 3), np.float32))
+    w.record_vocab(["a", "b", "c", "d"])
+    for start in (0, 4):
+        w.write_batch(start, {dense: np.full((4, 2, 3), start, np.float32),
+                              ragged: [np.ones((k % 3, 3), np.float32) for k in range(4)]},
+                      tokens=[TokenSpans(seq_len=5, image_start=1, image_count=2) for _ in range(4)],
+                      generations=[Generation(text="x", parse_ok=k % 2 == 0, correct=None if k == 1 else k == 0,
+                                              score=None if k == 2 else 0.5, n_tokens=k) for k in range(4)])
+    w.finish()
+print("pandas" in sys.modules)
+"""
+
+
+def test_a_writer_run_does_not_import_pandas_and_stores_nulls_as_nulls(tmp_path):
+    """Asserts: a whole writer run (stimuli, row map, dense and ragged arrays, a run tensor, the
+    vocabulary, token spans, generations) does not import pandas (before: each pyarrow table it
+    built for DuckDB imported it, ~0.5 s of every extraction's start), and the NULLs and types it
+    stores are the ones it was given."""
+    out = python("-c", WRITER_RUN, str(tmp_path / "ws"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False"], out.stdout
+    ws = Workspace.open(tmp_path / "ws", readonly=True)
+    assert ws.verify().ok
+    assert ws.rows("SELECT array_row, parse_ok, correct, score, n_tokens FROM generations ORDER BY array_row")[:4] == [
+        (0, True, True, 0.5, 0), (1, False, None, 0.5, 1), (2, True, False, None, 2), (3, False, False, 0.5, 3)]
+    assert ws.rows("SELECT seed FROM stimuli ORDER BY id") == [(None,), (1,), (None,), (3,), (None,), (5,),
+                                                                   (None,), (7,)]
+    assert ws.rows("SELECT count(*), min(seq_len), max(image_count) FROM samples") == [(8, 5, 2)]
+    assert ws.vocab("r") == ["a", "b", "c", "d"]
+    assert ws.rows("SELECT count(*), count(offsets_crc32c) FROM chunks WHERE zarr_path LIKE '%answer%'") == [(2, 2)]
+    assert ws.rows("SELECT count(offsets_crc32c) FROM chunks WHERE zarr_path LIKE '%image%'") == [(0,)]
+
+
+def test_a_batch_is_one_hand_over_to_the_writer_thread_and_a_bad_part_queues_none_of_it(tmp_path):
+    """Asserts: write_batch with 4 arrays, token spans and generations puts one item on the writer
+    thread's queue (before: 6, each waking the writer thread beside the model's forward); a batch
+    whose last array has the wrong shape is refused whole: its records are not queued either; and
+    the run then stores what the good batches held."""
+    ws = Workspace.open(tmp_path / "ws")
+    with ws.writer(RunInfo(run="r", model="m", chunk_samples=4)) as w:
+        w.set_samples(w.register_stimuli(stimulus_rows(8), dataset="d"))
+        handles = w.arrays(_specs())
+        puts: list[str] = []
+        real_put = w._queue.put
+        w._queue.put = lambda item, *a, **k: (puts.append(item[0] if isinstance(item, tuple) else "stop"),  # type: ignore[method-assign]
+                                              real_put(item, *a, **k))[1]
+        spans = [TokenSpans(seq_len=9, image_start=1, image_count=TOKENS) for _ in range(4)]
+        w.write_batch(0, {h: dense_values(range(4)) for h in handles}, tokens=spans,
+                      generations=[Generation(text=str(i)) for i in range(4)])
+        assert puts == ["batch"]
+        bad = {h: dense_values(range(4, 8)) for h in handles} | {handles[-1]: np.zeros((4, 1), np.float32)}
+        with pytest.raises(StoreError, match="expected a batch of shape"):
+            w.write_batch(4, bad, generations=[Generation(text="bad") for _ in range(4)])
+        assert puts == ["batch"]
+        w.write_batch(4, {h: dense_values(range(4, 8)) for h in handles}, tokens=spans,
+                      generations=[Generation(text=str(i)) for i in range(4, 8)])
+        w.finish()
+    assert ws.rows("SELECT string_agg(text, '' ORDER BY array_row) FROM generations") == [("01234567",)]
+    assert ws.rows("SELECT count(*) FROM samples WHERE seq_len = 9") == [(8,)]
+    np.testing.assert_array_equal(ws.read("r", "llm", 1, tokens="image"), dense_values(range(8)).astype(np.float16))
