@@ -30,6 +30,7 @@ from store.records import ArrayInfo, ArraySpec, RunInfo, check_name, to_json
 from store.workspace import ARRAY_COLUMNS, array_info_of_row
 from store.writer_core import ArrayHandle, WriterCore, disk_full_names, now
 
+_REGISTER_ROWS = 256  # stimuli per registration transaction of a set
 _STIMULUS_FIELDS = ("family", "split", "seed", "prompt", "answer", "prompts", "answers", "params", "truth", "image")
 
 
@@ -116,6 +117,11 @@ class Registration(WriterCore):
         ``<dataset>/<id>`` in input order. Re-registering identical rows is a no-op; a changed row
         with a known key is refused."""
         check_name("dataset", dataset)
+        return self._register_block(rows, dataset, set_path, set())
+
+    def _register_block(self, rows: Iterable[Mapping[str, Any]], dataset: str,
+                        set_path: str | os.PathLike[str] | None, seen: set[str]) -> list[str]:
+        """One transaction of :meth:`register_stimuli`; ``seen``: the keys of the set's earlier blocks."""
         records = []
         for r in rows:
             if "id" not in r or r["id"] in (None, ""):
@@ -142,9 +148,10 @@ class Registration(WriterCore):
                 }
             )
         keys = [str(r["stimulus"]) for r in records]
-        if len(set(keys)) != len(keys):
-            dup = sorted({k for k in keys if keys.count(k) > 1})[:5]
+        if len(set(keys)) != len(keys) or not seen.isdisjoint(keys):
+            dup = sorted({k for k in keys if keys.count(k) > 1 or k in seen})[:5]
             raise StoreError(f"stimulus ids must be unique within dataset {dataset}, repeated: {dup}")
+        seen.update(keys)
         if not records:
             return []
         with self._write_connection() as con:
@@ -169,15 +176,25 @@ class Registration(WriterCore):
         return keys
 
     def register_stimulus_set(self, path: str | os.PathLike[str], *, dataset: str | None = None) -> list[str]:
-        """Register a stimulus set folder (``truth.parquet`` inside); dataset defaults to its name."""
+        """Register a stimulus set folder (``truth.parquet`` inside); dataset defaults to its name.
+        One transaction per block of rows: a set refused part-way keeps its earlier blocks' rows,
+        which no run points at (registering the mended set again is then a no-op for them)."""
         folder = Path(path)
         truth = folder / "truth.parquet"
         if not truth.is_file():
             raise StoreError(
                 f"{folder} is not a stimulus set (expected {truth}): write one with `python -m stimuli`"
             )
-        rows = pq.ParquetFile(truth).read().to_pylist()  # not read_table: it imports pandas (~0.5 s)
-        return self.register_stimuli(rows, dataset=dataset or folder.name, set_path=folder.resolve())
+        name = dataset or folder.name
+        check_name("dataset", name)
+        keys: list[str] = []
+        seen: set[str] = set()
+        # Block by block: a whole set as Python rows held ~12 KiB per stimulus at once (and the
+        # allocators keep it), so the run's peak memory grew with the set. Not read_table: it
+        # imports pandas (~0.5 s).
+        for block in pq.ParquetFile(truth).iter_batches(batch_size=_REGISTER_ROWS):
+            keys += self._register_block(block.to_pylist(), name, folder.resolve(), seen)
+        return keys
 
     def set_samples(self, stimuli: Sequence[str]) -> None:
         """Fix the run's row map: row i of every array holds ``stimuli[i]``. Idempotent on resume."""

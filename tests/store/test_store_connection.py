@@ -193,3 +193,25 @@ def test_a_batch_is_one_hand_over_to_the_writer_thread_and_a_bad_part_queues_non
     assert ws.rows("SELECT string_agg(text, '' ORDER BY array_row) FROM generations") == [("01234567",)]
     assert ws.rows("SELECT count(*) FROM samples WHERE seq_len = 9") == [(8,)]
     np.testing.assert_array_equal(ws.read("r", "llm", 1, tokens="image"), dense_values(range(8)).astype(np.float16))
+
+
+def test_a_set_registers_block_by_block_with_ids_still_unique_across_blocks(tmp_path):
+    """Asserts: a 600-stimulus set (3 registration blocks) registers every row in file order, and
+    again as a no-op; an id repeated 500 rows apart (two blocks) is still refused, naming it
+    (found while cutting the run's peak memory: the set is no longer held as Python rows at once)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    rows = stimulus_rows(600)
+    for folder, table_rows in ((good, rows), (bad, [*rows[:500], rows[0], *rows[501:]])):
+        folder.mkdir()
+        pq.write_table(pa.Table.from_pylist(table_rows), folder / "truth.parquet")
+    ws = Workspace.open(tmp_path / "ws")
+    with ws.writer(RunInfo(run="r", model="m", chunk_samples=4)) as w:
+        keys = w.register_stimulus_set(good)
+        assert keys == [f"good/{r['id']}" for r in rows]
+        assert w.register_stimulus_set(good) == keys
+        with pytest.raises(StoreError, match=r"unique within dataset bad, repeated: \['bad/s0000'\]"):
+            w.register_stimulus_set(bad)
+    assert ws.rows("SELECT count(*) FROM stimuli WHERE dataset = 'good'") == [(600,)]
