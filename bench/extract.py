@@ -1,6 +1,7 @@
 """Extraction overhead against a bare model, peak memory as the stimuli grow, and manifest connects.
 
-Three parts, all printed by ``python -m bench extract [--samples N] [--rounds R]``:
+Three parts, all printed by ``python -m bench extract [--samples N] [--rounds R]`` (one of them
+with ``--part overhead|memory|connects``):
 
 1. **Overhead**, interleaved: on tiny Qwen2-VL and tiny LLaVA (``python -m extract.tiny``), the same
    G2M 224 px images, taps ``vision[0,-1]`` + ``llm[0,-1]`` at image tokens, torch on 2 threads:
@@ -137,7 +138,11 @@ def _registration_connects(root: Path) -> int:
     return count[0]
 
 
-def main(quick: bool = False, samples: int | None = None, rounds: int | None = None) -> None:
+PARTS = ("overhead", "memory", "connects")
+
+
+def main(quick: bool = False, samples: int | None = None, rounds: int | None = None, part: str | None = None) -> None:
+    """Every part, or only ``part`` (overhead, memory, connects)."""
     from extract.models import tiny
     from stimuli import get_family
     from stimuli.io import write_set
@@ -150,7 +155,10 @@ def main(quick: bool = False, samples: int | None = None, rounds: int | None = N
         g2m = get_family("g2m")
         config = g2m.config(grid_sizes=(4,), colors=(3,), image_size=224)
         small = write_set(g2m, config, n=n, seed=0, split="test", out=root / "g2m")
-        overhead(root, models, small, n, rounds)
-        large = write_set(g2m, config, n=8 * n, seed=0, split="test", out=root / "g2m-8x")
-        memory(root, models["qwen2_vl"], small, large, n)
-        connects(root, models["qwen2_vl"], small, n)
+        if part in (None, "overhead"):
+            overhead(root, models, small, n, rounds)
+        if part in (None, "memory"):
+            large = write_set(g2m, config, n=8 * n, seed=0, split="test", out=root / "g2m-8x")
+            memory(root, models["qwen2_vl"], small, large, n)
+        if part in (None, "connects"):
+            connects(root, models["qwen2_vl"], small, n)
