@@ -11,14 +11,18 @@ capture and the store. Imports happen before the clock starts; loading the weigh
 
 Prints one JSON line: seconds, CPU seconds of every thread of the process, samples, peak RSS
 (MiB), and ``duckdb.connect`` calls made while the clock ran (every call: the store's, DuckDB's
-own, anyone's).
+own, anyone's). With ``"steps": true`` also seconds and calls per step of the run (a timer around
+each; ``python -m bench extract --part steps`` prints them).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import resource
 import sys
+import threading
 import time
 from typing import Any
 
@@ -67,6 +71,89 @@ def _agnosia(spec: dict[str, Any]) -> int:
     return summary.samples
 
 
+# What ``"steps": true`` times: the run's steps (extract/run.py), the writer's, and the model's forward.
+_RUN_STEPS = ("collect_samples", "load_model", "image_sizes", "check_image_sizes", "array_specs", "write_lens",
+              "prepare_batch", "capture_first_token", "capture_generate", "score_answer", "token_spans")
+_WRITER_STEPS = ("__init__", "register_stimulus_set", "set_samples", "arrays", "write_batch", "finish", "__exit__")
+
+
+def _timed(owner: Any, name: str, label: str, steps: dict[str, list[float]]) -> None:
+    fn = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            got = steps.setdefault(label, [0.0, 0])
+            got[0] += time.perf_counter() - started
+            got[1] += 1
+
+    setattr(owner, name, timed)
+
+
+def _time_steps(steps: dict[str, list[float]]) -> None:
+    """Wrap every step of a run (either side) in a timer: seconds and calls per step."""
+    import extract.models as models
+    import extract.run as run
+    from store import Workspace, Writer
+
+    for name in _RUN_STEPS:
+        for owner in (run, models):
+            if hasattr(owner, name):
+                _timed(owner, name, name, steps)
+    for name in _WRITER_STEPS:
+        _timed(Writer, name, f"Writer.{name}", steps)
+    _timed(Workspace, "open", "Workspace.open", steps)
+    loaded = models.load_model
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        lm = loaded(*args, **kwargs)
+        _timed(lm.model, "forward", "model forward (hooks included)", steps)
+        return lm
+
+    run.load_model = models.load_model = load
+
+
+class _ThreadCPU:
+    """CPU seconds per thread while the clock runs (Linux /proc; polled, so a thread's last
+    0.05 s may be missed): the main thread, torch's workers (unnamed native threads), the writer."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self._seen: dict[str, tuple[str, float]] = {}
+        self._base = {t: c for t, (_, c) in self._poll().items()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="bench-watch", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> dict[str, tuple[str, float]]:
+        names = {str(t.native_id): t.name for t in threading.enumerate()}
+        names[str(os.getpid())] = "main"
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            name = re.sub(r"^(agnosia-[a-z]+)\d*-.*$|_\d+$", r"\1", names.get(tid, "torch/native"))
+            out[tid] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        return out
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.05):
+            self._seen.update(self._poll())
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        self._seen.update(self._poll())
+        for tid, (name, cpu) in self._seen.items():
+            if name != "bench-watch":
+                self.cpu[name] = self.cpu.get(name, 0.0) + cpu - self._base.get(tid, 0.0)
+        return self.cpu
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     import torch
@@ -78,12 +165,18 @@ def main() -> None:
 
     registry()
     duckdb.connect = _counting_connect  # the store looks it up at each call
+    steps: dict[str, list[float]] = {}
+    if spec.get("steps"):
+        _time_steps(steps)
+    threads = _ThreadCPU() if spec.get("steps") else None
     started, cpu = time.perf_counter(), time.process_time()
     side = spec["side"]
     samples = _agnosia(spec) if side == "agnosia" else _bare(spec, side)
     seconds = time.perf_counter() - started
+    if threads is not None:
+        steps.update({f"CPU of thread {name}": [seconds_, 1] for name, seconds_ in threads.stop().items()})
     print(json.dumps({"seconds": seconds, "cpu_seconds": time.process_time() - cpu, "samples": samples,
-                      "connects": _CONNECTS[0],
+                      "connects": _CONNECTS[0], "steps": steps,
                       "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 

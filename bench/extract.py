@@ -1,7 +1,7 @@
 """Extraction overhead against a bare model, peak memory as the stimuli grow, and manifest connects.
 
-Three parts, all printed by ``python -m bench extract [--samples N] [--rounds R]`` (one of them
-with ``--part overhead|memory|connects``):
+Four parts, all printed by ``python -m bench extract [--samples N] [--rounds R]`` (one of them
+with ``--part overhead|memory|connects|steps``):
 
 1. **Overhead**, interleaved: on tiny Qwen2-VL and tiny LLaVA (``python -m extract.tiny``), the same
    G2M 224 px images, taps ``vision[0,-1]`` + ``llm[0,-1]`` at image tokens, torch on 2 threads:
@@ -15,6 +15,10 @@ with ``--part overhead|memory|connects``):
    writer streams, so the ratio should stay <= 1.05.
 3. **Connects**: ``duckdb.connect`` calls while a writer registers 4 arrays, and during a whole
    tiny Qwen2-VL run of N samples (the run holds one manifest connection, store/db.py).
+
+4. **Steps**: one run of each side at batch 1 and 8 (prompt-only, tiny Qwen2-VL) with a timer
+   around each step (run set-up, the writer's calls, ``prepare_batch``, the model's forward with
+   its hooks), printed side by side: where agnosia's extra time goes.
 
 ``--quick`` is a smoke run (16 samples, 3 rounds): its figures are not ones to report.
 """
@@ -138,11 +142,27 @@ def _registration_connects(root: Path) -> int:
     return count[0]
 
 
-PARTS = ("overhead", "memory", "connects")
+PARTS = ("overhead", "memory", "connects", "steps")
+
+
+def steps(root: Path, model: Path, stimuli: Path, n: int) -> None:
+    """Where agnosia's time goes against the bare forward, step by step (one run of each, batch 1 and 8)."""
+    print(f"   (4) steps, tiny qwen2_vl, prompt-only, {n} samples, one run per side; load average {_load()}:")
+    for batch in (1, 8):
+        manifest = _manifest(model, stimuli, batch, 1, "steps")
+        bare = _worker({"side": "forward", "manifest": manifest, "steps": True})
+        agn = _worker({"side": "agnosia", "manifest": manifest, "steps": True,
+                       "workspace": str(Path(tempfile.mkdtemp(dir=root, prefix="ws-")))})
+        print(f"     batch {batch}: agnosia {agn['seconds']:.2f} s, bare forward {bare['seconds']:.2f} s")
+        names = sorted(set(agn["steps"]) | set(bare["steps"]), key=lambda k: -agn["steps"].get(k, [0.0])[0])
+        for name in names:
+            a, b = agn["steps"].get(name), bare["steps"].get(name)
+            each = " / ".join(f"{1e3 * x[0] / x[1]:.2f} ms x{x[1]}" if x else "-" for x in (a, b))
+            print(f"       {name:32s} {a[0] if a else 0:6.3f} s  vs {b[0] if b else 0:6.3f} s   (each: {each})")
 
 
 def main(quick: bool = False, samples: int | None = None, rounds: int | None = None, part: str | None = None) -> None:
-    """Every part, or only ``part`` (overhead, memory, connects)."""
+    """Every part, or only ``part`` (overhead, memory, connects, steps)."""
     from extract.models import tiny
     from stimuli import get_family
     from stimuli.io import write_set
@@ -162,3 +182,5 @@ def main(quick: bool = False, samples: int | None = None, rounds: int | None = N
             memory(root, models["qwen2_vl"], small, large, n)
         if part in (None, "connects"):
             connects(root, models["qwen2_vl"], small, n)
+        if part in (None, "steps"):
+            steps(root, models["qwen2_vl"], small, n)
