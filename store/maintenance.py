@@ -40,7 +40,7 @@ class WorkspaceWrites:
         if not results:
             return 0
         now = _now()
-        table = pa.Table.from_pylist([
+        rows = [
             {
                 "key": r.probe_key(), "run": r.run, "tap": r.tap, "layer": int(r.layer), "site": r.site,
                 "tokens": r.tokens, "target": r.target, "kind": r.kind, "seed": int(r.seed), "series": r.series,
@@ -52,13 +52,13 @@ class WorkspaceWrites:
                 "artifact": r.artifact, "params": to_json(r.params), "created_at": now,
             }
             for r in results
-        ], schema=_PROBE_SCHEMA)
-        preds = _prediction_table(results)
+        ]
+        preds = _prediction_columns(results)
         opened = held.use(self.timeout) if held is not None else db.connect(self.manifest_path, read_only=False,
                                                                              timeout=self.timeout)
         with opened as con:
-            con.register("new_probes", table)
-            con.register("new_predictions", preds)
+            db.register_records(con, "new_probes", rows, _PROBE_KINDS)  # numpy columns: no pandas import
+            db.register_columns(con, "new_predictions", preds, _PREDICTION_KINDS)
             con.execute("BEGIN TRANSACTION")
             con.execute("DELETE FROM probes p USING new_probes n WHERE p.key = n.key")
             con.execute("DELETE FROM probe_predictions p USING new_probes n WHERE p.key = n.key")
@@ -202,18 +202,13 @@ def _now() -> Any:
 
 
 
-_PROBE_SCHEMA = pa.schema([
-    ("key", pa.string()), ("run", pa.string()), ("tap", pa.string()), ("layer", pa.int32()), ("site", pa.string()),
-    ("tokens", pa.string()), ("target", pa.string()), ("kind", pa.string()), ("seed", pa.int32()),
-    ("series", pa.string()), ("kind_params", pa.string()), ("split", pa.string()), ("test_fraction", pa.float64()),
-    ("train_where", pa.string()), ("n_train", pa.int32()), ("n_test", pa.int32()), ("metric", pa.string()),
-    ("score", pa.float64()), ("control_score", pa.float64()), ("artifact", pa.string()), ("params", pa.string()),
-    ("created_at", pa.timestamp("us")),
-])
+_PROBE_KINDS = {"layer": "int32", "seed": "int32", "test_fraction": "float64", "n_train": "int32", "n_test": "int32",
+                "score": "float64", "control_score": "float64"}   # the other columns: str, datetime or NULL
+_PREDICTION_KINDS = {"array_row": "int64", "prediction": "float64", "truth": "float64", "score": "float64"}
 
 
-def _prediction_table(results: Sequence[ProbeResult]) -> pa.Table:
-    """Every result's per-sample predictions as one Arrow table (NaN -> NULL)."""
+def _prediction_columns(results: Sequence[ProbeResult]) -> dict[str, list[Any]]:
+    """Every result's per-sample predictions as columns (NaN -> NULL)."""
     cols: dict[str, list[Any]] = {c: [] for c in ("key", "run", "array_row", "prediction", "truth", "score")}
     for r in results:
         got = r.predictions or {}
@@ -226,6 +221,4 @@ def _prediction_table(results: Sequence[ProbeResult]) -> pa.Table:
         for c in ("prediction", "truth", "score"):
             vals = got.get(c)
             cols[c] += [None] * n if vals is None else [None if v is None or np.isnan(v) else float(v) for v in vals]
-    return pa.table({"key": pa.array(cols["key"], pa.string()), "run": pa.array(cols["run"], pa.string()),
-                     "array_row": pa.array(cols["array_row"], pa.int64()),
-                     **{c: pa.array(cols[c], pa.float64()) for c in ("prediction", "truth", "score")}})
+    return cols

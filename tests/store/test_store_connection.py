@@ -142,15 +142,19 @@ with ws.writer(RunInfo(run="r", model="m", chunk_samples=4)) as w:
                       generations=[Generation(text="x", parse_ok=k % 2 == 0, correct=None if k == 1 else k == 0,
                                               score=None if k == 2 else 0.5, n_tokens=k) for k in range(4)])
     w.finish()
+from store import ProbeResult
+ws.record_probes([ProbeResult(run="r", tap="llm", layer=0, target="t", kind="ridge", score=0.5, n_train=6,
+                              predictions={"array_row": [0, 1], "prediction": [1.0, float("nan")],
+                                           "truth": [1.0, 0.0]})])
 print("pandas" in sys.modules)
 """
 
 
 def test_a_writer_run_does_not_import_pandas_and_stores_nulls_as_nulls(tmp_path):
     """Asserts: a whole writer run (stimuli, row map, dense and ragged arrays, a run tensor, the
-    vocabulary, token spans, generations) does not import pandas (before: each pyarrow table it
-    built for DuckDB imported it, ~0.5 s of every extraction's start), and the NULLs and types it
-    stores are the ones it was given."""
+    vocabulary, token spans, generations) and a probe result with its predictions do not import
+    pandas (before: each pyarrow table built for DuckDB imported it, ~0.5 s of every extraction's
+    start and ~0.9 s of a probe plan's), and the NULLs and types stored are the ones given."""
     out = python("-c", WRITER_RUN, str(tmp_path / "ws"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False"], out.stdout
@@ -164,6 +168,9 @@ def test_a_writer_run_does_not_import_pandas_and_stores_nulls_as_nulls(tmp_path)
     assert ws.vocab("r") == ["a", "b", "c", "d"]
     assert ws.rows("SELECT count(*), count(offsets_crc32c) FROM chunks WHERE zarr_path LIKE '%answer%'") == [(2, 2)]
     assert ws.rows("SELECT count(offsets_crc32c) FROM chunks WHERE zarr_path LIKE '%image%'") == [(0,)]
+    assert ws.rows("SELECT layer, n_train, n_test, control_score, score FROM probes") == [(0, 6, None, None, 0.5)]
+    assert ws.rows("SELECT array_row, prediction, truth, score FROM probe_predictions ORDER BY array_row") == [
+        (0, 1.0, 1.0, None), (1, None, 0.0, None)]
 
 
 def test_a_batch_is_one_hand_over_to_the_writer_thread_and_a_bad_part_queues_none_of_it(tmp_path):
