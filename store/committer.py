@@ -90,6 +90,8 @@ class Committer(WriterCore):
         return not (row and row[0])
 
 
+_CHUNK_KINDS = {"chunk": "int32", **dict.fromkeys(("row_start", "row_stop", "n_rows", "nbytes", "crc32c",
+                                                    "n_nonfinite", "n_clipped", "offsets_crc32c"), "int64")}
 _TOKEN_KINDS = dict.fromkeys(("array_row", "seq_len", "image_start", "image_count", "grid_h", "grid_w",
                               "last_prompt", "answer_start", "answer_count"), "int64")
 _GENERATION_KINDS = {"array_row": "int64", "parse_ok": "bool", "correct": "bool", "score": "float64", "n_tokens": "int64"}
@@ -109,8 +111,7 @@ def _insert_chunks(con: Any, run: str, chunks: list[ChunkRecord], stats: list[tu
         "n_nonfinite": [x[1] for x in stats],
         "n_clipped": [x[2] for x in stats],
         "offsets_crc32c": [x[3] for x in stats],
-    }, {"chunk": "int32", **dict.fromkeys(("row_start", "row_stop", "n_rows", "nbytes", "crc32c", "n_nonfinite",
-                                           "n_clipped", "offsets_crc32c"), "int64")})
+    }, _CHUNK_KINDS)
     con.execute(
         "INSERT INTO chunks (run, zarr_path, chunk, row_start, row_stop, n_rows, nbytes, crc32c,"
         " n_nonfinite, n_clipped, committed_at, offsets_crc32c) SELECT ?, zarr_path, chunk, row_start,"

@@ -8,9 +8,11 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 
@@ -33,6 +35,11 @@ class WorkspaceWrites:
 
     rows: Callable[..., list[tuple[Any, ...]]]  # Workspace.rows
 
+    def _writing(self, held: db.HeldConnection | None = None) -> AbstractContextManager[duckdb.DuckDBPyConnection]:
+        """A read-write connection for one transaction: the caller's held one, else one opened for it."""
+        return held.use(self.timeout) if held is not None else db.connect(self.manifest_path, read_only=False,
+                                                                           timeout=self.timeout)
+
     def record_probes(self, results: Sequence[ProbeResult], held: db.HeldConnection | None = None) -> int:
         """Insert or replace probe results and their per-sample predictions, by probe key (one
         short transaction). Safe while a writer runs. ``held``: a caller's read-write connection
@@ -54,9 +61,7 @@ class WorkspaceWrites:
             for r in results
         ]
         preds = _prediction_columns(results)
-        opened = held.use(self.timeout) if held is not None else db.connect(self.manifest_path, read_only=False,
-                                                                             timeout=self.timeout)
-        with opened as con:
+        with self._writing(held) as con:
             db.register_records(con, "new_probes", rows, _PROBE_KINDS)  # numpy columns: no pandas import
             db.register_columns(con, "new_predictions", preds, _PREDICTION_KINDS)
             con.execute("BEGIN TRANSACTION")
@@ -87,7 +92,7 @@ class WorkspaceWrites:
              "logit_drop": None if r.get("logit_drop") is None else float(r["logit_drop"]), "recorded_at": now}
             for r in rows
         ])
-        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
+        with self._writing() as con:
             con.register("new_rows", table)
             con.execute("BEGIN TRANSACTION")
             con.execute(
@@ -104,9 +109,7 @@ class WorkspaceWrites:
     def record_vocab(self, run: str, tokens: Sequence[str], held: db.HeldConnection | None = None) -> int:
         """Store a run's vocabulary (``tokens[i]`` is token id i as decoded alone), replacing any.
         ``held``: a caller's read-write connection (a run's writer), else one opened for this one."""
-        opened = held.use(self.timeout) if held is not None else db.connect(self.manifest_path, read_only=False,
-                                                                             timeout=self.timeout)
-        with opened as con:
+        with self._writing(held) as con:
             db.register_columns(con, "new_vocab", {"token_id": range(len(tokens)), "token": tokens}, {"token_id": "int32"})
             con.execute("BEGIN TRANSACTION")
             con.execute("DELETE FROM vocab WHERE run = ?", [run])
@@ -151,7 +154,7 @@ class WorkspaceWrites:
 
     def _delete_run_rows(self, run: str) -> dict[str, int]:
         counts: dict[str, int] = {}
-        with db.connect(self.manifest_path, read_only=False, timeout=self.timeout) as con:
+        with self._writing() as con:
             con.execute("BEGIN TRANSACTION")
             try:
                 for table in ("chunks", "activations", "derived_arrays", "samples", "generations", "probes",
