@@ -94,7 +94,11 @@ def test_second_writer_gets_the_holder_pid_and_readers_read_meanwhile(tmp_path):
 def test_reader_process_reads_while_writer_process_writes(tmp_path):
     path = tmp_path / "ws"
     ws = Workspace.open(path)
-    writer = start_writer(path, "--n", "96", "--chunk", "8", "--batch", "4", "--sleep", "0.03")
+    # The writer must outlast several reader polls on a slow machine: each poll opens the manifest
+    # three times, and each open waits for the writer to hand its connection over (a CI run with
+    # 0.03 s per batch saw the writer finish within four polls).
+    samples = 160
+    writer = start_writer(path, "--n", str(samples), "--chunk", "8", "--batch", "4", "--sleep", "0.1")
     read_event(writer)
     seen, reads = [], 0
     try:
@@ -106,8 +110,8 @@ def test_reader_process_reads_while_writer_process_writes(tmp_path):
                 done = {c for (c,) in ws.rows("SELECT chunk FROM chunks WHERE zarr_path LIKE '%image'")}
                 # Chunks committed between the read and this query may be missing from `got`.
                 assert len(got) % 8 == 0 and len(got) // 8 <= len(done)
-                expect = dense_values(range(96)).astype(np.float16)
-                rows = [r for r in range(96) if r // 8 in done][: len(got)]
+                expect = dense_values(range(samples)).astype(np.float16)
+                rows = [r for r in range(samples) if r // 8 in done][: len(got)]
                 assert np.array_equal(got, expect[rows])
                 reads += 1
             time.sleep(0.05)
