@@ -158,10 +158,10 @@ def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, l
 
 
 def solves_dual(solves: list[stream.Solve], d: int, alphas: int) -> bool:
-    """Whether ridge keeps the training rows and solves in its dual form (probes/ridge_dual.py):
-    fewer rows than features, and fewer flops than XᵀX and its factors."""
-    union = int(np.logical_or.reduce([s.train for s in solves]).sum()) if solves else 0
-    return chooses_dual([float(s.train.sum()) for s in solves], union, d, [s.Y.shape[-1] for s in solves], alphas)
+    """Whether ridge keeps its rows (training and test) and solves in its dual form
+    (probes/ridge_dual.py): fewer rows than features, and fewer flops than XᵀX and its factors."""
+    held = int(np.logical_or.reduce([s.train | s.test for s in solves]).sum()) if solves else 0
+    return chooses_dual([float(s.train.sum()) for s in solves], held, d, [s.Y.shape[-1] for s in solves], alphas)
 
 
 #: Share one pass between Solves when it accumulates at most this share of the rows that one
@@ -215,33 +215,34 @@ def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
         moving = 8 * d * d * 8 if sp.ledoit_wolf else 0   # Moments.moved's d×d temporaries (merge, solve)
         held = (f"lda shrinkage auto's per-class moments, {gram / MiB:.0f} MiB (a fixed shrinkage needs one XᵀX)"
                 if sp.ledoit_wolf else f"{gram / MiB:.0f} MiB of statistics")
-        if sp.dual:
-            peaks += dual_peaks(sp, d, block, 2 * d * cols * A * 8)
+        if sp.dual:   # no test pass: the solve scores the rows it holds
+            peaks += dual_peaks(sp, d, block, 2 * d * cols * A * 8 + 2 * counts)
         else:
             peaks += [(2 * gram + block, f"map (2 x {held}, block of {sp.block_rows} rows)"),
                       (2 * gram + moving, f"merge (2 x {held})"),
                       (gram + (2 if sp.shared else 1) * xx + 2 * d * cols * A * 8 + moving,
-                       "solve (statistics + one factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")"))]
-        peaks += [(sp.block_rows * vpr * (item + 4 + 8) + chunk + 2 * d * cols * A * 8 + 2 * counts,
-                   "score (a block of test rows)")]
+                       "solve (statistics + one factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
+                      (sp.block_rows * vpr * (item + 4 + 8) + chunk + 2 * d * cols * A * 8 + 2 * counts,
+                       "score (a block of test rows)")]
         read += len(job.arrays) * _rows_bytes(info, len(sp.rows))
     peak, what = max(peaks)
     return MemoryPlan(read, WORKER_BASE + peak, what)
 
 
 def dual_rows(sp: stream.StreamSpec, d: int) -> tuple[int, int]:
-    """(training units a dual spec keeps, their bytes: features in its precision + unit ids)."""
-    n = int(np.logical_or.reduce([s.train for s in sp.solves]).sum()) if sp.solves else 0
+    """(units a dual spec keeps, training and test, and their bytes: features in its precision + unit ids)."""
+    n = int(stream.gathered(sp).sum()) if sp.solves else 0
     return n, n * (d * np.dtype(sp.precision).itemsize + 8)
 
 
-def dual_peaks(sp: stream.StreamSpec, d: int, block: int, weights: int) -> list[tuple[int, str]]:
+def dual_peaks(sp: stream.StreamSpec, d: int, block: int, scored: int) -> list[tuple[int, str]]:
     """Peaks of a dual spec's tasks (probes/ridge_dual.py): the rows in place of XᵀX. The map fills
     its share of them; a merge holds both operands and their concatenation; the solve one Solve's
-    rows again, their float64 centred copy, the n×n Gram matrix and its eigenvectors."""
+    rows again and their float64 centred copy (or, scoring, the test rows' float64 copy), the n×n
+    Gram matrix and its eigenvectors, and ``scored`` (weights, predictions' sums)."""
     n, rows = dual_rows(sp, d)
-    held = f"{rows / MiB:.0f} MiB of training rows ({n} x {d}, dual ridge)"
-    solve = rows + n * d * (np.dtype(sp.precision).itemsize + 8) + 2 * n * n * 8 + weights
+    held = f"{rows / MiB:.0f} MiB of training and test rows ({n} x {d}, dual ridge)"
+    solve = rows + n * d * (np.dtype(sp.precision).itemsize + 8) + 2 * n * n * 8 + scored
     return [(rows + block, f"map ({held}, block of {sp.block_rows} rows)"),
             (2 * rows, f"merge (2 x {held})"),
             (solve, f"solve ({held} + a float64 copy + the {n} x {n} Gram matrix)")]
@@ -406,7 +407,7 @@ def _submit(client: Any, layer: _Layer, parts: int, scattered: dict[int, Any]) -
         layer.done = call(stream_layer.run_layer, spec, layer.info, parts, rows)
     else:
         layer.sol = stream_layer.fit_layer(call, spec, layer.info, parts, rows)
-        layer.done = stream_layer.score_layer(call, spec, layer.info, parts, layer.sol, rows)
+        layer.done = stream_layer.score_layer(call, spec, layer.info, parts, layer.sol, rows, layer.group.spec.dual)
 
 
 def _layer_job(layer: _Layer) -> GroupJob:

@@ -10,7 +10,8 @@ update keeps the centred sums exact), one task solves every column and alpha wit
 Cholesky factor per alpha, and a second map over the *test* rows scores them (train and test
 samples are disjoint, so each selected byte is read once per design). With fewer training
 units than features (``StreamSpec.dual``: pooled probes over wide models) the maps keep the
-training rows themselves and the solve works on their n×n Gram matrix (probes/ridge_dual.py). Workers import numpy,
+rows themselves, test rows included, and the solve works on the training rows' n×n Gram matrix
+(probes/ridge_dual.py) and scores the test rows it holds: one pass, no second map. Workers import numpy,
 scipy and the store reader only (never torch), so their resident memory stays small and plannable.
 
 Everything here is plain numpy/scipy on one BLAS thread; the client builds the :class:`StreamSpec`
@@ -82,8 +83,9 @@ class StreamSpec:
     #: instead of the pooled XᵀX; never shared between Solves.
     ledoit_wolf: bool = False
     #: ridge in its dual form (probes/ridge_dual.py): the maps keep the union of the Solves'
-    #: training rows (n×d) instead of accumulating XᵀX (d×d); chosen when n < d and cheaper
-    #: (probes/farm_stream.py _spec). Never shared: the rows of the union serve every Solve.
+    #: training and test rows (n×d) instead of accumulating XᵀX (d×d), and the solve scores the
+    #: test rows; chosen when n < d and cheaper (probes/farm_stream.py _spec). Never shared: the
+    #: rows of the union serve every Solve.
     dual: bool = False
 
 
@@ -123,12 +125,21 @@ def partitions(rows: np.ndarray, chunk_samples: int, parts: int) -> list[tuple[i
     return [(int(a), int(b)) for a, b in pairwise(cuts)]
 
 
-def _positions(spec: StreamSpec, lo: int, hi: int, side: str) -> np.ndarray:
-    """Positions in [lo, hi) holding a unit on ``side`` ("train" / "test") of any Solve."""
+def _positions(spec: StreamSpec, lo: int, hi: int, side: Literal["train", "test", "any"]) -> np.ndarray:
+    """Positions in [lo, hi) holding a unit on ``side`` ("train", "test" or either) of any Solve."""
     keep = np.zeros(hi - lo, bool)
     for s in spec.solves:
-        keep |= getattr(s, side)[lo:hi].any(1)
+        keep |= _kept(s, side)[lo:hi].any(1)
     return lo + np.flatnonzero(keep)
+
+
+def _kept(s: Solve, side: Literal["train", "test", "any"]) -> np.ndarray:
+    return s.train | s.test if side == "any" else getattr(s, side)
+
+
+def gathered(spec: StreamSpec) -> np.ndarray:
+    """bool [n, R]: the units a dual spec's maps keep (every Solve's training and test units)."""
+    return np.logical_or.reduce([_kept(s, "any") for s in spec.solves])
 
 
 def read_block(spec: StreamSpec, info: ArrayInfo, rows: np.ndarray) -> tuple[np.ndarray, int]:
@@ -178,12 +189,12 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     designs = _designs(spec)
     raw: list[dict[str, Any] | None] = [None] * len(designs)
     part = Part([None] * len(designs))
-    pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
-    if spec.dual:
-        part.rows = _gather(spec, info, pos, part)
+    if spec.dual:   # the test rows too: the solve scores them, so no second pass reads them
+        part.rows = _gather(spec, info, _positions(spec, lo, hi, "any"), part)
         part.seconds = time.perf_counter() - t0
         part.rss_peak = _rss()
         return part
+    pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
     with one_blas_thread():
         for idx, U in _units(spec, info, pos, part):
             for s, (units, labels, gram) in enumerate(designs):
@@ -206,9 +217,9 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
 
 
 def _gather(spec: StreamSpec, info: ArrayInfo, pos: np.ndarray, part: Part) -> Rows | None:
-    """Dual map: the training units of any Solve among positions ``pos``, copied into one array
-    sized up front (the plan counts n×d once, not a list of blocks beside their concatenation)."""
-    union = np.logical_or.reduce([s.train for s in spec.solves])
+    """Dual map: the training and test units of any Solve among positions ``pos``, copied into one
+    array sized up front (the plan counts n×d once, not a list of blocks beside their concatenation)."""
+    union = gathered(spec)
     R = union.shape[1]
     m = int(union[pos].sum())
     if m == 0:
@@ -403,15 +414,17 @@ class Solution:
     flops: float = 0.0
     rss_peak: int = 0
     read_bytes: int = 0
+    scores: Scores | None = None          # dual specs: the test rows' scores, from the rows the solve holds
 
 
 def solve(spec: StreamSpec, part: Part) -> Solution:
     """One Cholesky factor per alpha per Solve solves every column (dual specs: one eigh of the
-    n×n Gram matrix per Solve); GCV picks alphas later."""
+    n×n Gram matrix per Solve, then the test rows held are scored); GCV picks alphas later."""
     out = Solution([], [], [], [], part.flops, read_bytes=part.read_bytes)
     with one_blas_thread():
         if spec.dual:
             _solve_dual(spec, part.rows, out)
+            out.scores = _score_rows(spec, part.rows, out)
         for s, st in enumerate([] if spec.dual else own_stats(spec, part.stats)):
             if st is None or st.n < 2:
                 out.W.append(None)
@@ -587,7 +600,6 @@ def empty_scores(spec: StreamSpec) -> Scores:
 def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) -> Scores:
     """Map task over test rows: predictions for every column and alpha, summed into Scores."""
     out = empty_scores(spec)
-    A = len(spec.alphas)
     pos = _positions(spec, lo, hi, "test")
     with one_blas_thread():
         for a in range(0, len(pos), spec.block_rows):
@@ -595,23 +607,43 @@ def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) ->
             U, nbytes = read_block(spec, info, spec.rows[idx])
             out.read_bytes += nbytes
             for s, solve_ in enumerate(spec.solves):
-                if sol.W[s] is None:
-                    continue
                 mask = solve_.test[idx]
-                if not mask.any():
-                    continue
-                X = U[mask].astype(np.float64)
-                Y = solve_.Y[idx][mask]
-                codes = solve_.codes[idx][mask]
-                W, b = sol.W[s], sol.b[s]
-                assert W is not None and b is not None, "a scored probe was solved"
-                P = (X @ W.reshape(W.shape[0], -1)).reshape(len(X), W.shape[1], A) + b[None]
-                out.flops += 2.0 * X.shape[0] * X.shape[1] * W.shape[1] * A
-                _tally(out, s, solve_, P, Y, codes)
-                if spec.count_class is not None:
-                    _count(out.per_sample[s], solve_, P, idx[np.nonzero(mask)[0]], spec.count_class)
+                if sol.W[s] is not None and mask.any():
+                    _score_units(out, spec, s, sol, U[mask], solve_.Y[idx][mask], solve_.codes[idx][mask],
+                                 idx[np.nonzero(mask)[0]])
     out.rss_peak = _rss()
     return out
+
+
+def _score_rows(spec: StreamSpec, rows: Rows | None, sol: Solution) -> Scores:
+    """A dual solve's test pass over the rows it gathered: what :func:`score` sums over the store."""
+    out = empty_scores(spec)
+    if rows is None:
+        return out
+    for s, solve_ in enumerate(spec.solves):
+        R = solve_.test.shape[1]
+        mask = solve_.test.reshape(-1)[rows.units]
+        if sol.W[s] is None or not mask.any():
+            continue
+        units = rows.units[mask]
+        _score_units(out, spec, s, sol, rows.X[mask], solve_.Y.reshape(-1, solve_.Y.shape[-1])[units],
+                     solve_.codes.reshape(-1, solve_.codes.shape[-1])[units], units // R)
+    return out
+
+
+def _score_units(out: Scores, spec: StreamSpec, s: int, sol: Solution, X: np.ndarray, Y: np.ndarray,
+                 codes: np.ndarray, samples: np.ndarray) -> None:
+    """Add Solve ``s``'s predictions of test units X [m, d] (labels Y, class codes, each unit's
+    position in the selection) to ``out``, for every column and alpha."""
+    W, b = sol.W[s], sol.b[s]
+    assert W is not None and b is not None, "a scored probe was solved"
+    A = len(spec.alphas)
+    X = X.astype(np.float64)
+    P = (X @ W.reshape(W.shape[0], -1)).reshape(len(X), W.shape[1], A) + b[None]
+    out.flops += 2.0 * X.shape[0] * X.shape[1] * W.shape[1] * A
+    _tally(out, s, spec.solves[s], P, Y, codes)
+    if spec.count_class is not None:
+        _count(out.per_sample[s], spec.solves[s], P, samples, spec.count_class)
 
 
 def _tally(out: Scores, s: int, solve_: Solve, P: np.ndarray, Y: np.ndarray, codes: np.ndarray) -> None:
@@ -635,6 +667,12 @@ def _count(into: np.ndarray, solve_: Solve, P: np.ndarray, sample: np.ndarray, c
             continue
         hit = var.classes[P[:, var.start : var.stop].argmax(1)] == cls      # [m, A]
         np.add.at(into[:, v, :], sample, hit.astype(np.float64))            # O(units), not O(samples), per block
+
+
+def solved_scores(sol: Solution) -> Scores:
+    """A dual layer's test pass: the scores its solve took from the rows it held."""
+    assert sol.scores is not None, "a dual spec's solve scores its test rows"
+    return sol.scores
 
 
 def add_scores(a: Scores, b: Scores) -> Scores:

@@ -1,4 +1,5 @@
-"""One layer of a streamed group: map -> tree of merges -> solve, then the test pass.
+"""One layer of a streamed group: map -> tree of merges -> solve, then the test pass (which a
+dual spec's solve does itself, over the test rows its maps gathered).
 
 The same functions run a layer as many Dask tasks (``call`` submits each step, so a large
 layer's partitions spread over the workers) or as one task (:func:`run_layer`: the same steps,
@@ -28,8 +29,12 @@ def fit_layer(call: Callable[..., Any], spec: Any, info: Any, parts: int, rows: 
     return call(stream.solve, spec, merged)
 
 
-def score_layer(call: Callable[..., Any], spec: Any, info: Any, parts: int, sol: Any, rows: np.ndarray) -> Any:
-    """map over the test rows -> tree of sums."""
+def score_layer(call: Callable[..., Any], spec: Any, info: Any, parts: int, sol: Any, rows: np.ndarray,
+                dual: bool) -> Any:
+    """map over the test rows -> tree of sums; ``dual`` (the spec's, which ``spec`` may be a future
+    of): the solve already scored the rows it held."""
+    if dual:
+        return call(stream.solved_scores, sol)
     cuts = stream.partitions(rows, info.chunk_samples, parts)
     tested = [call(stream.score, spec, info, lo, hi, sol) for lo, hi in cuts]
     return stream.tree_reduce(tested, lambda a, b: call(stream.add_scores, a, b))
@@ -42,4 +47,4 @@ def _here(fn: Callable[..., Any], *args: Any) -> Any:
 def run_layer(spec: Any, info: Any, parts: int, rows: np.ndarray) -> tuple[stream.Solution, stream.Scores]:
     """A whole layer in this process, cut into ``parts`` partitions as the task graph would be."""
     sol = fit_layer(_here, spec, info, parts, rows)
-    return sol, score_layer(_here, spec, info, parts, sol, rows)
+    return sol, score_layer(_here, spec, info, parts, sol, rows, spec.dual)

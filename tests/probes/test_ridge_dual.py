@@ -120,6 +120,11 @@ def test_streamed_dual_equals_streamed_primal_on_the_same_split(tmp_path, precis
         for f in ("hits", "count", "sse", "sy", "syy"):
             assert np.allclose(getattr(dual[1], f)[s], getattr(ref[1], f)[s], rtol=1e-9, atol=1e-9), f
     assert dual[0].flops == sum(dual_flops(n, D, 12, 3) for n in dual[0].n_train) < ref[0].flops   # no XᵀX counted
+    # One read of each selected byte: the dual maps keep the test rows too, and the solve scores them.
+    stored = len(job.rows) * T * D * 2   # float16 tokens
+    assert (dual[0].read_bytes, dual[1].read_bytes) == (stored, 0)
+    # The primal's test pass reads again the rows one seed tests and the other trains on.
+    assert ref[0].read_bytes + ref[1].read_bytes > stored and ref[1].read_bytes > 0
 
 
 def test_dual_records_say_so_and_equal_sklearn(tmp_path):
@@ -142,10 +147,11 @@ def test_dual_plan_holds_rows_not_gram_matrices(tmp_path):
     job = _job(ws, _plan(precision="float64"))
     (g,) = build_specs(job, 5)
     primal = replace(g, spec=replace(g.spec, dual=False))
-    n = int(np.logical_or.reduce([s.train for s in g.spec.solves]).sum())
+    n = int(np.logical_or.reduce([s.train | s.test for s in g.spec.solves]).sum())   # the rows held: test rows too
     got, ref = plan_stream([g], job), plan_stream([primal], job)
-    assert got.peak_bytes < ref.peak_bytes and "x 512, dual ridge" in got.what   # what the dry run prints
-    assert ref.peak_bytes - got.peak_bytes > 2 * 512 * 512 * 8 - 2 * n * (512 * 8 + 8)  # a d×d pair less, n×d more
+    assert got.peak_bytes < ref.peak_bytes and f"({n} x 512, dual ridge)" in got.what   # what the dry run prints
+    # a d×d pair less; the rows held, one Solve's copy of them and its float64 copy more
+    assert ref.peak_bytes - got.peak_bytes > 2 * 512 * 512 * 8 - 3 * n * (512 * 8 + 8)
     limit = 205 << 20                     # room for one layer's pair of 2 MiB XᵀX, or for 8 layers' rows
     assert (layers_in_flight([g], job, limit), layers_in_flight([primal], job, limit)) == (8, 1)
 
