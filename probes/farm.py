@@ -68,6 +68,7 @@ class FarmReport:
     dashboard: str | None = None
     memory_limit: int | None = None       # bytes per worker the plan was checked against
     rss_peak: int = 0                     # streamed kinds: the largest worker RSS their tasks measured
+    worker_base: int = 0                  # on Dask: the largest worker RSS once started and warmed up
     read_bytes: int = 0                   # streamed kinds: stored feature bytes read
     worker_peaks: dict[str, int] = field(default_factory=dict)   # streamed on Dask: peak RSS per worker
     failures: list[tuple[str, str]] = field(default_factory=list)
@@ -550,15 +551,19 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
     light = all(isinstance(specs, list) for _, specs, _ in work)  # streamed only: workers never import torch
     # Imports and first-call costs belong to start-up, not to the probes. Streamed-only plans warm
     # through probes.stream: unpickling a function of this module would import torch there.
-    client.run(farm_stream.stream.warm) if light else client.run(warm_worker, list(plugins))
+    based = client.run(farm_stream.stream.warm) if light else client.run(warm_worker, list(plugins))
+    report.worker_base = max(based.values(), default=0)
     report.startup_seconds = time.perf_counter() - started
-    log(f"dask: {report.workers} worker(s) at {client.scheduler.address} ready in {report.startup_seconds:.1f} s;"
-        f" dashboard {report.dashboard}" + ("" if _has_bokeh() else " (pip install bokeh for its plots)"))
+    log(f"dask: {report.workers} worker(s) at {client.scheduler.address} ready in {report.startup_seconds:.1f} s,"
+        f" {report.worker_base / 2**20:.0f} MiB each at rest; dashboard {report.dashboard}"
+        + ("" if _has_bokeh() else " (pip install bokeh for its plots)"))
     t0 = time.perf_counter()
     try:
+        # The plans assumed an idle worker's RSS: check the measured one, before any training.
+        stream_limit = farm_stream.check_base(work, report.worker_base, memory_limit)
         streamed = [(job, specs) for job, specs, _ in work if isinstance(specs, list)]
         if streamed:   # every streamed layer in one pipeline, recorded as each lands
-            peaks = farm_stream.run_dask(client, streamed, max(report.workers, 1), memory_limit, take, lost)
+            peaks = farm_stream.run_dask(client, streamed, max(report.workers, 1), stream_limit, take, lost)
             for w, peak in peaks.items():
                 report.worker_peaks[w] = max(report.worker_peaks.get(w, 0), peak)
         for job, specs, _ in work:
@@ -611,9 +616,10 @@ def _run_windowed(client: Any, jobs: list[GroupJob], limit: int, take: Callable[
         submit_next()
 
 
-def warm_worker(plugins: Sequence[str] = ()) -> bool:
+def warm_worker(plugins: Sequence[str] = ()) -> int:
     """Import the kinds, the reader and the plan's plugins and run one tiny batched fit, so a
-    worker's first group runs warm (imports cost seconds on a busy 2-core machine)."""
+    worker's first group runs warm (imports cost seconds on a busy 2-core machine). Returns the
+    worker's RSS after it (probes/farm_stream.py check_base)."""
     import importlib
 
     import torch
@@ -636,7 +642,7 @@ def warm_worker(plugins: Sequence[str] = ()) -> bool:
         fit_logistic(torch.randn(1, 8, 2), np.array([[0], [1]] * 4), [2], max_iter=2)
     finally:
         torch.set_num_threads(threads)
-    return True
+    return farm_stream.stream.rss_now()
 
 
 def _has_bokeh() -> bool:

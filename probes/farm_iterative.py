@@ -254,7 +254,7 @@ def plan_memory(spec: subsample.IterSpec, job: GroupJob, capped_by: str | None =
     if min(m) < min(least, min(s.candidates for s in spec.solves)):
         what += f"; under {least} training {unit}"
         peak = max(peak, fixed + test + least * (held + solve_row))
-    return MemoryPlan(reads, int(peak), what)
+    return MemoryPlan(reads, int(peak), what, WORKER_BASE_ITERATIVE)
 
 
 def check_fits(plan: MemoryPlan, limit: int | None, job: GroupJob) -> None:

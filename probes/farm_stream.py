@@ -188,6 +188,7 @@ class MemoryPlan:
     read_bytes: int          # feature bytes one run of the group reads (all layers)
     peak_bytes: int          # the largest task's planned peak, worker base included
     what: str                # which task sets the peak
+    base: int = WORKER_BASE  # the idle worker's RSS the peak assumed (checked once workers are up: check_base)
 
 
 def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
@@ -254,7 +255,7 @@ def plan_in_memory(job: GroupJob) -> MemoryPlan:
     info = job.arrays[0]
     feats = len(job.arrays) * len(job.rows) * info.values_per_row * 4
     return MemoryPlan(len(job.arrays) * _rows_bytes(info, len(job.rows)), WORKER_BASE_TORCH + 3 * feats,
-                      f"in-memory features ({feats / MiB:.0f} MiB float32)")
+                      f"in-memory features ({feats / MiB:.0f} MiB float32)", WORKER_BASE_TORCH)
 
 
 def _rows_bytes(info: Any, n: int) -> int:
@@ -277,6 +278,28 @@ def check_fits(plan: MemoryPlan, limit: int | None, job: GroupJob, streamed: boo
         f" worker at its peak ({plan.what}), over {FIT_FRACTION:.0%} of the {limit / MiB:.0f} MiB worker memory limit:"
         f" {fix} or raise --memory-limit to at least {need:.0f}MiB"
     )
+
+
+def check_base(work: list[tuple[GroupJob, Any, MemoryPlan]], measured: int, limit: int | None) -> int | None:
+    """Once the workers are up and warm: a ProbeError when their measured RSS (``measured``, the
+    largest), above the base a group's plan assumed, takes that group past the limit; else the
+    limit left to streamed tasks (their base is WORKER_BASE). Workers hold more than planned when
+    they import more: Dask starts each worker by re-running the imports of the client's main
+    script, so a script that imports torch at its top level puts ~180 MiB into every worker."""
+    if limit is None:
+        return limit
+    for job, _, mem in work:
+        extra = measured - mem.base
+        if extra > 0 and mem.peak_bytes + extra > FIT_FRACTION * limit:
+            need = (mem.peak_bytes + extra) / FIT_FRACTION / MiB
+            raise ProbeError(
+                f"the workers hold {measured / MiB:.0f} MiB each once started, {extra / MiB:.0f} MiB more than group"
+                f" {job.group}'s plan assumed ({mem.base / MiB:.0f} MiB), which takes its peak ({mem.what}) to"
+                f" {(mem.peak_bytes + extra) / MiB:.0f} MiB, over {FIT_FRACTION:.0%} of the {limit / MiB:.0f} MiB worker"
+                " memory limit. Dask starts each worker by re-running the imports of the main script: move a script's"
+                " imports of torch and of the farm (run_plan) into a function or under `if __name__ == \"__main__\":`,"
+                f" or raise --memory-limit to at least {need:.0f}MiB")
+    return limit - max(measured - WORKER_BASE, 0)
 
 
 # ----------------------------------------------------------------------------- running

@@ -690,8 +690,9 @@ def pack(solutions: list[Solution], scores: list[Scores]) -> tuple[list[Solution
     return solutions, scores
 
 
-def warm() -> bool:
-    """Worker warm-up of streamed-only plans: numpy, scipy and the store reader, never torch."""
+def warm() -> int:
+    """Worker warm-up of streamed-only plans: numpy, scipy and the store reader, never torch.
+    Returns the worker's RSS after it (probes/farm_stream.py check_base)."""
     import scipy.linalg  # noqa: F401
     import zarr  # noqa: F401
 
@@ -699,7 +700,24 @@ def warm() -> bool:
     from probes.features import tune_malloc
 
     tune_malloc()
-    return True
+    return rss_now()
+
+
+def rss_now() -> int:
+    """This process's resident set now, in bytes (Linux's VmRSS; elsewhere psutil's, else 0)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        return 0
 
 
 def _rss() -> int:
