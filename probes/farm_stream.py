@@ -160,7 +160,7 @@ def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, l
 def solves_dual(solves: list[stream.Solve], d: int, alphas: int) -> bool:
     """Whether ridge keeps its rows (training and test) and solves in its dual form
     (probes/ridge_dual.py): fewer rows than features, and fewer flops than XᵀX and its factors."""
-    held = int(np.logical_or.reduce([s.train | s.test for s in solves]).sum()) if solves else 0
+    held = int(stream.gathered(solves).sum()) if solves else 0
     return chooses_dual([float(s.train.sum()) for s in solves], held, d, [s.Y.shape[-1] for s in solves], alphas)
 
 
@@ -232,7 +232,7 @@ def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
 
 def dual_rows(sp: stream.StreamSpec, d: int) -> tuple[int, int]:
     """(units a dual spec keeps, training and test, and their bytes: features in its precision + unit ids)."""
-    n = int(stream.gathered(sp).sum()) if sp.solves else 0
+    n = int(stream.gathered(sp.solves).sum()) if sp.solves else 0
     return n, n * (d * np.dtype(sp.precision).itemsize + 8)
 
 

@@ -137,9 +137,9 @@ def _kept(s: Solve, side: Literal["train", "test", "any"]) -> np.ndarray:
     return s.train | s.test if side == "any" else getattr(s, side)
 
 
-def gathered(spec: StreamSpec) -> np.ndarray:
+def gathered(solves: list[Solve]) -> np.ndarray:
     """bool [n, R]: the units a dual spec's maps keep (every Solve's training and test units)."""
-    return np.logical_or.reduce([_kept(s, "any") for s in spec.solves])
+    return np.logical_or.reduce([_kept(s, "any") for s in solves])
 
 
 def read_block(spec: StreamSpec, info: ArrayInfo, rows: np.ndarray) -> tuple[np.ndarray, int]:
@@ -219,7 +219,7 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
 def _gather(spec: StreamSpec, info: ArrayInfo, pos: np.ndarray, part: Part) -> Rows | None:
     """Dual map: the training and test units of any Solve among positions ``pos``, copied into one
     array sized up front (the plan counts n×d once, not a list of blocks beside their concatenation)."""
-    union = gathered(spec)
+    union = gathered(spec.solves)
     R = union.shape[1]
     m = int(union[pos].sum())
     if m == 0:
