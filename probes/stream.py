@@ -705,29 +705,22 @@ def warm() -> int:
 
 def rss_now() -> int:
     """This process's resident set now, in bytes (Linux's VmRSS; elsewhere psutil's, else 0)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except ImportError:
-        return 0
+    return _memory_status("VmRSS")
 
 
 def _rss() -> int:
     """This process's peak resident set so far, in bytes: Linux's VmHWM (the kernel's high-water
     mark, so transient peaks inside a task count; reset at exec, unlike ru_maxrss, which a Dask
     worker would inherit from the client process that spawned it). Elsewhere: current RSS."""
+    return _memory_status("VmHWM")
+
+
+def _memory_status(field: str) -> int:
+    """``field`` of /proc/self/status in bytes; where there is none, psutil's current RSS, else 0."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
