@@ -4,6 +4,8 @@ longer holds a float32 copy of every token it pools."""
 
 from __future__ import annotations
 
+import shutil
+import sysconfig
 import tracemalloc
 from pathlib import Path
 
@@ -49,6 +51,58 @@ def _ragged_reference(values16: np.ndarray, offsets: np.ndarray, how: str) -> np
     return v[offsets[:-1]] if how == "first" else v[offsets[1:] - 1]
 
 
+@pytest.fixture(params=["kernel", "numpy"])
+def pooling_path(request, monkeypatch):
+    """Each float16 pooling test runs on the C kernel (probes/_halfpool.c) and on the numpy passes."""
+    if request.param == "numpy":
+        monkeypatch.setattr(pooling, "_halfpool", None)
+    elif pooling._halfpool is None:
+        pytest.skip("probes._halfpool was not built (no C compiler at install)")
+    return request.param
+
+
+def test_the_pooling_kernel_is_built_where_a_c_compiler_is():
+    """setup.py marks the extension optional, so a failed build would only fall back to numpy,
+    silently slower: where the install had a compiler, the kernel must be there."""
+    if shutil.which(sysconfig.get_config_var("CC").split()[0]) is None:
+        pytest.skip("no C compiler on PATH")
+    assert pooling._halfpool is not None, "run `make setup` (pip install -e .) to build probes/_halfpool.c"
+
+
+def test_the_kernel_refuses_buffers_that_do_not_match_the_shape():
+    if pooling._halfpool is None:
+        pytest.skip("probes._halfpool was not built")
+    bits = np.zeros((2, 3, 4), np.uint16)
+    out, bad = np.empty((2, 4), np.float32), np.zeros(2, np.uint8)
+    with pytest.raises(ValueError, match="n \\* T \\* d uint16"):
+        pooling._halfpool.reduce(bits, 2, 4, 4, out, bad, 0)
+    with pytest.raises(ValueError, match="n \\* d float32"):
+        pooling._halfpool.reduce(bits, 2, 3, 4, out[:1], bad, 0)
+    with pytest.raises(ValueError, match="how is 0"):
+        pooling._halfpool.reduce(bits, 2, 3, 4, out, bad, 2)
+    with pytest.raises(TypeError):   # a read-only out
+        pooling._halfpool.reduce(bits, 2, 3, 4, bytes(32), bad, 0)
+
+
+@pytest.mark.parametrize("how", ["mean", "max"])
+def test_every_float16_bit_pattern_pools_like_numpy(pooling_path, how):
+    """All 65,536 patterns, each beside others in its column (sums and maxima that round, signed
+    zeros against each other, subnormals) and NaN/inf flagged to numpy's own cast."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    x = np.stack([bits, rng.permutation(bits), rng.permutation(bits), bits[::-1]]).reshape(4, 64, 1024)
+    x = x.transpose(1, 0, 2).copy().view(np.float16)    # [64 samples, 4 tokens, 1024]
+    with np.errstate(invalid="ignore"):   # inf - inf in the reference's sums
+        assert pool(x, how).tobytes() == _reference(x, how).tobytes()
+    finite = x.copy()
+    finite[~np.isfinite(finite)] = 0
+    finite[::2, 0, 0] = np.inf if how == "mean" else np.nan    # every other sample falls back
+    assert pool(finite, how).tobytes() == _reference(finite, how).tobytes()
+    reduce = pooling._reduce_kernel if pooling_path == "kernel" else pooling._reduce_numpy
+    flagged = reduce(finite, how, np.empty((64, 1024), np.float32))
+    assert (flagged == np.isfinite(finite).all((1, 2))).all() and flagged.sum() == 32
+
+
 def test_every_float16_bit_pattern_widens_like_numpys_cast():
     bits = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     assert as_float32(bits).tobytes() == bits.astype(np.float32).tobytes()
@@ -57,7 +111,7 @@ def test_every_float16_bit_pattern_widens_like_numpys_cast():
 
 @pytest.mark.parametrize("slab_tokens", [1, 5, T])
 @pytest.mark.parametrize("how", HOWS)
-def test_pooling_float16_bits_equals_pooling_the_float32_cast(monkeypatch, how, slab_tokens):
+def test_pooling_float16_bits_equals_pooling_the_float32_cast(monkeypatch, pooling_path, how, slab_tokens):
     """Slabs of 1, 5 (the last one short) and all tokens carry the running sum / max across slabs."""
     monkeypatch.setattr(pooling, "SLAB_VALUES", slab_tokens * D)
     x = _tokens(0, (N, T, D))

@@ -1,0 +1,3 @@
+from typing import Any
+
+def reduce(bits: Any, n: int, T: int, d: int, out: Any, bad: Any, how: int, /) -> None: ...
