@@ -132,23 +132,26 @@ class Cast:
 
 def cast(src: np.ndarray, kind: str, stored: str, overflow: str, where: str) -> Cast:
     """Cast ``src`` (source kind ``kind``) to the stored dtype under the overflow policy."""
-    n_nonfinite = count_nonfinite(src, kind)
     if stored == "bfloat16":
         if kind != "bfloat16":
             raise StoreError(
                 f"{where} stores raw bfloat16 bits, got {kind} values: hand over bfloat16 tensors or uint16"
                 " bits, or create the array with stored_dtype='float16'/'float32'"
             )
-        return Cast(src, n_nonfinite, 0)
+        return Cast(src, count_nonfinite(src, kind), 0)
     target = np.dtype(stored)
     if kind == target.name:
-        return Cast(src, n_nonfinite, 0)
+        return Cast(src, count_nonfinite(src, kind), 0)
     wide = bf16_bits_to_float32(src) if kind == "bfloat16" else src
     with np.errstate(over="ignore"):  # overflow is detected and handled below
         out = wide.astype(target)
     out_nonfinite = count_nonfinite(out, target.name)
-    # A nonfinite source stays nonfinite, so equal counts mean nothing overflowed.
-    if out_nonfinite == n_nonfinite:
+    # A nonfinite source stays nonfinite: an all-finite result (the usual case) needs no scan of
+    # the source, the wider of the two (the writer thread's CPU competes with the model's forward).
+    if out_nonfinite == 0:
+        return Cast(out, 0, 0)
+    n_nonfinite = count_nonfinite(src, kind)
+    if out_nonfinite == n_nonfinite:   # equal counts: nothing overflowed
         return Cast(out, n_nonfinite, 0)
     over = ~np.isfinite(out) & np.isfinite(wide)
     n_over = int(np.count_nonzero(over))

@@ -347,7 +347,7 @@ class Registration(WriterCore):
         if not zarr_paths:
             return
         with disk_full_names(self.ws.zarr_path / zarr_paths[0]):
-            layout.fsync_node_chains(self.ws.path, zarr_paths)
+            layout.fsync_node_chains(self.ws.path, zarr_paths, self._syncers)
         for path in zarr_paths:
             self._upload(partial(self.ws.root.upload_meta, path))
 

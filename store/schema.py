@@ -528,18 +528,22 @@ def pending(version: int, migrations: list[Migration] | None = None) -> list[Mig
 
 
 def migrate(con: duckdb.DuckDBPyConnection, migrations: list[Migration] | None = None) -> list[int]:
-    """Apply every pending step, each in its own transaction; returns the versions applied."""
-    applied = []
-    for step in pending(current_version(con), migrations):
+    """Apply every pending step, each in its own transaction, so an upgrade that stops keeps the
+    steps it finished; returns the versions applied. A new file takes every step in one
+    transaction: it has nothing to keep (it is built beside the manifest and linked into place
+    whole), and each COMMIT costs a WAL write and sync (~5 ms of a fresh workspace's ~110)."""
+    version = current_version(con)
+    steps = pending(version, migrations)
+    for group in ([steps] if version == 0 else [[step] for step in steps]):
         con.execute("BEGIN TRANSACTION")
         try:
-            step.apply(con)
-            con.execute(
-                "INSERT INTO schema_version (version, description) VALUES (?, ?)", [step.version, step.description]
-            )
+            for step in group:
+                step.apply(con)
+                con.execute(
+                    "INSERT INTO schema_version (version, description) VALUES (?, ?)", [step.version, step.description]
+                )
             con.execute("COMMIT")
         except BaseException:
             rollback(con)
             raise
-        applied.append(step.version)
-    return applied
+    return [step.version for step in steps]

@@ -251,3 +251,18 @@ def test_resume_ignores_keys_added_later_with_no_value(tmp_path):
     changed = RunInfo(run="r1", model="m", config={"model": {"path": "y"}, "batch_size": 2})
     with pytest.raises(SpecMismatchError, match="config"):
         ws.writer(changed)
+
+
+def test_a_new_file_takes_every_step_at_once_and_an_upgrade_keeps_the_steps_it_finished():
+    def broken(con):
+        raise RuntimeError("step 3 fails")
+
+    steps = [*schema_mod.MIGRATIONS[:2], schema_mod.Migration(3, "fails", broken)]
+    con = duckdb.connect()
+    with pytest.raises(RuntimeError, match="step 3 fails"):
+        schema_mod.migrate(con, steps)
+    assert schema_mod.current_version(con) == 0   # a new file: nothing half-made is kept
+    assert schema_mod.migrate(con, steps[:1]) == [1]
+    with pytest.raises(RuntimeError, match="step 3 fails"):
+        schema_mod.migrate(con, steps)
+    assert schema_mod.current_version(con) == 2   # an upgrade: step 2 stays applied

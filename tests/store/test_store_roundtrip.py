@@ -239,3 +239,50 @@ def test_batches_out_of_order_and_checksums_match_what_zarr_reads(tmp_path):
     for chunk, start, stop, crc in ws.rows("SELECT chunk, row_start, row_stop, crc32c FROM chunks ORDER BY chunk"):
         assert crc == crc32c(z[start:stop]), chunk
     assert ws.verify().ok
+
+
+def test_cast_counts_nonfinite_and_overflow_and_scans_an_all_finite_source_once(monkeypatch):
+    """float32 -> float16 as the writer thread casts: NaN/inf counted, overflow counted apart from
+    them (clip) or refused (error); an all-finite result is proof enough that the source was, so
+    only the (narrower) result is scanned."""
+    from store import dtypes
+
+    x = np.ones((4, 8), np.float32)
+    x[0, 0], x[1, 1], x[2, 2] = np.nan, -np.inf, 1e6
+    got = dtypes.cast(x, "float32", "float16", "clip", "test")
+    assert (got.n_nonfinite, got.n_clipped) == (2, 1) and got.values[2, 2] == np.float16(65504)
+    with pytest.raises(DtypeOverflowError, match="1 finite float32 value"):
+        dtypes.cast(x, "float32", "float16", "error", "test")
+    nan_only = np.ones((4, 8), np.float32)
+    nan_only[3, 3] = np.nan
+    assert dtypes.cast(nan_only, "float32", "float16", "error", "test").n_nonfinite == 1
+
+    scanned: list[np.dtype] = []
+    real = dtypes.count_nonfinite
+    monkeypatch.setattr(dtypes, "count_nonfinite", lambda a, kind: scanned.append(a.dtype) or real(a, kind))
+    finite = dtypes.cast(np.ones((4, 8), np.float32), "float32", "float16", "error", "test")
+    assert (finite.n_nonfinite, finite.n_clipped, scanned) == (0, 0, [np.dtype(np.float16)])
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["serial", "pool"])
+def test_new_nodes_sync_each_metadata_file_and_folder_once(tmp_path, monkeypatch, pooled):
+    """A run's new arrays share their parents: each zarr.json and folder up to the workspace is
+    synced exactly once, whether the writer's fsync pool runs them concurrently or not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from store import arrays as layout
+
+    root = tmp_path / layout.ZARR_DIR
+    nodes = ["r/llm/0/resid_post/image", "r/llm/1/resid_post/image"]
+    for node in nodes:
+        for p in [root / node, *(root / node).parents]:
+            if root in (p, *p.parents):
+                p.mkdir(parents=True, exist_ok=True)
+                (p / "zarr.json").write_text("{}")
+    synced: list[str] = []
+    monkeypatch.setattr(layout, "fsync_path", lambda p: synced.append(str(p.relative_to(tmp_path))))
+    with ThreadPoolExecutor(4) as pool:
+        layout.fsync_node_chains(tmp_path, nodes, pool if pooled else None)
+    metas = [s for s in synced if s.endswith("zarr.json")]
+    assert len(synced) == len(set(synced)) and len(metas) == 9 and len(synced) == 2 * 9 + 1
+    assert "." in synced and f"{layout.ZARR_DIR}/r/llm/1/resid_post/image/zarr.json" in metas
