@@ -23,11 +23,11 @@ try:  # built by `pip install` (setup.py) where a C compiler is present
 except ImportError:  # no compiler at install time: the numpy passes below give the same bits, slower
     _halfpool = None  # type: ignore[assignment]
 
-#: Values reduced per step of :func:`_reduce_half` (the numpy path): ~1 MiB of float32 bits, so each step's six
-#: numpy passes stay near the core's cache instead of streaming a whole sample through memory
-#: once per pass, while a sample of 256 tokens at d = 3,584 takes 4 steps, not 14 (each step costs
-#: ~10 numpy calls: read + mean-pool of a layer of the real-shape bench store ran ~15 % slower
-#: in 256 KiB steps, measured in one process).
+#: Values reduced per step of :func:`_reduce_half` (the numpy path): ~1 MiB of float32 bits, so
+#: each step's six numpy passes stay near the core's cache instead of streaming a whole sample
+#: through memory once per pass, while a sample of 256 tokens at d = 3,584 takes 4 steps, not 14
+#: (each step costs ~10 numpy calls: read + mean-pool of a layer of the real-shape bench store ran
+#: ~15 % slower in 256 KiB steps, measured in one process).
 SLAB_VALUES = 1 << 18
 _UNSCALE = np.float32(2.0**112)
 
