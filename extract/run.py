@@ -57,13 +57,16 @@ from extract.models import (
 )
 from extract.models.capture import Point
 from extract.models.errors import InputError
+from extract.models.inputs import Batch
 from extract.models.layout import Grid, SampleLayout
 from extract.scoring import score_answer
 from stimuli import get_family
 from stimuli.io import read_set
 from stimuli.progress import progress_bar
 from store import ArrayHandle, ArraySpec, Generation, RunInfo, TokenSpans, Workspace, Writer
+from store.ahead import ManifestAhead
 from store.vocab import IMAGE_ONLY_TAPS, array_layout, kinds_for
+from store.workspace import MANIFEST, resolve_path
 
 
 @dataclass(frozen=True)
@@ -162,13 +165,25 @@ def image_sizes(samples: list[Sample]) -> dict[tuple[int, int], Sample]:
 MAX_SIZES_CHECKED = 32
 
 
-def check_image_sizes(lm: LoadedModel, sizes: dict[tuple[int, int], Sample]) -> None:
-    """One processor call per image size: a size the model's processor refuses fails before any batch."""
-    for (width, height), s in list(sizes.items())[:MAX_SIZES_CHECKED]:
-        try:
-            prepare_batch(lm, [s.image], [s.prompt], strings=[s.strings])
-        except InputError as err:
-            raise InputError(f"image {str(s.image)!r} of stimulus {s.key} ({width}x{height} px): {err}") from err
+def check_image_sizes(lm: LoadedModel, sizes: dict[tuple[int, int], Sample], checked: Sample | None = None) -> None:
+    """One processor call per image size: a size the model's processor refuses fails before any batch.
+    The size of ``checked`` is skipped: that sample was prepared already (:func:`array_specs`)."""
+    for s in list(sizes.values())[:MAX_SIZES_CHECKED]:
+        if s is not checked:
+            prepare_one(lm, s)
+
+
+def prepare_one(lm: LoadedModel, s: Sample, **kwargs: Any) -> Batch:
+    """``prepare_batch`` of one sample; a processor that refuses its image names the image, the
+    stimulus and the size."""
+    try:
+        return prepare_batch(lm, [s.image], [s.prompt], strings=[s.strings], **kwargs)
+    except InputError as err:
+        if s.image is None:
+            raise
+        with Image.open(s.image) as im:
+            width, height = im.size
+        raise InputError(f"image {str(s.image)!r} of stimulus {s.key} ({width}x{height} px): {err}") from err
 
 
 # ------------------------------------------------------------------------------------------ taps
@@ -211,8 +226,9 @@ def tap_request(lm: LoadedModel, manifest: Manifest, with_images: bool = True) -
 
 def array_specs(lm: LoadedModel, request: dict[str, list[str]], first: Sample, dense_images: bool,
                 dtype: str, codec: str) -> dict[CaptureKey, ArraySpec]:
-    """Per-sample shapes from one teacher-forced forward on ``first`` (an image sample if any)."""
-    batch = prepare_batch(lm, [first.image], [first.prompt], answers=[first.answer or "0"], strings=[first.strings])
+    """Per-sample shapes from one teacher-forced forward on ``first`` (an image sample if any),
+    which also checks every tap and that the processor takes ``first``'s image size."""
+    batch = prepare_one(lm, first, answers=[first.answer or "0"])
     res = capture(lm, batch, request, tokens=("image", "last", "answer"))
     specs = {}
     for key in res.keys():
@@ -321,20 +337,23 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
     if not samples:
         raise ManifestError("the stimulus sets hold no samples (check limit)")
     m = manifest.model
-    lm = load_model(m.path, dtype=m.dtype, device=m.device, device_map=m.device_map, revision=m.revision,
-                    trust_remote_code=m.trust_remote_code)
     where = workspace or manifest.workspace
     kind = manifest.intervention.kind if manifest.intervention else None
-    if kind in ("head_ablation", "token_compression"):
-        from extract.variants import run_variant
+    new_workspace = not (resolve_path(where) / MANIFEST).exists()
+    # A new workspace's manifest is built while the model loads; it lands only once the run is valid.
+    with ManifestAhead() if new_workspace else nullcontext() as ahead:
+        lm = load_model(m.path, dtype=m.dtype, device=m.device, device_map=m.device_map, revision=m.revision,
+                        trust_remote_code=m.trust_remote_code)
+        if kind in ("head_ablation", "token_compression"):
+            from extract.variants import run_variant
 
-        ws, computed, accuracy = run_variant(lm, manifest, sets, samples, where, run_info(lm, manifest, None),
-                                             progress=progress)
-        done = Extracted(ws, computed, accuracy, 0, _run_totals(ws.rows, manifest.run))
-    else:
-        scaled = scaled_vision_rope(lm, manifest.intervention) if kind == "rope_scaling" else nullcontext()
-        with scaled:
-            done = _extract(lm, manifest, sets, samples, where, progress, codec, on_batch)
+            ws, computed, accuracy = run_variant(lm, manifest, sets, samples, where, run_info(lm, manifest, None),
+                                                 progress=progress)
+            done = Extracted(ws, computed, accuracy, 0, _run_totals(ws.rows, manifest.run))
+        else:
+            scaled = scaled_vision_rope(lm, manifest.intervention) if kind == "rope_scaling" else nullcontext()
+            with scaled:
+                done = _extract(lm, manifest, sets, samples, where, progress, codec, on_batch, ahead)
     scored, correct = done.totals
     return RunSummary(run=manifest.run, workspace=done.ws.path, samples=len(samples), computed=done.computed,
                       seconds=time.perf_counter() - started, accuracy=correct / scored if scored else None,
@@ -377,17 +396,19 @@ class Extracted:
 
 def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], samples: list[Sample],
              where: str | Path | None, progress: bool, codec: str,
-             on_batch: Callable[[int], None] | None) -> Extracted:
-    """The activation run proper."""
+             on_batch: Callable[[int], None] | None, ahead: ManifestAhead | None = None) -> Extracted:
+    """The activation run proper (``ahead``: a new workspace's manifest, built while the model loaded)."""
     with_images = [s for s in samples if s.image is not None]
     request = tap_request(lm, manifest, with_images=bool(with_images))
     sizes = image_sizes(samples)
     dense_images = len(sizes) == 1 and len(with_images) == len(samples)
-    check_image_sizes(lm, sizes)
+    dtype = str(lm.dtype).removeprefix("torch.")
+    first = (with_images or samples)[0]
+    specs = array_specs(lm, request, first, dense_images, dtype, codec)
+    check_image_sizes(lm, sizes, checked=first)
     lens = readout(lm) if manifest.logit_lens else None
     route: tuple[str, str] | None = capture_path(lm, manifest, samples)
-    dtype = str(lm.dtype).removeprefix("torch.")
-    ws = Workspace.open(where)  # only now: a bad manifest leaves no workspace behind
+    ws = Workspace.open(where, ahead=ahead)  # only now: a bad manifest leaves no workspace behind
     # A manifest made just now holds no run: skip the query (opening DuckDB costs ~35 ms a time).
     stored = [] if ws.created else ws.rows("SELECT config FROM runs WHERE run = ?", [manifest.run])
     if stored and "capture" not in json.loads(stored[0][0] or "{}"):
@@ -400,7 +421,6 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         for path, dataset in sets:
             w.register_stimulus_set(path, dataset=dataset)
         w.set_samples([s.key for s in samples])
-        specs = array_specs(lm, request, (with_images or samples)[0], dense_images, dtype, codec)
         handles = dict(zip(specs, w.arrays(list(specs.values())), strict=True))  # one manifest transaction
         if lens is not None and (w.shard is None or w.shard.index == 0):
             write_lens(w, lm, lens, dtype)

@@ -16,6 +16,7 @@ Everything that only reads opens the manifest read-only, for the length of one c
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import uuid
 from collections.abc import Sequence
@@ -36,12 +37,14 @@ from store.errors import (
     StoreError,
     WorkspaceError,
     disk_full_error,
+    is_disk_full,
 )
 from store.location import ArrayRoot
 from store.maintenance import WorkspaceWrites
 from store.records import ArrayInfo, RunInfo, Selection
 
 if TYPE_CHECKING:
+    from store.ahead import ManifestAhead
     from store.verify import VerifyReport
     from store.writer import Writer
 
@@ -99,15 +102,20 @@ class Workspace(WorkspaceWrites):
         timeout: float = db.DEFAULT_TIMEOUT,
         migrations: list[schema_mod.Migration] | None = None,
         arrays_url: str | None = None,
+        ahead: ManifestAhead | None = None,
     ) -> Workspace:
         """Open (creating or migrating it unless ``readonly``) the workspace at ``path``.
 
         ``arrays_url`` (e.g. ``s3://bucket/prefix``) puts a new workspace's arrays in an object
         store (store/location.py); for an existing workspace it must name where they already are.
+        ``ahead``: a manifest built beforehand (store/ahead.py), copied into place if the
+        workspace is new.
         """
         ws = cls(resolve_path(path).absolute(), timeout)
         if arrays_url is not None:
             arrays_url = location.check_url(arrays_url)
+        if migrations is not None:
+            ahead = None  # built with the latest schema, not these steps
         migrations = migrations or schema_mod.MIGRATIONS
         latest = schema_mod.latest_version(migrations)
         if not ws.manifest_path.exists():
@@ -122,7 +130,7 @@ class Workspace(WorkspaceWrites):
                     f" `python -m store init --data {ws.path}` or by running an extraction"
                 )
             ws.path.mkdir(parents=True, exist_ok=True)
-            ws.created = _create_manifest(ws.manifest_path, migrations, timeout)
+            ws.created = _create_manifest(ws.manifest_path, migrations, timeout, ahead)
         else:
             with db.connect(ws.manifest_path, read_only=True, timeout=timeout) as con:
                 version = ws._version(con)
@@ -448,19 +456,28 @@ class Workspace(WorkspaceWrites):
         return verify(self, run=run, checksums=checksums)
 
 
-def _create_manifest(path: Path, migrations: list[schema_mod.Migration], timeout: float) -> bool:
-    """Build a new manifest beside ``path`` and link it into place whole. A kill or a full disk
-    mid-creation then leaves no half-written manifest.duckdb, which every later open would
-    (rightly) refuse as corrupt; at worst a hidden ``.manifest.duckdb.<pid>.new`` file. False when
-    another process put its own manifest there first."""
+def _create_manifest(path: Path, migrations: list[schema_mod.Migration], timeout: float,
+                     ahead: ManifestAhead | None = None) -> bool:
+    """Build a new manifest beside ``path`` (or copy the one built ``ahead``) and link it into place
+    whole. A kill or a full disk mid-creation then leaves no half-written manifest.duckdb, which
+    every later open would (rightly) refuse as corrupt; at worst a hidden
+    ``.manifest.duckdb.<pid>.new`` file. False when another process put its own manifest there first."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+    built = ahead.take() if ahead is not None else None
     try:
         try:
-            with db.connect(tmp, read_only=False, timeout=timeout) as con:
-                schema_mod.migrate(con, migrations)
-                con.execute("CHECKPOINT")  # everything in the file itself, no WAL beside it
+            if built is not None:
+                shutil.copyfile(built, tmp)
+            else:
+                with db.connect(tmp, read_only=False, timeout=timeout) as con:
+                    schema_mod.migrate(con, migrations)
+                    con.execute("CHECKPOINT")  # everything in the file itself, no WAL beside it
         except DiskFullError as err:
             raise disk_full_error(path, err.__cause__ or err) from err
+        except OSError as err:
+            if is_disk_full(err):
+                raise disk_full_error(path, err) from err
+            raise
         layout.fsync_path(tmp)
         try:
             os.link(tmp, path)  # atomic, and never replaces a manifest another process made meanwhile

@@ -189,10 +189,15 @@ def decompression_bomb(tmp_path: Path, stimuli: Path) -> Path:
     return write_manifest(tmp_path / "bad.yaml", copy, run="bad")
 
 
-def image_of_the_wrong_size(tmp_path: Path, stimuli: Path) -> Path:
+def image_of_the_wrong_size(tmp_path: Path, stimuli: Path, index: int = 5) -> Path:
     copy = _set_copy(stimuli, tmp_path)
-    Image.new("RGB", (120, 100), "white").save(_image_of(copy, 5))
+    Image.new("RGB", (120, 100), "white").save(_image_of(copy, index))
     return write_manifest(tmp_path / "bad.yaml", copy, run="bad")
+
+
+def first_image_of_the_wrong_size(tmp_path: Path, stimuli: Path) -> Path:
+    """The first image is the one the shapes forward prepares (extract/run.py array_specs)."""
+    return image_of_the_wrong_size(tmp_path, stimuli, index=0)
 
 
 CASES: dict[str, tuple[Case, tuple[str, ...]]] = {
@@ -209,6 +214,7 @@ CASES: dict[str, tuple[Case, tuple[str, ...]]] = {
     "empty set": (empty_set, ("holds no stimuli (0 rows)",)),
     "60000x60000 PNG header": (decompression_bomb, ("DecompressionBombError", "exceeds limit", "replace the file")),
     "image of the wrong size": (image_of_the_wrong_size, ("(120x100 px)", "the model reads 88x88")),
+    "first image of the wrong size": (first_image_of_the_wrong_size, ("(120x100 px)", "the model reads 88x88")),
 }
 
 

@@ -12,6 +12,7 @@ from storetest_lib import python, write_run
 
 from store import (
     ProbeResult,
+    RunInfo,
     SchemaVersionError,
     StoreError,
     Workspace,
@@ -266,3 +267,23 @@ def test_a_new_file_takes_every_step_at_once_and_an_upgrade_keeps_the_steps_it_f
     with pytest.raises(RuntimeError, match="step 3 fails"):
         schema_mod.migrate(con, steps)
     assert schema_mod.current_version(con) == 2   # an upgrade: step 2 stays applied
+
+
+def test_a_manifest_built_ahead_lands_only_in_a_new_workspace_and_leaves_no_temporary_files(tmp_path):
+    from store.ahead import ManifestAhead
+
+    with ManifestAhead() as ahead:
+        built = ahead.take()
+        assert built is not None and built.is_file()
+        ws = Workspace.open(tmp_path / "new", ahead=ahead)
+        assert ws.created and ws.rows("SELECT max(version) FROM schema_version") == [
+            (schema_mod.latest_version(),)]
+        with ws.writer(RunInfo(run="r", model="m")) as w:   # a working manifest: a run starts and finishes
+            w.set_samples(w.register_stimuli([{"id": "a"}], dataset="s"))
+            w.finish(partial_ok=True)
+        before = (ws.manifest_path.stat().st_ino, ws.manifest_path.read_bytes())
+        again = Workspace.open(ws.path, ahead=ahead)          # not new: the file built ahead is not used
+        assert not again.created and (ws.manifest_path.stat().st_ino, ws.manifest_path.read_bytes()) == before
+        assert again.rows("SELECT status FROM runs") == [("finished",)]
+    assert not built.parent.exists()
+    assert sorted(p.name for p in ws.path.iterdir()) == ["arrays", "manifest.duckdb", "writer.lock"]
