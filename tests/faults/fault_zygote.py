@@ -50,6 +50,11 @@ def _child(cmd: dict) -> int:
     import resource
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    # Ctrl-C as `python -m extract` run from a shell gets it. Python installs this handler only if
+    # SIGINT was not ignored at its start, and a shell starts background jobs (`cmd &`, nohup)
+    # with SIGINT ignored: a test run launched that way once saw its child finish through the
+    # Ctrl-C test's signal.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.update(cmd.get("env") or {})
     if cmd.get("fsize_limit") is not None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (cmd["fsize_limit"], resource.getrlimit(resource.RLIMIT_FSIZE)[1]))

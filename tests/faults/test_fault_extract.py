@@ -227,10 +227,7 @@ def test_ctrl_c_keeps_what_is_committed_says_how_to_resume_and_exits_130(zygote,
     committed with their checksums and `verify` finds no problem; the named command resumes,
     computes only the uncommitted rows, and the store equals the uninterrupted run."""
     data = tmp_path / "ws"
-    # 0.3 s a batch leaves the child ~10 s of batches after the 5th: reading `before` waits for the
-    # writer to let go of the manifest, which took long enough on a loaded CI machine that a child
-    # at 0.15 s a batch finished all 40 before the signal.
-    child = zygote.start(manifest, data, batch_sleep=0.3)
+    child = zygote.start(manifest, data, batch_sleep=0.15)
     wait_for(lambda: child.batches() >= 5 or not child.alive(), timeout=120, step=0.01)
     before = committed(data)
     assert child.alive(), f"the child finished before the signal: {child.log}"
