@@ -76,7 +76,9 @@ def _pool_half(X: np.ndarray, how: str) -> np.ndarray:
     """
     n, T, d = X.shape
     out = np.empty((n, d), np.float32)
-    finite = _reduce_kernel(X, how, out) if _halfpool is not None else _reduce_numpy(X, how, out)
+    # Dask can hand over arrays at odd addresses (docs/design.md): the kernel reads aligned uint16 only.
+    kernel = _halfpool is not None and X.flags.aligned
+    finite = _reduce_kernel(X, how, out) if kernel else _reduce_numpy(X, how, out)
     for i in np.flatnonzero(~finite):   # NaN/inf tokens: numpy's own cast
         x = X[i].astype(np.float32)
         out[i] = x.sum(0, dtype=np.float32) if how == "mean" else x.max(0)

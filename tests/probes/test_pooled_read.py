@@ -103,6 +103,18 @@ def test_every_float16_bit_pattern_pools_like_numpy(pooling_path, how):
     assert (flagged == np.isfinite(finite).all((1, 2))).all() and flagged.sum() == 32
 
 
+@pytest.mark.parametrize("how", ["mean", "max"])
+def test_float16_at_an_odd_address_pools_like_numpy(how):
+    """Arrays deserialised by Dask may start at an odd address; the kernel reads aligned uint16
+    only, so such an array takes the numpy passes instead of failing."""
+    x = _tokens(3, (N, T, D))
+    raw = np.empty(x.nbytes + 1, np.uint8)
+    odd = raw[1:].view(np.float16).reshape(x.shape)
+    odd[...] = x
+    assert not odd.flags.aligned and odd.flags.c_contiguous
+    assert pool(odd, how).tobytes() == _reference(x, how).tobytes()
+
+
 def test_every_float16_bit_pattern_widens_like_numpys_cast():
     bits = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     assert as_float32(bits).tobytes() == bits.astype(np.float32).tobytes()
