@@ -339,12 +339,13 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
     m = manifest.model
     where = workspace or manifest.workspace
     kind = manifest.intervention.kind if manifest.intervention else None
-    new_workspace = not (resolve_path(where) / MANIFEST).exists()
+    variant = kind in ("head_ablation", "token_compression")   # extract/variants.py opens its own workspace
+    new_workspace = not variant and not (resolve_path(where) / MANIFEST).exists()
     # A new workspace's manifest is built while the model loads; it lands only once the run is valid.
     with ManifestAhead() if new_workspace else nullcontext() as ahead:
         lm = load_model(m.path, dtype=m.dtype, device=m.device, device_map=m.device_map, revision=m.revision,
                         trust_remote_code=m.trust_remote_code)
-        if kind in ("head_ablation", "token_compression"):
+        if variant:
             from extract.variants import run_variant
 
             ws, computed, accuracy = run_variant(lm, manifest, sets, samples, where, run_info(lm, manifest, None),

@@ -285,7 +285,8 @@ def check_base(work: list[tuple[GroupJob, Any, MemoryPlan]], measured: int, limi
     largest), above the base a group's plan assumed, takes that group past the limit; else the
     limit left to streamed tasks (their base is WORKER_BASE). Workers hold more than planned when
     they import more: Dask starts each worker by re-running the imports of the client's main
-    script, so a script that imports torch at its top level puts ~180 MiB into every worker."""
+    script, so a script that imports torch at its top level puts ~160 MiB more into every worker
+    (320 MiB at rest instead of 160, measured)."""
     if limit is None:
         return limit
     for job, _, mem in work:

@@ -19,8 +19,7 @@ import threading
 from pathlib import Path
 from types import TracebackType
 
-from store import db
-from store import schema as schema_mod
+from store.workspace import build_manifest
 
 
 class ManifestAhead:
@@ -35,9 +34,7 @@ class ManifestAhead:
 
     def _build(self) -> None:
         try:
-            with db.connect(self._path, read_only=False) as con:
-                schema_mod.migrate(con)
-                con.execute("CHECKPOINT")  # everything in the file itself, no WAL beside it
+            build_manifest(self._path)
         except Exception:  # e.g. a full temporary disk: Workspace.open builds its own, and meets the error there
             self._failed = True
 

@@ -456,6 +456,14 @@ class Workspace(WorkspaceWrites):
         return verify(self, run=run, checksums=checksums)
 
 
+def build_manifest(path: Path, migrations: list[schema_mod.Migration] | None = None,
+                   timeout: float = db.DEFAULT_TIMEOUT) -> None:
+    """A new DuckDB file at ``path`` with every schema step applied, all in the file itself."""
+    with db.connect(path, read_only=False, timeout=timeout) as con:
+        schema_mod.migrate(con, migrations)
+        con.execute("CHECKPOINT")  # no WAL beside it: the file can be copied or linked alone
+
+
 def _create_manifest(path: Path, migrations: list[schema_mod.Migration], timeout: float,
                      ahead: ManifestAhead | None = None) -> bool:
     """Build a new manifest beside ``path`` (or copy the one built ``ahead``) and link it into place
@@ -469,9 +477,7 @@ def _create_manifest(path: Path, migrations: list[schema_mod.Migration], timeout
             if built is not None:
                 shutil.copyfile(built, tmp)
             else:
-                with db.connect(tmp, read_only=False, timeout=timeout) as con:
-                    schema_mod.migrate(con, migrations)
-                    con.execute("CHECKPOINT")  # everything in the file itself, no WAL beside it
+                build_manifest(tmp, migrations, timeout)
         except DiskFullError as err:
             raise disk_full_error(path, err.__cause__ or err) from err
         except OSError as err:
