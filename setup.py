@@ -1,9 +1,16 @@
-"""The one compiled part: probes/_halfpool.c, the one-pass float16 pooling kernel.
+"""The compiled parts: two small one-pass float16 kernels.
 
-Everything else is configured in pyproject.toml. The extension is optional: without a C compiler
-the install still succeeds and probes/pooling.py pools with numpy, to the same bits, slower.
+- ``store/_halfcast.c``: the writer's float32 / bfloat16 -> float16 cast, with its counts;
+- ``probes/_halfpool.c``: the probe farm's float16 mean / max pooling.
+
+Everything else is configured in pyproject.toml. Both extensions are optional: without a C
+compiler the install still succeeds, and store/dtypes.py and probes/pooling.py use numpy, to the
+same bits, slower.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("probes._halfpool", ["probes/_halfpool.c"], optional=True)])
+setup(ext_modules=[
+    Extension("store._halfcast", ["store/_halfcast.c"], optional=True),
+    Extension("probes._halfpool", ["probes/_halfpool.c"], optional=True),
+])

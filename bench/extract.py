@@ -19,6 +19,10 @@ with ``--part overhead|memory|connects|steps``):
 4. **Steps**: one run of each side at batch 1 and 8 (prompt-only, tiny Qwen2-VL) with a timer
    around each step (run set-up, the writer's calls, ``prepare_batch``, the model's forward with
    its hooks), printed side by side: where agnosia's extra time goes.
+5. **Cast**: the writer thread's cast to the stored float16 at a 7B model's shape (one batch of 8
+   samples x 256 image tokens x d = 3,584, from bfloat16 and from float32), the C kernel
+   (store/_halfcast.c) against numpy's passes, alternated, each the median of 15: MiB/s of source
+   and the samples/s one writer thread could cast for a run keeping all 28 LLM layers.
 
 ``--quick`` is a smoke run (16 samples, 3 rounds): its figures are not ones to report.
 """
@@ -142,7 +146,7 @@ def _registration_connects(root: Path) -> int:
     return count[0]
 
 
-PARTS = ("overhead", "memory", "connects", "steps")
+PARTS = ("overhead", "memory", "connects", "steps", "cast")
 
 
 def steps(root: Path, model: Path, stimuli: Path, n: int) -> None:
@@ -161,12 +165,50 @@ def steps(root: Path, model: Path, stimuli: Path, n: int) -> None:
             print(f"       {name:32s} {a[0] if a else 0:6.3f} s  vs {b[0] if b else 0:6.3f} s   (each: {each})")
 
 
+def cast() -> None:
+    """The writer's float16 cast at a real model's shape: kernel vs numpy, alternated."""
+    import time
+
+    import numpy as np
+
+    from store import dtypes
+
+    if dtypes._halfcast is None:
+        print("   (5) cast: store._halfcast was not built (no C compiler at install): nothing to compare")
+        return
+    shape, layers = (8, 256, 3584), 28
+    rng = np.random.default_rng(0)
+    f32 = (rng.standard_normal(shape, dtype=np.float32) * 4).astype(np.float32)
+    sources = {"bfloat16": dtypes.float32_to_bf16_bits(f32), "float32": f32}
+    kernel = dtypes._halfcast
+    paths = {"kernel": kernel, "numpy": None}
+    print(f"   (5) cast to float16 on the writer thread, one batch {shape[0]} x {shape[1]} x {shape[2]}"
+          f" (a 7B model's image tokens), median of 15 alternated; load average {_load()}:")
+    for kind, src in sources.items():
+        took: dict[str, list[float]] = {"kernel": [], "numpy": []}
+        for _ in range(15):
+            for path in ("kernel", "numpy"):
+                dtypes._halfcast = paths[path]  # type: ignore[assignment]  # None: numpy's passes
+                started = time.perf_counter()
+                dtypes.cast(src, kind, "float16", "error", "bench")
+                took[path].append(time.perf_counter() - started)
+        dtypes._halfcast = kernel
+        k, n = median(took["kernel"]), median(took["numpy"])
+        per_sample = src.nbytes / shape[0] * layers
+        print(f"     from {kind:8s}: kernel {src.nbytes / k / 2**20:6.0f} MiB/s, numpy {src.nbytes / n / 2**20:6.0f}"
+              f" MiB/s ({n / k:.1f}x); one writer thread casts {shape[0] / k / layers:5.1f} vs"
+              f" {shape[0] / n / layers:4.1f} samples/s of {layers} layers ({per_sample / 2**20:.0f} MiB each)")
+
+
 def main(quick: bool = False, samples: int | None = None, rounds: int | None = None, part: str | None = None) -> None:
     """Every part, or only ``part`` (overhead, memory, connects, steps)."""
     from extract.models import tiny
     from stimuli import get_family
     from stimuli.io import write_set
 
+    if part == "cast":  # no model, no stimuli
+        cast()
+        return
     n = samples or (16 if quick else 200)
     rounds = rounds or 3
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,3 +226,5 @@ def main(quick: bool = False, samples: int | None = None, rounds: int | None = N
             connects(root, models["qwen2_vl"], small, n)
         if part in (None, "steps"):
             steps(root, models["qwen2_vl"], small, n)
+    if part is None:
+        cast()

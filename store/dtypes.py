@@ -15,6 +15,9 @@ Policy (documented in docs/store.md):
   (``chunks.n_nonfinite``); ``verify`` and ``info`` report them. They are model behaviour worth
   keeping, not a storage failure.
 
+float32 and bfloat16 become float16 in one pass of the C kernel ``store/_halfcast.c`` (numpy's
+bits, counted as it goes) where the install built it, else with numpy's cast and scans.
+
 torch is never imported here: a tensor is recognised only if the caller already imported torch.
 """
 
@@ -27,6 +30,11 @@ from typing import Any
 import numpy as np
 
 from store.errors import DtypeOverflowError, StoreError
+
+try:  # built by `make setup` (setup.py); without a C compiler, numpy casts to the same bits
+    from store import _halfcast
+except ImportError:  # pragma: no cover - depends on the install
+    _halfcast = None  # type: ignore[assignment]
 
 FP16_MAX = 65504.0
 # Exponent masks: a value is NaN/inf exactly when all its exponent bits are set. Checking bits
@@ -142,6 +150,9 @@ def cast(src: np.ndarray, kind: str, stored: str, overflow: str, where: str) -> 
     target = np.dtype(stored)
     if kind == target.name:
         return Cast(src, count_nonfinite(src, kind), 0)
+    if (_halfcast is not None and stored == "float16" and kind in ("float32", "bfloat16")
+            and src.flags.c_contiguous and src.flags.aligned):  # what the kernel reads; else numpy's passes
+        return _cast_kernel(src, kind, overflow, where)
     wide = bf16_bits_to_float32(src) if kind == "bfloat16" else src
     with np.errstate(over="ignore"):  # overflow is detected and handled below
         out = wide.astype(target)
@@ -154,17 +165,32 @@ def cast(src: np.ndarray, kind: str, stored: str, overflow: str, where: str) -> 
     if out_nonfinite == n_nonfinite:   # equal counts: nothing overflowed
         return Cast(out, n_nonfinite, 0)
     over = ~np.isfinite(out) & np.isfinite(wide)
-    n_over = int(np.count_nonzero(over))
-    limit = float(np.finfo(target).max)
     if overflow == "error":
-        worst = float(np.max(np.abs(wide[over])))
-        raise DtypeOverflowError(
-            f"{where}: {n_over} finite {kind} value(s) exceed the {stored} range (max |x| = {worst:.6g},"
-            f" limit {limit:.6g}). Re-run with the run's bf16='bits' (lossless bf16), stored_dtype='float32',"
-            " or overflow='clip' (saturate and count)"
-        )
-    out[over] = np.copysign(limit, wide[over]).astype(target)
+        raise _overflow_error(wide, over, kind, stored, where)
+    out[over] = np.copysign(float(np.finfo(target).max), wide[over]).astype(target)
+    return Cast(out, n_nonfinite, int(np.count_nonzero(over)))
+
+
+def _cast_kernel(src: np.ndarray, kind: str, overflow: str, where: str) -> Cast:
+    """float32 / bfloat16 bits -> float16 in one pass (store/_halfcast.c), counted as it goes."""
+    out = np.empty(src.shape, np.float16)
+    n_nonfinite, n_over = _halfcast.to_half(src, 0 if kind == "float32" else 1, out.view(np.uint16),
+                                            overflow == "clip")
+    if n_over and overflow == "error":
+        wide = bf16_bits_to_float32(src) if kind == "bfloat16" else src
+        raise _overflow_error(wide, np.isinf(out) & np.isfinite(wide), kind, "float16", where)
     return Cast(out, n_nonfinite, n_over)
+
+
+def _overflow_error(wide: np.ndarray, over: np.ndarray, kind: str, stored: str, where: str) -> DtypeOverflowError:
+    """What an ``overflow='error'`` run raises: how many values, the largest, and the ways out."""
+    limit = float(np.finfo(np.dtype(stored)).max)
+    worst = float(np.max(np.abs(wide[over])))
+    return DtypeOverflowError(
+        f"{where}: {int(np.count_nonzero(over))} finite {kind} value(s) exceed the {stored} range"
+        f" (max |x| = {worst:.6g}, limit {limit:.6g}). Re-run with the run's bf16='bits' (lossless bf16),"
+        " stored_dtype='float32', or overflow='clip' (saturate and count)"
+    )
 
 
 def decode_stored(values: np.ndarray, stored: str, bf16_as: str = "float32") -> np.ndarray:

@@ -241,29 +241,6 @@ def test_batches_out_of_order_and_checksums_match_what_zarr_reads(tmp_path):
     assert ws.verify().ok
 
 
-def test_cast_counts_nonfinite_and_overflow_and_scans_an_all_finite_source_once(monkeypatch):
-    """float32 -> float16 as the writer thread casts: NaN/inf counted, overflow counted apart from
-    them (clip) or refused (error); an all-finite result is proof enough that the source was, so
-    only the (narrower) result is scanned."""
-    from store import dtypes
-
-    x = np.ones((4, 8), np.float32)
-    x[0, 0], x[1, 1], x[2, 2] = np.nan, -np.inf, 1e6
-    got = dtypes.cast(x, "float32", "float16", "clip", "test")
-    assert (got.n_nonfinite, got.n_clipped) == (2, 1) and got.values[2, 2] == np.float16(65504)
-    with pytest.raises(DtypeOverflowError, match="1 finite float32 value"):
-        dtypes.cast(x, "float32", "float16", "error", "test")
-    nan_only = np.ones((4, 8), np.float32)
-    nan_only[3, 3] = np.nan
-    assert dtypes.cast(nan_only, "float32", "float16", "error", "test").n_nonfinite == 1
-
-    scanned: list[np.dtype] = []
-    real = dtypes.count_nonfinite
-    monkeypatch.setattr(dtypes, "count_nonfinite", lambda a, kind: scanned.append(a.dtype) or real(a, kind))
-    finite = dtypes.cast(np.ones((4, 8), np.float32), "float32", "float16", "error", "test")
-    assert (finite.n_nonfinite, finite.n_clipped, scanned) == (0, 0, [np.dtype(np.float16)])
-
-
 @pytest.mark.parametrize("pooled", [False, True], ids=["serial", "pool"])
 def test_new_nodes_sync_each_metadata_file_and_folder_once(tmp_path, monkeypatch, pooled):
     """A run's new arrays share their parents: each zarr.json and folder up to the workspace is

@@ -1,0 +1,3 @@
+from typing import Any
+
+def to_half(src: Any, kind: int, out: Any, clip: bool, /) -> tuple[int, int]: ...
