@@ -186,6 +186,18 @@ def prepare_one(lm: LoadedModel, s: Sample, **kwargs: Any) -> Batch:
         raise InputError(f"image {str(s.image)!r} of stimulus {s.key} ({width}x{height} px): {err}") from err
 
 
+def prepare_group(lm: LoadedModel, group: list[Sample]) -> Batch:
+    """``prepare_batch`` of one batch (left-padded for generation); a processor that refuses it is
+    asked again image by image, so the error names the image, the stimulus and the size."""
+    try:
+        return prepare_batch(lm, [s.image for s in group], [s.prompt for s in group],
+                             strings=[s.strings for s in group], padding_side="left")
+    except InputError:
+        for s in group:
+            prepare_one(lm, s, padding_side="left")
+        raise
+
+
 # ------------------------------------------------------------------------------------------ taps
 
 def tap_request(lm: LoadedModel, manifest: Manifest, with_images: bool = True) -> dict[str, list[str]]:
@@ -224,29 +236,45 @@ def tap_request(lm: LoadedModel, manifest: Manifest, with_images: bool = True) -
     return request
 
 
-def array_specs(lm: LoadedModel, request: dict[str, list[str]], first: Sample, dense_images: bool,
+def array_specs(lm: LoadedModel, points: list[Point], first: Sample, dense_images: bool,
                 dtype: str, codec: str) -> dict[CaptureKey, ArraySpec]:
     """Per-sample shapes from one teacher-forced forward on ``first`` (an image sample if any),
     which also checks every tap and that the processor takes ``first``'s image size."""
     batch = prepare_one(lm, first, answers=[first.answer or "0"])
-    res = capture(lm, batch, request, tokens=("image", "last", "answer"))
+    specs = specs_of(capture(lm, batch, points, tokens=("image", "last", "answer")), points, dense_images, dtype, codec)
+    assert specs is not None, "a teacher-forced forward captures every requested key"
+    return specs
+
+
+def specs_of(res: CaptureResult, points: list[Point], dense_images: bool, dtype: str,
+             codec: str) -> dict[CaptureKey, ArraySpec] | None:
+    """Per-sample shapes of every requested key, read off one captured batch; None if the batch
+    lacks a key whose shape no other kind of the same hook point gives (image taps of a text-only
+    batch). A kind the batch did not produce (``answer`` rows of a prompt-only run) takes its row
+    width from a sibling: every kind of one hook point has rows of the same width."""
     specs = {}
-    for key in res.keys():
-        value = res[key]
-        row = value.row(0) if isinstance(value, RaggedTokens) else value[0]
-        layout = array_layout(key.tap, key.kind, same_size_images=dense_images)
-        shape: tuple[int, ...]
-        if key.tap == "attn":
-            shape = (int(row.shape[0]),)  # captured [heads, queries, keys]: rows are [heads] wide
-        elif layout.ragged:
-            shape = (int(row.shape[-1]),)
-        elif key.kind == "last":
-            shape = (1, int(row.shape[-1]))
-        else:
-            shape = tuple(int(s) for s in row.shape)
-        specs[key] = ArraySpec(tap=key.tap, layer=key.layer, site=key.site, tokens=key.kind, shape=shape,
-                               ragged=layout.ragged, dims=layout.dims, dtype=dtype, codec=codec,
-                               module=res.module_paths[key])
+    for p in points:
+        keys = [p.spec.key(kind) for kind in p.kinds]
+        have = [k for k in keys if k in res]
+        if not have:
+            return None
+        for key in keys:
+            value = res[key if key in res else have[0]]
+            row = value.row(0) if isinstance(value, RaggedTokens) else value[0]
+            layout = array_layout(key.tap, key.kind, same_size_images=dense_images)
+            shape: tuple[int, ...]
+            if key.tap == "attn":
+                shape = (int(row.shape[0]),)  # captured [heads, queries, keys]: rows are [heads] wide
+            elif layout.ragged:
+                shape = (int(row.shape[-1]),)
+            elif key.kind == "last":
+                shape = (1, int(row.shape[-1]))
+            elif key in res:
+                shape = tuple(int(s) for s in row.shape)
+            else:  # a dense image array needs the token count: only an image batch gives it
+                return None
+            specs[key] = ArraySpec(tap=key.tap, layer=key.layer, site=key.site, tokens=key.kind, shape=shape,
+                                   ragged=layout.ragged, dims=layout.dims, dtype=dtype, codec=codec, module=p.path)
     return specs
 
 
@@ -401,23 +429,37 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
     """The activation run proper (``ahead``: a new workspace's manifest, built while the model loaded)."""
     with_images = [s for s in samples if s.image is not None]
     request = tap_request(lm, manifest, with_images=bool(with_images))
+    points = resolve_points(lm, request, ())  # once per run, not per batch
     sizes = image_sizes(samples)
     dense_images = len(sizes) == 1 and len(with_images) == len(samples)
     dtype = str(lm.dtype).removeprefix("torch.")
     first = (with_images or samples)[0]
-    specs = array_specs(lm, request, first, dense_images, dtype, codec)
-    check_image_sizes(lm, sizes, checked=first)
     lens = readout(lm) if manifest.logit_lens else None
-    route: tuple[str, str] | None = capture_path(lm, manifest, samples)
+    chosen = capture_path(lm, manifest, samples)
+    route: tuple[str, str] | None = chosen
+    stop = _stop_ids(lm)
+    # A new workspace's first batch is computed now: its captures give the arrays' shapes, with no
+    # forward of their own (a shard or a resume starts elsewhere, so it runs the shapes forward).
+    early: dict[int, _Done] = {}
+    specs = None
+    if manifest.shard is None and not (resolve_path(where) / MANIFEST).exists():
+        size = min(manifest.batch_size, len(samples))
+        offset, group = _by_modality(samples[:size])[0]
+        done = _run_batch(lm, group, points, manifest, stop, chosen[0], start=offset)
+        specs = specs_of(done.res, points, dense_images, dtype, codec)
+        early[offset] = done
+    if specs is None:
+        specs = array_specs(lm, points, first, dense_images, dtype, codec)
+    check_image_sizes(lm, sizes, checked=first)
     ws = Workspace.open(where, ahead=ahead)  # only now: a bad manifest leaves no workspace behind
+    if not ws.created:
+        early.clear()  # another process made it meanwhile: resume as it says
     # A manifest made just now holds no run: skip the query (opening DuckDB costs ~35 ms a time).
     stored = [] if ws.created else ws.rows("SELECT config FROM runs WHERE run = ?", [manifest.run])
     if stored and "capture" not in json.loads(stored[0][0] or "{}"):
         route = None  # a run stored before capture paths were recorded ran generate: resume it as it was
     info = run_info(lm, manifest, lens, route)
-    stop = _stop_ids(lm)
     computed, correct, scored = 0, 0, 0
-    points = resolve_points(lm, request, ())  # once per run, not per batch
     with ws.writer(info, shard=manifest.shard) as w:
         for path, dataset in sets:
             w.register_stimulus_set(path, dataset=dataset)
@@ -436,13 +478,14 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
             for start in range(rows.start, rows.stop, manifest.batch_size):
                 batch_samples = samples[start : min(start + manifest.batch_size, rows.stop)]
                 for offset, group in _by_modality(batch_samples):
-                    done = _run_batch(lm, group, points, specs, manifest, stop, route[0] if route else "generate",
-                                      start=start + offset)
+                    at = start + offset
+                    done = early.pop(at) if at in early else _run_batch(
+                        lm, group, points, manifest, stop, route[0] if route else "generate", start=at)
                     if done.ready is None:
-                        done.write(w, handles)
+                        done.write(w, handles, specs)
                     else:  # the previous batch's copy ran beside this batch's forward: it is done by now
                         for earlier in pending:
-                            earlier.write(w, handles)
+                            earlier.write(w, handles, specs)
                         pending = [done]
                     scored += sum(g.correct is not None for g in done.gens)
                     correct += sum(bool(g.correct) for g in done.gens)
@@ -451,7 +494,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
                 if on_batch is not None:
                     on_batch(computed)
         for earlier in pending:
-            earlier.write(w, handles)
+            earlier.write(w, handles, specs)
         bar.close()
         w.finish()
         totals = _run_totals(w.rows, manifest.run)  # on the writer's connection: no second open
@@ -539,13 +582,14 @@ class _Done:
     start: int
     gens: list[Generation]
     spans: list[TokenSpans]
-    values: Callable[[], dict[CaptureKey, Any]]
+    res: CaptureResult
+    values: Callable[[dict[CaptureKey, ArraySpec]], dict[CaptureKey, Any]]  # the store's values, given the specs
     ready: Callable[[], None] | None
 
-    def write(self, w: Writer, handles: dict[CaptureKey, ArrayHandle]) -> None:
+    def write(self, w: Writer, handles: dict[CaptureKey, ArrayHandle], specs: dict[CaptureKey, ArraySpec]) -> None:
         if self.ready is not None:
             self.ready()
-        w.write_batch(self.start, {handles[k]: v for k, v in self.values().items()}, tokens=self.spans,
+        w.write_batch(self.start, {handles[k]: v for k, v in self.values(specs).items()}, tokens=self.spans,
                       generations=self.gens)
 
 
@@ -567,11 +611,9 @@ def batch_values(res: CaptureResult, specs: dict[CaptureKey, ArraySpec], dtype: 
     return out
 
 
-def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: list[Point],
-               specs: dict[CaptureKey, ArraySpec], manifest: Manifest, stop: set[int], path: str = "generate",
-               *, start: int = 0) -> _Done:
-    batch = prepare_batch(lm, [s.image for s in batch_samples], [s.prompt for s in batch_samples],
-                          strings=[s.strings for s in batch_samples], padding_side="left")
+def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: list[Point], manifest: Manifest,
+               stop: set[int], path: str = "generate", *, start: int = 0) -> _Done:
+    batch = prepare_group(lm, batch_samples)
     text_only = batch_samples[0].image is None
     budget = manifest.generation.max_new_tokens
     max_new = (max(int(s.params.get("max_new_tokens", 32)) for s in batch_samples) if budget == "from_stimulus"
@@ -596,8 +638,8 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: list[Point
         spans.append(token_spans(res.layouts[b], pad_len, n_keep))
         keep.append(n_keep)
     firsts = [lay.first_position for lay in res.layouts]
-    return _Done(start, gens, spans, lambda: batch_values(res, specs, lm.dtype, text_only, firsts, pad_len, keep),
-                 res.ready)
+    return _Done(start, gens, spans, res,
+                 lambda specs: batch_values(res, specs, lm.dtype, text_only, firsts, pad_len, keep), res.ready)
 
 
 def _progress(total: int, run: str, enabled: bool) -> Any:
