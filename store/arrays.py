@@ -258,9 +258,16 @@ def _ensure_groups(base: Path, folder: Path, known: set[Path]) -> None:
         group = base / d
         if group in known:
             continue
-        if not (group / "zarr.json").exists():
-            group.mkdir(exist_ok=True)
-            _put(group / "zarr.json", _empty_group(), exclusive=True)
+        try:
+            group.mkdir()
+        except FileExistsError:
+            if not (group / "zarr.json").exists():
+                _put(group / "zarr.json", _empty_group(), exclusive=True)
+        else:
+            # A folder made just now holds no group whose attributes a rename could lose: at most
+            # the same empty group from a peer shard. A rename is one file operation fewer than
+            # the exclusive link and its clean-up, for each new tap, layer and site folder.
+            _put(group / "zarr.json", _empty_group())
         known.add(group)
 
 
