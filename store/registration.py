@@ -335,7 +335,9 @@ class Registration(WriterCore):
         """The Zarr node of an array the manifest knows; None (to be made again) if it is missing
         on disk and none of its chunks is committed."""
         try:
-            return self._root[info.zarr_path]
+            node = self._root[info.zarr_path]
+            # As when it was made: zarr would skip (and delete) an all-zero chunk, which then has no file.
+            return node.with_config(layout.WRITE_EMPTY) if isinstance(node, zarr.Array) else node
         except KeyError:
             if committed:
                 raise StoreError(

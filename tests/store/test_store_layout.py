@@ -166,3 +166,24 @@ def test_creating_a_node_again_replaces_it_and_keeps_its_parents(tmp_path):
     assert again.config.write_empty_chunks and zarr.open_group(str(tmp_path / "arrays"), mode="r").attrs["kept"] == 1
     again[:4] = 0
     assert (tmp_path / "arrays" / "r/llm/0/resid_post/image/c.0.0").is_file()
+
+
+def test_a_resumed_array_writes_an_all_zero_chunk(tmp_path):
+    """A resume reopens its arrays from disk: a compressed dense array (written through zarr, not
+    streamed) must still write an all-zero chunk's file, as when it was made (before: zarr's
+    default write_empty_chunks=False skipped it and the writer failed on the missing file)."""
+    ws = Workspace.open(tmp_path / "ws")
+    info = RunInfo(run="r", model="tiny-test", dtype="float32", chunk_samples=CHUNK)
+    spec = ArraySpec(tap="llm", layer=0, tokens="last", shape=(DIM,), codec="zstd", stored_dtype="float32")
+    with ws.writer(info) as w:
+        keys = w.register_stimuli(stimulus_rows(2 * CHUNK), dataset="set")
+        w.set_samples(keys)
+        w.write_batch(0, {w.array(spec): np.ones((CHUNK, DIM), np.float32)})
+        w.finish(partial_ok=True)
+    with ws.writer(info) as w:
+        w.set_samples(keys)
+        w.write_batch(CHUNK, {w.array(spec): np.zeros((CHUNK, DIM), np.float32)})
+        w.finish()
+    assert (ws.zarr_path / "r/llm/0/resid_post/last/c.1.0").is_file()
+    np.testing.assert_array_equal(ws.read("r", "llm", 0, tokens="last"),
+                                  np.concatenate([np.ones((CHUNK, DIM)), np.zeros((CHUNK, DIM))]))
