@@ -19,17 +19,29 @@ array's folder: one file to fsync, and, for uncompressed arrays, a file the read
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Sequence
+import shutil
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import cache
+from itertools import count
 from pathlib import Path
 from typing import Any
 
+import numcodecs
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
+from zarr.core.array import default_serializer_v3
+from zarr.core.array_spec import ArrayConfigLike
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.chunk_grids import RegularChunkGrid
+from zarr.core.group import GroupMetadata
+from zarr.core.metadata import ArrayV3Metadata
+from zarr.dtype import parse_dtype
 
 from store.dtypes import numpy_dtype
 from store.errors import StoreError, WorkspaceError
@@ -141,6 +153,54 @@ def open_root(workspace: Path, *, read_only: bool) -> zarr.Group:
     return zarr.open_group(str(workspace / ZARR_DIR), mode="r" if read_only else "a", zarr_format=3)
 
 
+# Write every chunk, even all-zero ones: a committed chunk always has a file, and zarr skips the
+# scan it would otherwise make of every chunk for emptiness. A runtime setting, not in zarr.json.
+WRITE_EMPTY: ArrayConfigLike = {"write_empty_chunks": True}
+
+NodeMetadata = ArrayV3Metadata | GroupMetadata
+
+
+def array_metadata(
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    dtype: Any,
+    compressors: Sequence[Any] | None,
+    dims: Sequence[str],
+    attributes: dict[str, Any] | None = None,
+    fill_value: Any = 0,
+) -> ArrayV3Metadata:
+    """The metadata ``Group.create_array`` writes for these arguments (with ``filters=None``, the
+    default serializer and the ``.`` key encoding), built without touching the store: zarr's own
+    classes make the document, so its bytes are zarr's. ``fill_value=None``: the dtype's default."""
+    zdtype = parse_dtype(dtype, zarr_format=3)
+    return ArrayV3Metadata(
+        shape=shape,
+        data_type=zdtype,
+        chunk_grid=RegularChunkGrid(chunk_shape=chunks),
+        chunk_key_encoding=_KEY_ENCODING,
+        fill_value=zdtype.default_scalar() if fill_value is None else fill_value,
+        codecs=(default_serializer_v3(zdtype), *(compressors or ())),
+        attributes=attributes or {},
+        dimension_names=tuple(dims) or None,
+    )
+
+
+def dense_metadata(
+    n_samples: int,
+    item_shape: tuple[int, ...],
+    chunk_samples: int,
+    stored: str,
+    codec: Codec,
+    dims: tuple[str, ...],
+    attributes: dict[str, Any],
+) -> ArrayV3Metadata:
+    """A dense array's metadata: chunks of whole samples, per-sample dims after ``sample``."""
+    return array_metadata(
+        (n_samples, *item_shape), (min(chunk_samples, max(n_samples, 1)), *item_shape), numpy_dtype(stored),
+        codec.compressors(), ("sample", *dims), attributes,
+    )
+
+
 def create_dense(
     root: zarr.Group,
     path: str,
@@ -152,23 +212,102 @@ def create_dense(
     dims: tuple[str, ...],
     attributes: dict[str, Any],
 ) -> zarr.Array:
-    arr = root.create_array(
-        path,
-        shape=(n_samples, *item_shape),
-        chunks=(min(chunk_samples, max(n_samples, 1)), *item_shape),
-        dtype=numpy_dtype(stored),
-        compressors=codec.compressors(),
-        filters=None,
-        fill_value=0,
-        chunk_key_encoding=_KEY_ENCODING,
-        dimension_names=["sample", *dims],
-        attributes=attributes,
-        # Write every chunk, even all-zero ones: a committed chunk always has a file, and zarr
-        # skips the scan it would otherwise make of every chunk for emptiness.
-        config={"write_empty_chunks": True},
-        overwrite=True,
-    )
+    return create_array(root, path, dense_metadata(n_samples, item_shape, chunk_samples, stored, codec, dims, attributes))
+
+
+def create_array(root: zarr.Group, path: str, meta: ArrayV3Metadata) -> zarr.Array:
+    """One array at ``path`` (replacing any node there) that writes every chunk (``WRITE_EMPTY``)."""
+    arr = create_nodes(root, {path: meta}, WRITE_EMPTY)[path]
+    assert isinstance(arr, zarr.Array)
     return arr
+
+
+def create_nodes(
+    root: zarr.Group, nodes: Mapping[str, NodeMetadata], config: ArrayConfigLike | None = None
+) -> dict[str, zarr.Array | zarr.Group]:
+    """Create the nodes ``{path under root: metadata}``, in order, as ``root.create_array(path, ...,
+    overwrite=True)`` / ``create_group`` would: whatever is at a path is replaced, missing parent
+    groups are made empty, and each ``zarr.json`` is written whole (a temporary file, then a rename);
+    a group of the batch comes before its children. Arrays get the runtime ``config``.
+
+    Written here, not through zarr's store: zarr-python 3.1 sends each file operation through its
+    event-loop thread to a worker thread and, for every node, re-reads and re-writes every parent
+    group's metadata (~15 ms an array on two cores; a run has hundreds). The nodes are not yet
+    durable: :func:`fsync_node_chains` makes them so."""
+    base = local_dir(root)
+    groups: set[Path] = set()  # folders whose group zarr.json this call has seen or written
+    made: dict[str, zarr.Array | zarr.Group] = {}
+    for path, meta in nodes.items():
+        folder = base / path
+        _ensure_groups(base, folder.parent, groups)
+        _replace_folder(folder)
+        _put(folder / "zarr.json", _metadata_bytes(meta))
+        where = root.store_path / path
+        if isinstance(meta, GroupMetadata):
+            groups.add(folder)
+            made[path] = zarr.Group(zarr.AsyncGroup(meta, where))
+        else:
+            made[path] = zarr.Array(zarr.AsyncArray(meta, where, config))
+    return made
+
+
+def _ensure_groups(base: Path, folder: Path, known: set[Path]) -> None:
+    """Make ``folder`` and every folder from ``base`` down to it a group, where it is not one yet
+    (zarr's implicit parents: an empty group, never replacing an existing ``zarr.json``)."""
+    for d in [*reversed(folder.relative_to(base).parents), folder.relative_to(base)]:
+        group = base / d
+        if group in known:
+            continue
+        try:
+            group.mkdir()
+        except FileExistsError:
+            if not (group / "zarr.json").exists():
+                _put(group / "zarr.json", _empty_group(), exclusive=True)
+        else:
+            # A folder made just now holds no group whose attributes a rename could lose: at most
+            # the same empty group from a peer shard. A rename is one file operation fewer than
+            # the exclusive link and its clean-up, for each new tap, layer and site folder.
+            _put(group / "zarr.json", _empty_group())
+        known.add(group)
+
+
+def _replace_folder(folder: Path) -> None:
+    """An empty ``folder`` (overwrite: a node found there is removed first)."""
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        shutil.rmtree(folder)
+        folder.mkdir()
+
+
+@cache
+def _empty_group() -> bytes:
+    return _metadata_bytes(GroupMetadata())
+
+
+def _metadata_bytes(meta: NodeMetadata) -> bytes:
+    return meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+
+
+_TEMP = count()  # unique temporary names within the process (threads of one pid)
+
+
+def _put(path: Path, data: bytes, *, exclusive: bool = False) -> None:
+    """Write ``path`` whole or not at all, as zarr's LocalStore does: a temporary file, then a
+    rename (``exclusive``: a link, which leaves an existing file as it is). The temporary name
+    ends ``.<pid>.partial``, so a writer removes one a killed process left (store/writer.py)."""
+    tmp = path.with_name(f"{path.name}.{next(_TEMP)}.{os.getpid()}.partial")
+    try:
+        tmp.write_bytes(data)
+        if exclusive:
+            with contextlib.suppress(FileExistsError):  # another writer made it first: the same document
+                os.link(tmp, path)
+            tmp.unlink()
+        else:
+            os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror, str(path)) from err  # named by the file, not its temporary name
 
 
 # Per-sample dims whose length depends on the token kind: named per kind, so the arrays of one
@@ -184,25 +323,30 @@ def kind_dims(dims: tuple[str, ...], tokens: str) -> tuple[str, ...]:
 
 def ensure_sample_coord(root: zarr.Group, group_path: str, stimuli: list[str]) -> list[Path]:
     """Write the stimulus ids of the run's rows as the ``sample`` coordinate of ``group_path`` (once;
-    xarray then indexes every array of the group by stimulus). Returns the files written, to fsync."""
-    group = root[group_path]
-    assert isinstance(group, zarr.Group), f"{group_path} is a site group"
-    if COORD in group:
+    xarray then indexes every array of the group by stimulus). Returns the files written, to fsync.
+
+    The group exists (an array of it was just made); ``stimuli`` is the run's non-empty row map."""
+    folder = local_dir(root) / group_path / COORD
+    meta = folder / "zarr.json"
+    if meta.exists():
         return []
-    coord = group.create_array(
-        COORD, shape=(len(stimuli),), chunks=(max(len(stimuli), 1),), dtype=str, compressors=None,
-        filters=None, chunk_key_encoding=_KEY_ENCODING, dimension_names=[COORD],
-        attributes={"long_name": "stimulus id (the manifest's stimuli.stimulus) of each array row"},
+    n = len(stimuli)
+    doc = array_metadata(
+        (n,), (max(n, 1),), str, None, [COORD],
+        {"long_name": "stimulus id (the manifest's stimuli.stimulus) of each array row"}, fill_value=None,
     )
-    coord[...] = np.asarray(stimuli, dtype=object)
-    base = local_dir(group) / COORD
-    return [base / "zarr.json", base / "c.0"]
+    folder.mkdir(exist_ok=True)
+    chunk = folder / chunk_file_key(1, 0)
+    # The one chunk as zarr's vlen-utf8 codec encodes it (numcodecs' VLenUTF8), written before
+    # the metadata: a kill between the two leaves no coordinate that looks whole.
+    _put(chunk, bytes(numcodecs.VLenUTF8().encode(np.asarray(stimuli, dtype=object))))
+    _put(meta, _metadata_bytes(doc))
+    return [meta, chunk]
 
 
-def create_ragged_group(root: zarr.Group, path: str, attributes: dict[str, Any]) -> zarr.Group:
-    if path in root:
-        del root[path]
-    return root.create_group(path, attributes=attributes)
+def ragged_metadata(attributes: dict[str, Any]) -> GroupMetadata:
+    """A ragged array's group: its blocks (:func:`write_ragged_block`) are added as chunks arrive."""
+    return GroupMetadata(attributes=attributes)
 
 
 def block_name(chunk: int) -> str:
@@ -219,34 +363,16 @@ def write_ragged_block(
 ) -> list[Path]:
     """Write block ``chunk`` whole (replacing any earlier attempt); returns the files to fsync."""
     name = block_name(chunk)
-    if name in group:
-        del group[name]
-    block = group.create_group(name)
     n_rows = rows.shape[0]
-    r = block.create_array(
-        "rows",
-        shape=rows.shape,
-        chunks=(max(n_rows, 1), *rows.shape[1:]),
-        dtype=rows.dtype,
-        compressors=codec.compressors(),
-        filters=None,
-        fill_value=0,
-        chunk_key_encoding=_KEY_ENCODING,
-        dimension_names=list(dims),
-        config={"write_empty_chunks": True},
-    )
-    o = block.create_array(
-        "offsets",
-        shape=offsets.shape,
-        chunks=offsets.shape,
-        dtype=np.int64,
-        compressors=None,
-        filters=None,
-        fill_value=0,
-        chunk_key_encoding=_KEY_ENCODING,
-        dimension_names=["sample_plus_one"],
-        config={"write_empty_chunks": True},  # all-zero offsets (a block of empty rows) still need their file
-    )
+    nodes = create_nodes(group, {
+        name: GroupMetadata(),
+        f"{name}/rows": array_metadata(rows.shape, (max(n_rows, 1), *rows.shape[1:]), rows.dtype,
+                                       codec.compressors(), dims),
+        # all-zero offsets (a block of empty rows) still need their file: WRITE_EMPTY
+        f"{name}/offsets": array_metadata(offsets.shape, offsets.shape, np.int64, None, ["sample_plus_one"]),
+    }, WRITE_EMPTY)
+    r, o = nodes[f"{name}/rows"], nodes[f"{name}/offsets"]
+    assert isinstance(r, zarr.Array) and isinstance(o, zarr.Array)
     if n_rows:
         r[...] = rows
     o[...] = offsets
@@ -286,13 +412,15 @@ def fsync_node_chain(workspace: Path, zarr_path: str) -> None:
     fsync_node_chains(workspace, [zarr_path])
 
 
-def fsync_node_chains(workspace: Path, zarr_paths: Sequence[str], pool: Executor | None = None) -> None:
+def fsync_node_chains(workspace: Path, zarr_paths: Sequence[str], pool: Executor | None = None,
+                      files: Sequence[Path] = ()) -> None:
     """:func:`fsync_node_chain` of several new nodes, each file and directory synced once: the
     nodes of one run share their parents (a run's arrays were ~60 fsyncs when synced one by one).
-    With a ``pool``, the fsyncs run concurrently, so the file system can group them into fewer
-    journal commits (the committer syncs chunk files the same way)."""
+    ``files``: data files written with them (a coordinate's ids), synced in the same pass. With a
+    ``pool``, the fsyncs run concurrently, so the file system can group them into fewer journal
+    commits (the committer syncs chunk files the same way)."""
     root = workspace / ZARR_DIR
-    metas: dict[Path, None] = {}
+    metas: dict[Path, None] = dict.fromkeys(files)
     dirs: dict[Path, None] = {}
     for zarr_path in zarr_paths:
         node = root / zarr_path

@@ -302,35 +302,42 @@ class Registration(WriterCore):
         for info, _ in wanted:
             if info.zarr_path in by_path:
                 _check_same_array(by_path[info.zarr_path], info)
-        handles = []
-        created: list[str] = []
+        nodes: dict[str, Any] = {}
+        fresh: list[tuple[ArrayInfo, layout.Codec]] = []  # the nodes to make, all in one call
         con.execute("BEGIN TRANSACTION")
         try:
             for info, codec in wanted:
                 stored = by_path.get(info.zarr_path)
                 if stored is None:
-                    self._mark_running(con)
-                    handles.append(ArrayHandle(info, codec, self._create_node(info, codec), set(), id(self)))
-                    created.append(info.zarr_path)
+                    fresh.append((info, codec))
                     _insert_array(con, info)
                 else:
-                    node = self._reopen_node(con, stored, codec, committed[info.zarr_path], created)
-                    handles.append(ArrayHandle(stored, codec, node, committed[info.zarr_path], id(self)))
-            self._sync_new_nodes(created)  # before the rows that point at them commit
+                    node = self._reopen_node(stored, committed[info.zarr_path])
+                    if node is None:
+                        fresh.append((stored, codec))
+                    else:
+                        nodes[info.zarr_path] = node
+            if fresh:
+                self._mark_running(con)
+                made, coords = self._create_nodes(fresh)
+                nodes.update(made)
+                self._sync_new_nodes(list(made), coords)  # before the rows that point at them commit
             if len(by_path) < len(wanted):
                 assign_depths(con, self.run)  # a deeper layer may renumber the run's arrays
             con.execute("COMMIT")
         except BaseException:
             db.rollback(con)
             raise
-        return handles
+        return [ArrayHandle(by_path.get(info.zarr_path, info), codec, nodes[info.zarr_path],
+                            committed[info.zarr_path], id(self)) for info, codec in wanted]
 
-    def _reopen_node(self, con: Any, info: ArrayInfo, codec: layout.Codec, committed: set[int],
-                     created: list[str]) -> Any:
-        """The Zarr node of an array the manifest knows; made again (and added to ``created``) if
-        none of its chunks is committed."""
+    def _reopen_node(self, info: ArrayInfo, committed: set[int]) -> Any:
+        """The Zarr node of an array the manifest knows; None (to be made again) if it is missing
+        on disk and none of its chunks is committed."""
         try:
-            return self._root[info.zarr_path]
+            node = self._root[info.zarr_path]
+            # As when it was made: zarr would skip (and delete) an all-zero chunk, which then has no file.
+            return node.with_config(layout.WRITE_EMPTY) if isinstance(node, zarr.Array) else node
         except KeyError:
             if committed:
                 raise StoreError(
@@ -338,21 +345,34 @@ class Registration(WriterCore):
                     f" on disk: the workspace lost data; run `python -m store verify --data {self.ws.path}` and"
                     f" re-extract (drop-run {self.run})"
                 ) from None
-            self._mark_running(con)
-            created.append(info.zarr_path)
-            return self._create_node(info, codec)
+            return None
 
-    def _sync_new_nodes(self, zarr_paths: list[str]) -> None:
-        """Sync new nodes (each shared parent once) and, for a remote root, upload their metadata."""
-        if not zarr_paths:
-            return
+    def _sync_new_nodes(self, zarr_paths: list[str], coords: dict[str, list[Path]]) -> None:
+        """Sync new nodes and the coordinates made with them, all at once on the fsync pool (each
+        shared parent once), and, for a remote root, upload them."""
         with disk_full_names(self.ws.zarr_path / zarr_paths[0]):
-            layout.fsync_node_chains(self.ws.path, zarr_paths, self._syncers)
+            layout.fsync_node_chains(self.ws.path, [*zarr_paths, *coords], self._syncers,
+                                     [f for files in coords.values() for f in files])
         for path in zarr_paths:
             self._upload(partial(self.ws.root.upload_meta, path))
+        if self.ws.root.remote:
+            for files in coords.values():
+                self._upload(partial(self.ws.root.upload, files))
+                files[-1].unlink()  # its ids, staged like a chunk: once uploaded, only metadata stays local
 
-    def _create_node(self, info: ArrayInfo, codec: layout.Codec) -> Any:
-        """The new array's Zarr node, not yet durable: see :meth:`_sync_new_nodes`."""
+    def _create_nodes(self, todo: list[tuple[ArrayInfo, layout.Codec]]) -> tuple[dict[str, Any], dict[str, list[Path]]]:
+        """The new arrays' Zarr nodes, in one call, and the ``sample`` coordinate of each dense
+        array's group that has none yet (node path: its files); not yet durable: see :meth:`_sync_new_nodes`."""
+        metas = {info.zarr_path: self._node_metadata(info, codec) for info, codec in todo}
+        groups = dict.fromkeys(info.zarr_path.rsplit("/", 1)[0] for info, _ in todo if info.layout == "dense")
+        with disk_full_names(self.ws.zarr_path / todo[0][0].zarr_path):
+            nodes = layout.create_nodes(self._root, metas, layout.WRITE_EMPTY)
+            coords = {f"{group}/{layout.COORD}": layout.ensure_sample_coord(self._root, group, self._stimuli or [])
+                      for group in groups}
+        return nodes, {path: files for path, files in coords.items() if files}
+
+    def _node_metadata(self, info: ArrayInfo, codec: layout.Codec) -> layout.NodeMetadata:
+        """The ``zarr.json`` document of a new array: a dense array, or a ragged array's group."""
         attrs: dict[str, Any] = {
             "run": info.run, "tap": info.tap, "layer": info.layer, "site": info.site, "tokens": info.tokens,
             "module": info.module, "layout": info.layout, "source_dtype": info.dtype,
@@ -364,25 +384,12 @@ class Registration(WriterCore):
             attrs["note"] = "raw bfloat16 bits stored as uint16: float32 = (bits.astype(uint32) << 16).view(float32)"
         if not codec.lossless:
             attrs["keepbits"] = codec.keepbits
-        node: zarr.Array | zarr.Group
-        with disk_full_names(self.ws.zarr_path / info.zarr_path):
-            if info.layout == "dense":
-                node = layout.create_dense(
-                    self._root, info.zarr_path, info.n_samples, info.item_shape, info.chunk_samples,
-                    info.stored_dtype, codec, info.dims[1:], attrs,
-                )
-                group = info.zarr_path.rsplit("/", 1)[0]
-                coord = layout.ensure_sample_coord(self._root, group, self._stimuli or [])
-                for f in coord:
-                    layout.fsync_path(f)
-                if coord and self.ws.root.remote:
-                    self._upload(lambda: self.ws.root.upload(coord))
-                    coord[-1].unlink()  # staged like a chunk: once uploaded, only metadata stays local
-            else:
-                attrs["row_shape"] = list(info.item_shape)
-                attrs["blocks"] = "b<k>/rows [n_rows, ...] and b<k>/offsets [n+1] per chunk of chunk_samples samples"
-                node = layout.create_ragged_group(self._root, info.zarr_path, attrs)
-        return node
+        if info.layout == "dense":
+            return layout.dense_metadata(info.n_samples, info.item_shape, info.chunk_samples, info.stored_dtype,
+                                         codec, info.dims[1:], attrs)
+        attrs["row_shape"] = list(info.item_shape)
+        attrs["blocks"] = "b<k>/rows [n_rows, ...] and b<k>/offsets [n+1] per chunk of chunk_samples samples"
+        return layout.ragged_metadata(attrs)
 
 
 def without_nulls(value: Any) -> Any:

@@ -97,23 +97,13 @@ class Tensors(WriterCore):
         """The tensor's Zarr array, fsynced with its folder chain; returns its files."""
         per_row = max(1, vals[:1].nbytes)
         with disk_full_names(self.ws.zarr_path / path):
-            arr_z = self._root.create_array(
-                path,
-                shape=vals.shape,
-                chunks=(max(1, min(vals.shape[0], (16 << 20) // per_row)), *vals.shape[1:]),
-                dtype=numpy_dtype(stored_dtype),
-                compressors=None,
-                filters=None,
-                fill_value=0,
-                chunk_key_encoding={"name": "default", "separator": "."},
-                overwrite=True,
-                attributes={"run": self.run, "name": name, "module": module, "source_dtype": kind,
-                            "stored_dtype": stored_dtype},
-                config={"write_empty_chunks": True},
+            meta = layout.array_metadata(
+                vals.shape, (max(1, min(vals.shape[0], (16 << 20) // per_row)), *vals.shape[1:]),
+                numpy_dtype(stored_dtype), None, (),
+                {"run": self.run, "name": name, "module": module, "source_dtype": kind, "stored_dtype": stored_dtype},
             )
+            arr_z = layout.create_array(self._root, path, meta)
             arr_z[...] = vals
             files = sorted((self.ws.zarr_path / path).iterdir())
-            for f in files:
-                layout.fsync_path(f)
-            layout.fsync_node_chain(self.ws.path, path)
+            layout.fsync_node_chains(self.ws.path, [path], self._syncers, files)
         return files

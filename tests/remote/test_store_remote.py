@@ -73,6 +73,9 @@ def test_a_run_lives_in_the_bucket_and_reads_back_exactly(remote_ws, s3, tmp_pat
     assert set(local) == {"zarr.json"}, sorted(set(local))
     keys = s3.fs.find(f"{s3.bucket}/ws/r/llm/0/resid_post/image")
     assert sorted(k.rsplit("/", 1)[1] for k in keys) == ["c.0.0.0", "c.1.0.0", "c.2.0.0", "zarr.json"]
+    # The site group's stimulus-id coordinate is uploaded whole (its ids are staged like a chunk).
+    coord = s3.fs.find(f"{s3.bucket}/ws/r/llm/0/resid_post/sample")
+    assert sorted(k.rsplit("/", 1)[1] for k in coord) == ["c.0", "zarr.json"]
 
     rep = ws.verify()
     assert rep.ok and not rep.warnings, (rep.problems, rep.warnings)
@@ -82,6 +85,8 @@ def test_a_run_lives_in_the_bucket_and_reads_back_exactly(remote_ws, s3, tmp_pat
     opts = {"key": "agnosia", "secret": "agnosia", "endpoint_url": s3.endpoint}
     z = zarr.open_array(s3.url("ws/r/llm/1/resid_post/image"), mode="r", storage_options=opts)
     assert np.array_equal(z[...], expect)
+    ids = zarr.open_array(s3.url("ws/r/llm/1/resid_post/sample"), mode="r", storage_options=opts)
+    assert ids[...].tolist() == [f"set/s{i:02d}" for i in range(N)]
 
 
 def test_verify_and_readers_name_damaged_and_missing_objects(remote_ws, s3):
