@@ -310,13 +310,13 @@ class Registration(WriterCore):
                 stored = by_path.get(info.zarr_path)
                 if stored is None:
                     fresh.append((info, codec))
-                    _insert_array(con, info)
                 else:
                     node = self._reopen_node(stored, committed[info.zarr_path])
                     if node is None:
                         fresh.append((stored, codec))
                     else:
                         nodes[info.zarr_path] = node
+            _insert_arrays(con, [info for info, _ in wanted if info.zarr_path not in by_path])
             if fresh:
                 self._mark_running(con)
                 made, coords = self._create_nodes(fresh)
@@ -421,16 +421,24 @@ def _differences(key: str, stored: Any, wanted: Any) -> list[tuple[str, Any, Any
     return [] if stored == wanted else [(key, stored, wanted)]
 
 
-def _insert_array(con: Any, info: ArrayInfo) -> None:
+_ARRAY_ROW = "(" + ", ".join(["?"] * 16) + ", 0, ?)"
+
+
+def _insert_arrays(con: Any, infos: list[ArrayInfo]) -> None:
+    """The manifest rows of new arrays, in one statement (a run declares hundreds; one INSERT each
+    cost ~1.4 ms apiece)."""
+    if not infos:
+        return
+    at = now()
     con.execute(
         "INSERT INTO activations (run, tap, layer, site, tokens, module, zarr_path, layout, shape, dims,"
         " chunk_samples, n_chunks, dtype, stored_dtype, codec, values_per_row, bytes, created_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-        [
+        f" VALUES {', '.join([_ARRAY_ROW] * len(infos))}",
+        [v for info in infos for v in (
             info.run, info.tap, info.layer, info.site, info.tokens, info.module, info.zarr_path,
             info.layout, list(info.shape), list(info.dims), info.chunk_samples, info.n_chunks,
-            info.dtype, info.stored_dtype, info.codec, info.values_per_row, now(),
-        ],
+            info.dtype, info.stored_dtype, info.codec, info.values_per_row, at,
+        )],
     )
 
 

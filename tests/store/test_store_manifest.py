@@ -11,6 +11,7 @@ import pytest
 from storetest_lib import python, write_run
 
 from store import (
+    ArraySpec,
     ProbeResult,
     RunInfo,
     SchemaVersionError,
@@ -287,3 +288,23 @@ def test_a_manifest_built_ahead_lands_only_in_a_new_workspace_and_leaves_no_temp
         assert again.rows("SELECT status FROM runs") == [("finished",)]
     assert not built.parent.exists()
     assert sorted(p.name for p in ws.path.iterdir()) == ["arrays", "manifest.duckdb", "writer.lock"]
+
+
+def test_declaring_many_arrays_writes_every_row_and_depth_in_one_statement_each(tmp_path):
+    """Asserts: 60 arrays over 3 token kinds per hook point, declared in one call, get one manifest
+    row each with its shape, dims and depth (every kind of a hook point at the same depth), and a
+    deeper layer declared later renumbers the run's arrays."""
+    ws = Workspace.open(tmp_path / "ws")
+    with ws.writer(RunInfo(run="r", model="m", chunk_samples=4)) as w:
+        w.set_samples(w.register_stimuli([{"id": str(i)} for i in range(8)], dataset="s"))
+        specs = [ArraySpec(tap=tap, layer=layer, tokens=kind, shape=(3, 5) if kind == "image" else (1, 5))
+                 for tap in ("vision", "llm") for layer in range(10) for kind in ("image", "last", "answer")
+                 if not (tap == "vision" and kind != "image")]
+        w.arrays(specs)
+        got = w.rows("SELECT tap, layer, tokens, shape, dims, depth, stage FROM activations ORDER BY ALL")
+        assert len(got) == len(specs) == 40
+        assert ("llm", 3, "last", [8, 1, 5], ["sample", "last_token", "dim"], 10 + 3 + 3, "llm") in got
+        assert all(d == (layer if tap == "vision" else 13 + layer) for tap, layer, _, _, _, d, _ in got)
+        w.array(ArraySpec(tap="vision", layer=11, tokens="image", shape=(3, 5)))  # 12 vision blocks now
+        assert w.rows("SELECT depth FROM activations WHERE tap = 'llm' AND layer = 0") == [(15,)] * 3
+        w.finish(partial_ok=True)
