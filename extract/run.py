@@ -192,7 +192,9 @@ def prepare_group(lm: LoadedModel, group: list[Sample]) -> Batch:
     try:
         return prepare_batch(lm, [s.image for s in group], [s.prompt for s in group],
                              strings=[s.strings for s in group], padding_side="left")
-    except InputError:
+    except InputError as err:
+        if any(s.image is not None and str(s.image) in str(err) for s in group):
+            raise  # it names its image already (one that cannot be read)
         for s in group:
             prepare_one(lm, s, padding_side="left")
         raise
