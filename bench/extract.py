@@ -19,7 +19,11 @@ with ``--part overhead|memory|connects|steps``):
 4. **Steps**: one run of each side at batch 1 and 8 (prompt-only, tiny Qwen2-VL) with a timer
    around each step (run set-up, the writer's calls, ``prepare_batch``, the model's forward with
    its hooks), printed side by side: where agnosia's extra time goes.
-5. **Cast**: the writer thread's cast to the stored float16 at a 7B model's shape (one batch of 8
+5. **Steady**: what each further sample costs, apart from the run's fixed set-up: agnosia and the
+   bare side at N and 4N samples of one set (prompt-only, batch 8, both models, interleaved, each
+   a fresh process), the ratio of the differences (agnosia(4N) - agnosia(N)) / (bare(4N) - bare(N))
+   as the median of the rounds, and the fixed set-up agnosia adds at N samples.
+6. **Cast**: the writer thread's cast to the stored float16 at a 7B model's shape (one batch of 8
    samples x 256 image tokens x d = 3,584, from bfloat16 and from float32), the C kernel
    (store/_halfcast.c) against numpy's passes, alternated, each the median of 15: MiB/s of source
    and the samples/s one writer thread could cast for a run keeping all 28 LLM layers.
@@ -60,8 +64,9 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _manifest(model: Path, stimuli: Path, batch: int, new_tokens: int, run: str) -> dict[str, Any]:
-    return {"run": run, "model": {"path": str(model), "device": "cpu"}, "stimuli": [{"set": str(stimuli)}],
+def _manifest(model: Path, stimuli: Path, batch: int, new_tokens: int, run: str,
+              limit: int | None = None) -> dict[str, Any]:
+    return {"run": run, "model": {"path": str(model), "device": "cpu"}, "stimuli": [{"set": str(stimuli), "limit": limit}],
             "taps": TAPS, "generation": {"max_new_tokens": new_tokens}, "batch_size": batch, "chunk_samples": 64}
 
 
@@ -146,7 +151,7 @@ def _registration_connects(root: Path) -> int:
     return count[0]
 
 
-PARTS = ("overhead", "memory", "connects", "steps", "cast")
+PARTS = ("overhead", "memory", "connects", "steps", "steady", "cast")
 
 
 def steps(root: Path, model: Path, stimuli: Path, n: int) -> None:
@@ -163,6 +168,36 @@ def steps(root: Path, model: Path, stimuli: Path, n: int) -> None:
             a, b = agn["steps"].get(name), bare["steps"].get(name)
             each = " / ".join(f"{1e3 * x[0] / x[1]:.2f} ms x{x[1]}" if x else "-" for x in (a, b))
             print(f"       {name:32s} {a[0] if a else 0:6.3f} s  vs {b[0] if b else 0:6.3f} s   (each: {each})")
+
+
+def steady(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int) -> None:
+    """Marginal cost per sample (N -> 4N samples) of agnosia vs the bare forward, and the fixed set-up."""
+    print(f"   (5) steady state: prompt-only, batch 8, {n} and {4 * n} samples of one set; {rounds} interleaved"
+          " rounds, each run a fresh process")
+    got: dict[tuple[str, str, int], list[float]] = {}
+    loads = []
+    for r in range(rounds):
+        loads.append(_load())
+        for arch in ARCHS:
+            for size in (n, 4 * n):
+                manifest = _manifest(models[arch], stimuli, 8, 1, "bench", limit=size)
+                for side in (("bare", "agnosia") if r % 2 == 0 else ("agnosia", "bare")):
+                    res = _worker({"side": "forward", "manifest": manifest}) if side == "bare" else _agnosia(root, manifest)
+                    got.setdefault((arch, side, size), []).append(res["seconds"])
+    for arch in ARCHS:
+        def at(side: str, size: int, r: int, arch: str = arch) -> float:
+            return got[(arch, side, size)][r]
+
+        per = [(at("agnosia", 4 * n, r) - at("agnosia", n, r)) / (at("bare", 4 * n, r) - at("bare", n, r))
+               for r in range(rounds)]
+        # agnosia(N) - bare(N) = fixed + (per - 1) * (the bare cost of N samples, (bare(4N) - bare(N)) / 3)
+        fixed = [(at("agnosia", n, r) - at("bare", n, r)) - (per[r] - 1) * (at("bare", 4 * n, r) - at("bare", n, r)) / 3
+                 for r in range(rounds)]
+        print(f"     tiny {arch}: each further sample {median(per):.3f}x the bare forward's (rounds"
+              f" {', '.join(f'{x:.3f}' for x in per)}); fixed set-up beyond that {median(fixed):.2f} s"
+              f" (bare {median(got[(arch, 'bare', n)]):.2f} s at {n}, {median(got[(arch, 'bare', 4 * n)]):.2f} s"
+              f" at {4 * n})")
+    print(f"   load average per round: {'; '.join(loads)}")
 
 
 def cast() -> None:
@@ -201,7 +236,7 @@ def cast() -> None:
 
 
 def main(quick: bool = False, samples: int | None = None, rounds: int | None = None, part: str | None = None) -> None:
-    """Every part, or only ``part`` (overhead, memory, connects, steps)."""
+    """Every part, or only ``part`` (one of PARTS)."""
     from extract.models import tiny
     from stimuli import get_family
     from stimuli.io import write_set
@@ -226,5 +261,7 @@ def main(quick: bool = False, samples: int | None = None, rounds: int | None = N
             connects(root, models["qwen2_vl"], small, n)
         if part in (None, "steps"):
             steps(root, models["qwen2_vl"], small, n)
+        if part in (None, "steady"):
+            steady(root, models, write_set(g2m, config, n=4 * n, seed=0, split="test", out=root / "g2m-4x"), n, rounds)
     if part is None:
         cast()
