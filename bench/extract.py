@@ -27,6 +27,9 @@ with ``--part overhead|memory|connects|steps``):
    samples x 256 image tokens x d = 3,584, from bfloat16 and from float32), the C kernel
    (store/_halfcast.c) against numpy's passes, alternated, each the median of 15: MiB/s of source
    and the samples/s one writer thread could cast for a run keeping all 28 LLM layers.
+7. **Arrays**: ``Writer.arrays`` declaring 4 and 200 dense arrays (vision layers' image tokens,
+   LLM layers' image and last tokens) of a 200-sample run in a new workspace: node creation,
+   fsyncs and manifest rows, median of 5 each.
 
 ``--quick`` is a smoke run (16 samples, 3 rounds): its figures are not ones to report.
 """
@@ -151,7 +154,7 @@ def _registration_connects(root: Path) -> int:
     return count[0]
 
 
-PARTS = ("overhead", "memory", "connects", "steps", "steady", "cast")
+PARTS = ("overhead", "memory", "connects", "steps", "steady", "cast", "arrays")
 
 
 def steps(root: Path, model: Path, stimuli: Path, n: int) -> None:
@@ -200,6 +203,30 @@ def steady(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: i
     print(f"   load average per round: {'; '.join(loads)}")
 
 
+def arrays(root: Path) -> None:
+    """``Writer.arrays`` for 4 and 200 dense arrays in a new workspace, median of 5."""
+    import time
+
+    from store import ArraySpec, RunInfo, Workspace
+
+    print(f"   (7) Writer.arrays in a new workspace (200 samples, chunks of 64), median of 5; load average {_load()}:")
+    for n in (4, 200):
+        took = []
+        for i in range(5):
+            ws = Workspace.open(root / f"ws-arrays-{n}-{i}")
+            with ws.writer(RunInfo(run="r", model="m", chunk_samples=64)) as w:
+                w.set_samples(w.register_stimuli([{"id": str(k)} for k in range(200)], dataset="s"))
+                specs = [ArraySpec(tap="vision", layer=layer, tokens="image", shape=(64, 128)) for layer in range(n // 2)]
+                specs += [ArraySpec(tap="llm", layer=layer, tokens=kind, shape=(64, 128) if kind == "image" else (1, 128))
+                          for layer in range(n // 4) for kind in ("image", "last")]
+                started = time.perf_counter()
+                w.arrays(specs)
+                took.append(time.perf_counter() - started)
+                w.finish(partial_ok=True)
+            shutil.rmtree(ws.path, ignore_errors=True)
+        print(f"     {len(specs):4d} arrays: {1e3 * median(took):7.1f} ms ({', '.join(f'{1e3 * t:.0f}' for t in took)})")
+
+
 def cast() -> None:
     """The writer's float16 cast at a real model's shape: kernel vs numpy, alternated."""
     import time
@@ -241,8 +268,12 @@ def main(quick: bool = False, samples: int | None = None, rounds: int | None = N
     from stimuli import get_family
     from stimuli.io import write_set
 
-    if part == "cast":  # no model, no stimuli
-        cast()
+    if part in ("cast", "arrays"):  # no model, no stimuli
+        if part == "cast":
+            cast()
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                arrays(Path(tmp))
         return
     n = samples or (16 if quick else 200)
     rounds = rounds or 3
@@ -265,3 +296,5 @@ def main(quick: bool = False, samples: int | None = None, rounds: int | None = N
             steady(root, models, write_set(g2m, config, n=4 * n, seed=0, split="test", out=root / "g2m-4x"), n, rounds)
     if part is None:
         cast()
+        with tempfile.TemporaryDirectory() as tmp:
+            arrays(Path(tmp))
