@@ -201,20 +201,6 @@ def dense_metadata(
     )
 
 
-def create_dense(
-    root: zarr.Group,
-    path: str,
-    n_samples: int,
-    item_shape: tuple[int, ...],
-    chunk_samples: int,
-    stored: str,
-    codec: Codec,
-    dims: tuple[str, ...],
-    attributes: dict[str, Any],
-) -> zarr.Array:
-    return create_array(root, path, dense_metadata(n_samples, item_shape, chunk_samples, stored, codec, dims, attributes))
-
-
 def create_array(root: zarr.Group, path: str, meta: ArrayV3Metadata) -> zarr.Array:
     """One array at ``path`` (replacing any node there) that writes every chunk (``WRITE_EMPTY``)."""
     arr = create_nodes(root, {path: meta}, WRITE_EMPTY)[path]

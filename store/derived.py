@@ -149,9 +149,9 @@ def _write_chunks(ws: Workspace, source: ArrayInfo, path: str, op: str, code: st
         if values.shape[0] != len(rows):
             raise StoreError(f"derived {op} of {source.key()} chunk {k}: {values.shape[0]} rows for {len(rows)}")
         if arr is None:
-            arr = layout.create_dense(root, path, source.n_samples, values.shape[1:], source.chunk_samples, DTYPE,
-                                      layout.parse_codec("none", DTYPE), ("feature",) * (values.ndim - 1),
-                                      {"source": source.zarr_path, "op": op, "code": code})
+            arr = layout.create_array(root, path, layout.dense_metadata(
+                source.n_samples, values.shape[1:], source.chunk_samples, DTYPE, layout.parse_codec("none", DTYPE),
+                ("feature",) * (values.ndim - 1), {"source": source.zarr_path, "op": op, "code": code}))
         arr[rows.start:rows.stop] = values
         files.append(layout.dense_chunk_file(ws.path, path, values.ndim, k))
         layout.fsync_path(files[-1])

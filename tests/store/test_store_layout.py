@@ -157,11 +157,12 @@ def test_creating_a_node_again_replaces_it_and_keeps_its_parents(tmp_path):
     emptiness (write_empty_chunks, a runtime setting zarr keeps out of zarr.json)."""
     root = zarr.open_group(str(tmp_path / "arrays"), mode="a", zarr_format=3)
     root.attrs["kept"] = 1
-    args = ("r/llm/0/resid_post/image", 8, (3,), 4, "float32", layout.Codec("none"), ("dim",), {"a": 1})
-    first = layout.create_dense(root, *args)
+    path = "r/llm/0/resid_post/image"
+    meta = layout.dense_metadata(8, (3,), 4, "float32", layout.Codec("none"), ("dim",), {"a": 1})
+    first = layout.create_array(root, path, meta)
     first[...] = np.ones((8, 3), np.float32)
     assert (tmp_path / "arrays" / "r/llm/0/resid_post/image/c.1.0").is_file()
-    again = layout.create_dense(root, *args)
+    again = layout.create_array(root, path, meta)
     assert sorted(p.name for p in (tmp_path / "arrays" / "r/llm/0/resid_post/image").iterdir()) == ["zarr.json"]
     assert again.config.write_empty_chunks and zarr.open_group(str(tmp_path / "arrays"), mode="r").attrs["kept"] == 1
     again[:4] = 0
