@@ -25,7 +25,7 @@ help: ## list the targets
 
 setup: $(STAMP) ## create .venv and install agnosia with pinned packages (idempotent)
 
-$(STAMP): pyproject.toml requirements.lock setup.py probes/_halfpool.c store/_halfcast.c
+$(STAMP): pyproject.toml requirements.lock setup.py probes/_halfpool.c store/_halfcast.c store/_clones.h
 	@test -x $(PY) || python3.11 -m venv $(VENV) 2>/dev/null || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements.lock torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements.lock -e '.[dev]'

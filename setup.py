@@ -11,6 +11,6 @@ same bits, slower.
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("store._halfcast", ["store/_halfcast.c"], optional=True),
-    Extension("probes._halfpool", ["probes/_halfpool.c"], optional=True),
+    Extension("store._halfcast", ["store/_halfcast.c"], depends=["store/_clones.h"], optional=True),
+    Extension("probes._halfpool", ["probes/_halfpool.c"], depends=["store/_clones.h"], optional=True),
 ])

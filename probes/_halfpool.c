@@ -17,18 +17,7 @@
  *    caller pools it with numpy's own cast, whose NaN payloads this code does not try to match.
  * Built with the interpreter's flags (-O3, never -ffast-math, which would reorder the sums).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <string.h>
-
-/* An AVX2 copy beside the baseline one, picked at load time on x86-64 Linux (GCC / clang ifunc). */
-#if defined(__x86_64__) && defined(__linux__) && \
-    ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 6))
-#define CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define CLONES
-#endif
+#include "../store/_clones.h"
 
 static inline float half_value(uint16_t h) {
     uint32_t bits = ((uint32_t)(h & 0x8000u) << 16) | ((uint32_t)(h & 0x7FFFu) << 13);

@@ -20,18 +20,7 @@
  *    inf stays inf. Signs carry over.
  * bfloat16 is the top half of a float32, so its values take the float32 path.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <string.h>
-
-/* An AVX2 copy beside the baseline one, picked at load time on x86-64 Linux (GCC / clang ifunc). */
-#if defined(__x86_64__) && defined(__linux__) && \
-    ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 6))
-#define CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define CLONES
-#endif
+#include "_clones.h"
 
 #define F32_INF 0x7F800000u
 #define F16_INF 0x7C00u
