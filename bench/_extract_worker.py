@@ -10,9 +10,9 @@ build batches with agnosia's own loader and ``prepare_batch``, so the sides diff
 capture and the store. Imports happen before the clock starts; loading the weights is timed.
 
 Prints one JSON line: seconds, CPU seconds of every thread of the process, samples, peak RSS
-(MiB), and ``duckdb.connect`` calls made while the clock ran (every call: the store's, DuckDB's
-own, anyone's). With ``"steps": true`` also seconds and calls per step of the run (a timer around
-each; ``python -m bench extract --part steps`` prints them).
+(MiB), minor page faults while the clock ran, and ``duckdb.connect`` calls made while it ran
+(every call: the store's, DuckDB's own, anyone's). With ``"steps": true`` also seconds and calls
+per step of the run (a timer around each; ``python -m bench extract --part steps`` prints them).
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ def main() -> None:
         _time_steps(steps)
     threads = _ThreadCPU() if spec.get("steps") else None
     started, cpu = time.perf_counter(), time.process_time()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     side = spec["side"]
     samples = _agnosia(spec) if side == "agnosia" else _bare(spec, side)
     seconds = time.perf_counter() - started
@@ -177,6 +178,7 @@ def main() -> None:
         steps.update({f"CPU of thread {name}": [seconds_, 1] for name, seconds_ in threads.stop().items()})
     print(json.dumps({"seconds": seconds, "cpu_seconds": time.process_time() - cpu, "samples": samples,
                       "connects": _CONNECTS[0], "steps": steps,
+                      "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
                       "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 

@@ -18,7 +18,7 @@ with ``--part overhead|memory|connects|steps``):
 
 4. **Steps**: one run of each side at batch 1 and 8 (prompt-only, tiny Qwen2-VL) with a timer
    around each step (run set-up, the writer's calls, ``prepare_batch``, the model's forward with
-   its hooks), printed side by side: where agnosia's extra time goes.
+   its hooks), printed side by side: where agnosia's extra time goes; with each run's minor page faults.
 5. **Steady**: what each further sample costs, apart from the run's fixed set-up: agnosia and the
    bare side at N and 4N samples of one set (prompt-only, batch 8, both models, interleaved, each
    a fresh process), the ratio of the differences (agnosia(4N) - agnosia(N)) / (bare(4N) - bare(N))
@@ -165,7 +165,8 @@ def steps(root: Path, model: Path, stimuli: Path, n: int) -> None:
         bare = _worker({"side": "forward", "manifest": manifest, "steps": True})
         agn = _worker({"side": "agnosia", "manifest": manifest, "steps": True,
                        "workspace": str(Path(tempfile.mkdtemp(dir=root, prefix="ws-")))})
-        print(f"     batch {batch}: agnosia {agn['seconds']:.2f} s, bare forward {bare['seconds']:.2f} s")
+        print(f"     batch {batch}: agnosia {agn['seconds']:.2f} s, bare forward {bare['seconds']:.2f} s;"
+              f" minor page faults {agn['page_faults']:,} vs {bare['page_faults']:,}")
         names = sorted(set(agn["steps"]) | set(bare["steps"]), key=lambda k: -agn["steps"].get(k, [0.0])[0])
         for name in names:
             a, b = agn["steps"].get(name), bare["steps"].get(name)

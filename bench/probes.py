@@ -387,9 +387,9 @@ def pooled_read_rate(ws: Workspace, layer: int = 0, rounds: int = 3) -> dict[str
     from probes import parse_plan
     from probes.farm import _Preparer, plan_tasks
     from probes.farm_stream import build_specs
-    from probes.features import tune_malloc
     from probes.plan import group_tasks
     from probes.stream import accumulate, read_block
+    from store.heap import tune_malloc
 
     tune_malloc()   # as a farm worker does: block buffers then stay on the heap, not mmap'd afresh per block
     plan = parse_plan({"name": "read", "probes": [{"runs": ["real"], "tokens": ["image"], "layers": [layer],

@@ -65,6 +65,7 @@ from stimuli.io import read_set
 from stimuli.progress import progress_bar
 from store import ArrayHandle, ArraySpec, Generation, RunInfo, TokenSpans, Workspace, Writer
 from store.ahead import ManifestAhead
+from store.heap import tune_malloc
 from store.vocab import IMAGE_ONLY_TAPS, array_layout, kinds_for
 from store.workspace import MANIFEST, resolve_path
 
@@ -361,6 +362,7 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
     """Run (or resume) a manifest. ``on_batch(rows_done)`` is called after each batch is computed; it is
     queued to the writer then, or on CUDA after the next batch's forward (its host copy overlaps it)."""
     started = time.perf_counter()
+    tune_malloc()  # the writer frees each batch's captures: keep glibc from trimming the heap between batches
     check_codec(codec)
     check_sets(manifest)
     sets, samples = collect_samples(manifest)

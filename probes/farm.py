@@ -626,7 +626,7 @@ def warm_worker(plugins: Sequence[str] = ()) -> int:
     import zarr  # noqa: F401
 
     import store.reader  # noqa: F401
-    from probes.features import tune_malloc
+    from store.heap import tune_malloc
 
     tune_malloc()
 

@@ -3,7 +3,6 @@ worker that runs only streamed statistics kinds stays small (probes/stream.py)."
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import numpy as np
@@ -40,35 +39,6 @@ def read_features(root: ArrayRoot, info: ArrayInfo, rows: np.ndarray, dense_toke
 
 def _as_read(X: np.ndarray) -> np.ndarray:
     return X if X.dtype == np.float16 else as_float32(X)
-
-
-_MALLOC_TUNED = False
-
-
-def tune_malloc() -> None:
-    """Undo Dask's ``MALLOC_TRIM_THRESHOLD_=65536`` for this process (Linux/glibc only).
-
-    Dask's nanny sets it so workers hand freed memory back to the OS. But setting it also
-    freezes glibc's mmap threshold at 128 KiB, so every solver temporary (an [n, P] float32 block
-    is ~1 MB) is mmap'd, page-faulted in and unmapped again on each of ~40 L-BFGS evaluations:
-    measured 1.5x slower than the same group in a plain process. Thresholds of 16 / 32 MiB keep
-    such temporaries on the heap while big arrays are mmap'd and go back to the OS when freed.
-    Not higher: at 64 / 128 MiB a streamed per-token layer's XᵀX (49 MiB at d = 3,584) came from
-    the heap and its freed copies stayed resident, so a worker capped at 384 MiB peaked at
-    301-365 MiB (365: Dask restarted it) where 16 / 32 MiB gave 243-299 MiB, 10 % faster.
-    """
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED or not sys.platform.startswith("linux"):
-        return
-    _MALLOC_TUNED = True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 16 << 20)   # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 32 << 20)   # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to undo
 
 
 def as_float32(X: Any) -> np.ndarray:

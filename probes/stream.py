@@ -697,7 +697,7 @@ def warm() -> int:
     import zarr  # noqa: F401
 
     import store.reader  # noqa: F401
-    from probes.features import tune_malloc
+    from store.heap import tune_malloc
 
     tune_malloc()
     return rss_now()

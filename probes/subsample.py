@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from probes.features import as_float32, read_features, tune_malloc
+from probes.features import as_float32, read_features
+from store.heap import tune_malloc
 from store.location import ArrayRoot
 from store.records import ArrayInfo
 

@@ -23,12 +23,13 @@ import numpy as np
 
 from probes import artifacts
 from probes.errors import ProbeError
-from probes.features import read_features, tune_malloc
+from probes.features import read_features
 from probes.kinds.base import Job, Outcome, PerSample, Probe, params_json
 from probes.plan import ProbeTask
 from probes.splits import Fold
 from probes.targets import TargetValues
 from store import ArrayInfo, ProbeResult
+from store.heap import tune_malloc
 from store.location import ArrayRoot
 from store.schema import series_of
 
