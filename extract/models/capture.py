@@ -202,22 +202,19 @@ class Gather:
     rows: torch.Tensor
     cols: torch.Tensor
     offsets: np.ndarray
-
-    @property
-    def uniform(self) -> int | None:
-        counts = np.diff(self.offsets)
-        return int(counts[0]) if counts.size and (counts == counts[0]).all() else None
+    uniform: int | None  # the count every sample has, None when they differ
 
 
 def gather_positions(layouts: list[SampleLayout], kind: str, device: torch.device) -> Gather:
     pos = [lay.positions(kind) for lay in layouts]
-    counts = np.array([p.size for p in pos])
+    counts = [p.size for p in pos]
     rows = np.repeat(np.arange(len(pos)), counts)
     cols = np.concatenate(pos) if pos else np.zeros(0, np.int64)
     return Gather(
         torch.as_tensor(rows, dtype=torch.long, device=device),
         torch.as_tensor(cols, dtype=torch.long, device=device),
         np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        counts[0] if counts and counts.count(counts[0]) == len(counts) else None,
     )
 
 
@@ -332,7 +329,7 @@ class Recorder:
                 if kind == "answer" and self.batch.answers is None:
                     continue
                 g = self.gathers[kind]
-                cols = g.cols - shift
+                cols = g.cols - shift if shift else g.cols
                 if shift and bool((cols < 0).any()):
                     raise TapError(
                         f"{spec.name}: the model computed this tap only for the last {x.shape[1]} positions;"

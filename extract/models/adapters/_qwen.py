@@ -105,7 +105,7 @@ class QwenAdapter(Adapter):
                 f"{self.family}: expected packed [{index.numel()}, C] vision tokens, got {tuple(x.shape)};"
                 " the batch's image_grid_thw does not match the model's inputs"
             )
-        return list(x[index.to(x.device)].split(counts))
+        return list(x.index_select(0, index.to(x.device)).split(counts))
 
     def vision_tokens(self, x: torch.Tensor, views: list[int], aux: dict) -> list[torch.Tensor]:
         return self._unpack(x, aux["patch_index"], aux["patch_counts"])
