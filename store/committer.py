@@ -37,7 +37,7 @@ class Committer(WriterCore):
                 if tokens:
                     _update_tokens(con, self.run, tokens)
                 if gens:
-                    _replace_generations(con, self.run, gens)
+                    _replace_generations(con, self.run, gens, fresh=self._fresh(gens))
                 if finish is not None and (finish or self._run_complete(con, chunks)):
                     con.execute(
                         "UPDATE runs SET status = 'finished', finished_at = ?, updated_at = ? WHERE run = ?",
@@ -48,9 +48,12 @@ class Committer(WriterCore):
                 con.execute("COMMIT")
             except BaseException:
                 db.rollback(con)  # keeps the failed statement's error (e.g. a full disk), not ROLLBACK's
+                self._generated = None  # a COMMIT that failed may have landed: replace rows from now on
                 raise
         for rec in chunks:
             rec.handle.committed.add(rec.chunk)
+        if self._generated is not None:
+            self._generated.update(g["stimulus"] for g in gens)
         if self.ws.root.remote:
             unstage(files)
         del self._pending_chunks[: len(chunks)]
@@ -59,6 +62,14 @@ class Committer(WriterCore):
         self._last_commit = time.monotonic()
         self.stats.commits += 1
         self.stats.commit_s += time.perf_counter() - started
+
+    def _fresh(self, gens: list[dict[str, Any]]) -> bool:
+        """Whether ``gens`` are all first rows: a new run's stimuli this writer has not committed,
+        each once."""
+        if self._generated is None:
+            return False
+        stimuli = {g["stimulus"] for g in gens}
+        return len(stimuli) == len(gens) and self._generated.isdisjoint(stimuli)
 
     def _make_durable(self, chunks: list[ChunkRecord]) -> list[Any]:
         """fsync every file of ``chunks``, then every folder entry; upload them to a remote root.
@@ -99,7 +110,7 @@ _GENERATION_KINDS = {"array_row": "int64", "parse_ok": "bool", "correct": "bool"
 
 def _insert_chunks(con: Any, run: str, chunks: list[ChunkRecord], stats: list[tuple[int, int, int, int | None]],
                    at: Any) -> None:
-    """The rows of ``chunks``, and the byte totals of their arrays."""
+    """The rows of ``chunks``, and their bytes added to their arrays' totals."""
     db.register_columns(con, "new_chunks", {
         "zarr_path": [r.handle.info.zarr_path for r in chunks],
         "chunk": [r.chunk for r in chunks],
@@ -112,20 +123,28 @@ def _insert_chunks(con: Any, run: str, chunks: list[ChunkRecord], stats: list[tu
         "n_clipped": [x[2] for x in stats],
         "offsets_crc32c": [x[3] for x in stats],
     }, _CHUNK_KINDS)
-    con.execute(
+    # A retried commit whose first COMMIT landed finds its rows there: they are not inserted again
+    # and, as RETURNING leaves them out, not counted again.
+    inserted = con.execute(
         "INSERT INTO chunks (run, zarr_path, chunk, row_start, row_stop, n_rows, nbytes, crc32c,"
         " n_nonfinite, n_clipped, committed_at, offsets_crc32c) SELECT ?, zarr_path, chunk, row_start,"
         " row_stop, n_rows, nbytes, crc32c, n_nonfinite, n_clipped, ?, offsets_crc32c FROM new_chunks"
-        " ON CONFLICT DO NOTHING",
+        " ON CONFLICT DO NOTHING RETURNING zarr_path, nbytes",
         [run, at],
-    )
-    con.execute(
-        "UPDATE activations SET bytes = s.b FROM (SELECT zarr_path, sum(nbytes) AS b FROM chunks"
-        " WHERE run = ? GROUP BY zarr_path) s WHERE activations.run = ? AND activations.zarr_path = s.zarr_path"
-        " AND activations.zarr_path IN (SELECT zarr_path FROM new_chunks)",
-        [run, run],
-    )
+    ).fetchall()
     con.unregister("new_chunks")
+    added: dict[str, int] = {}
+    for path, nbytes in inserted:
+        added[path] = added.get(path, 0) + int(nbytes)
+    if added:
+        # Added to the totals, not summed over every chunk of the run again: a commit's cost stays
+        # that of its own chunks however long the run grows.
+        con.execute(
+            "UPDATE activations SET bytes = bytes + a.b FROM (VALUES "
+            + ", ".join(["(?, ?)"] * len(added)) + ") a(zarr_path, b)"
+            " WHERE activations.run = ? AND activations.zarr_path = a.zarr_path",
+            [x for item in added.items() for x in item] + [run],
+        )
 
 
 def _update_tokens(con: Any, run: str, tokens: list[dict[str, Any]]) -> None:
@@ -140,15 +159,18 @@ def _update_tokens(con: Any, run: str, tokens: list[dict[str, Any]]) -> None:
     con.unregister("new_tokens")
 
 
-def _replace_generations(con: Any, run: str, gens: list[dict[str, Any]]) -> None:
+def _replace_generations(con: Any, run: str, gens: list[dict[str, Any]], *, fresh: bool = False) -> None:
+    """Insert ``gens``, replacing any row of the same stimulus; ``fresh``: none can exist (no
+    DELETE, no de-duplication: about half the statement's cost)."""
     db.register_records(con, "new_gens", gens, _GENERATION_KINDS)
-    con.execute("DELETE FROM generations WHERE run = ? AND stimulus IN (SELECT stimulus FROM new_gens)", [run])
+    if not fresh:
+        con.execute("DELETE FROM generations WHERE run = ? AND stimulus IN (SELECT stimulus FROM new_gens)", [run])
     # Last one wins when a row was generated twice before one commit.
     con.execute(
         "INSERT INTO generations (run, stimulus, array_row, text, prediction, parse_ok, correct, score,"
         " metrics, n_tokens, recorded_at, stop_reason, answer_kind)"
         " SELECT run, stimulus, array_row, text, prediction::JSON, parse_ok, correct,"
         " score, metrics::JSON, n_tokens, recorded_at, stop_reason, answer_kind FROM new_gens"
-        " QUALIFY row_number() OVER (PARTITION BY stimulus ORDER BY recorded_at DESC) = 1"
+        + ("" if fresh else " QUALIFY row_number() OVER (PARTITION BY stimulus ORDER BY recorded_at DESC) = 1")
     )
     con.unregister("new_gens")

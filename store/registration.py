@@ -82,6 +82,7 @@ class Registration(WriterCore):
                     ],
                 )
                 self._marked = True
+                self._generated = set()
                 return
             stored = {
                 "model": row[0], "revision": row[1], "adapter": row[2], "dtype": row[3],
@@ -101,6 +102,7 @@ class Registration(WriterCore):
         # An existing run is marked running only when this writer first changes it: a resume
         # refused by the checks that follow (other stimuli, another codec) leaves its row as it was.
         self._marked = False
+        self._generated = None
 
     def _load_samples(self) -> list[str] | None:
         with self._write_connection() as con:  # the run's own connection: no second open of the file

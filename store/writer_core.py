@@ -88,6 +88,9 @@ class WriterCore:
     _pending_chunks: list[ChunkRecord]
     _pending_tokens: list[dict[str, Any]]
     _pending_generations: list[dict[str, Any]]
+    # The stimuli whose generations this writer committed, when its run was new (so no other row
+    # can exist); None for a run that was there already (a resume: any row may exist).
+    _generated: set[str] | None
     _last_commit: float
     _retry_at: float
     _lanes: list[ThreadPoolExecutor]

@@ -41,6 +41,26 @@ def test_writer_stores_stop_reason_and_kind(tmp_path):
         ("10101", "cap", "runaway")]
 
 
+def test_a_row_generated_again_replaces_its_row_in_a_new_run_and_on_resume(tmp_path):
+    """A new run inserts its first rows with no DELETE; a row generated again (in a later commit,
+    twice before one commit, or by a resume) still leaves one row, the last."""
+    ws = Workspace.open(tmp_path / "ws")
+    info = RunInfo(run="r", model="m", chunk_samples=4)
+    with ws.writer(info) as w:
+        w.set_samples(w.register_stimuli(stimulus_rows(4), dataset="set"))
+        w.record_generations(0, [Generation(text=f"first {i}") for i in range(4)])
+        w.flush()
+        w.record_generations(2, [Generation(text="second 2")])
+        w.record_generations(3, [Generation(text="second 3")])
+        w.record_generations(3, [Generation(text="third 3")])
+        w.finish(partial_ok=True)
+    with ws.writer(info) as w:  # a resume: the run is there
+        w.record_generations(0, [Generation(text="resumed 0")])
+        w.finish(partial_ok=True)
+    assert ws.rows("SELECT array_row, text FROM generations ORDER BY array_row") == [
+        (0, "resumed 0"), (1, "first 1"), (2, "second 2"), (3, "third 3")]
+
+
 def test_v2_workspace_gains_the_columns_and_kinds_from_the_text(tmp_path):
     ws = Workspace.open(tmp_path / "ws", migrations=schema_mod.MIGRATIONS[:2])
     texts = ["False", "", "110100", None]

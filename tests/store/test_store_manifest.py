@@ -308,3 +308,28 @@ def test_declaring_many_arrays_writes_every_row_and_depth_in_one_statement_each(
         w.array(ArraySpec(tap="vision", layer=11, tokens="image", shape=(3, 5)))  # 12 vision blocks now
         assert w.rows("SELECT depth FROM activations WHERE tap = 'llm' AND layer = 0") == [(15,)] * 3
         w.finish(partial_ok=True)
+
+
+def test_array_bytes_are_the_sum_of_their_chunks_and_a_retried_commit_adds_nothing(written, tmp_path):
+    from datetime import datetime
+
+    from store import db
+    from store.committer import _insert_chunks
+
+    ws = _copy(written, tmp_path)
+    totals = ws.rows("SELECT a.zarr_path, a.bytes, sum(c.nbytes) FROM activations a JOIN chunks c USING (run, zarr_path)"
+                     " GROUP BY ALL ORDER BY 1")
+    assert len(totals) == 2 and all(b == s > 0 for _, b, s in totals)
+    # A commit retried after its first COMMIT landed: the same chunk rows again, plus one new one.
+    (path, bytes_before, _), run = totals[0], "r1"
+    rows = ws.rows("SELECT chunk, row_start, row_stop, n_rows, nbytes FROM chunks WHERE zarr_path = ?", [path])
+    handle = type("H", (), {"info": type("I", (), {"zarr_path": path})()})()
+    chunks = [type("C", (), {"handle": handle, "chunk": c, "row_start": a, "row_stop": b, "n_rows": n, "nbytes": nb})()
+              for c, a, b, n, nb in rows]
+    chunks.append(type("C", (), {"handle": handle, "chunk": 99, "row_start": 0, "row_stop": 1, "n_rows": 1,
+                                 "nbytes": 1234})())
+    with db.connect(ws.manifest_path, read_only=False) as con:
+        _insert_chunks(con, run, chunks, [(0, 0, 0, None)] * len(chunks), datetime.now())
+    after = dict(ws.rows("SELECT zarr_path, bytes FROM activations"))
+    assert after[path] == bytes_before + 1234
+    assert after[totals[1][0]] == totals[1][1]
