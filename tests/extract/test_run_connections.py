@@ -16,6 +16,7 @@ import pytest
 from devices import model_config
 
 from extract.manifest import parse_manifest
+from extract.models import load_model
 from extract.run import run_extraction
 from stimuli import get_family
 from stimuli.io import write_set
@@ -56,7 +57,11 @@ def test_an_extraction_into_a_new_workspace_opens_the_manifest_twice(tiny_dir, g
     ws = Workspace.open(tmp_path / "ws", readonly=True)
     scored, correct = ws.rows("SELECT count(correct), count(*) FILTER (WHERE correct) FROM generations")[0]
     assert (summary.scored, summary.accuracy) == (scored, correct / scored if scored else None)
-    assert len(ws.vocab("r1")) > 0 and ws.read_tensor("r1", "lm_head.weight").ndim == 2
+    unembed = ws.read_tensor("r1", "lm_head.weight")
+    assert unembed.ndim == 2
+    # token id i as decoded alone; rows of the unembedding past the tokenizer's ids decode to ''
+    tok = load_model(str(tiny_dir("qwen2_vl")), device="cpu").tokenizer
+    assert ws.vocab("r1") == [tok.decode([i]) if i < len(tok) else "" for i in range(unembed.shape[0])]
 
 
 def test_reading_a_stimulus_set_does_not_import_pandas(g2m_set):
