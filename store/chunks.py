@@ -4,7 +4,8 @@ A dense chunk of an uncompressed array is a :class:`Stream` (each batch ``pwrite
 byte range of a temporary file, sealed when every row has arrived); any other chunk is an
 :class:`Assembly` (a block filled in memory, written whole). Either becomes a
 :class:`ChunkRecord` that the committer fsyncs and records. CRC-32C, NaN/inf counts and the
-seal run on the writer's I/O lanes, off the writer thread.
+seal run on the writer's I/O lanes, off the writer thread (a small stream's counts on the
+writer thread: :mod:`store.pipeline`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class Stream:
     in_order: bool = True
     n_nonfinite: int = 0
     n_clipped: int = 0
+    # Whether this stream's checksums and NaN/inf counts run on the writer thread: decided by its
+    # first batch and kept, so they see its rows in order. Set by the pipeline.
+    inline: bool | None = None
 
 
 class Budget:

@@ -3,8 +3,8 @@
 Samples are assembled into chunk-aligned blocks (one block = ``chunk_samples`` rows of one
 array); a block is written only when complete. An uncompressed dense chunk is streamed instead:
 each batch goes straight to its byte range of a temporary file (:class:`store.chunks.Stream`).
-Checksums and renames run on I/O lanes beside the thread; the committer makes the chunks durable
-and records them (:mod:`store.committer`).
+Checksums and renames run on I/O lanes beside the thread (a small stream's checksums on the thread
+itself); the committer makes the chunks durable and records them (:mod:`store.committer`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ from store.writer_core import ArrayHandle
 
 STOP = object()
 _POLL_S = 0.1  # how often an idle writer thread checks whether to let the manifest go (a stat)
+# A batch of a stream at most this big has its checksum computed on the writer thread (~25 us at
+# most): handing it to an I/O lane costs more, a thread wake-up and the GIL passed back and forth
+# beside the model's thread, and a batch of 1 of a tiny model hands over four a batch.
+_INLINE_STATS_BYTES = 256 << 10
 
 
 class Pipeline(Committer):
@@ -225,10 +229,15 @@ class Pipeline(Committer):
         else:
             st.crc_rows += len(block)
         if in_order or same:
-            # The single pool thread runs jobs in order, so the running crc sees rows in order.
-            self._item_jobs.append(
-                self._lane(k).submit(stream_stats, st, vals if same else None, vals if in_order else None)
-            )
+            if st.inline is None:
+                st.inline = len(view) <= _INLINE_STATS_BYTES
+            if st.inline:
+                stream_stats(st, vals if same else None, vals if in_order else None)
+            else:
+                # The single pool thread runs jobs in order, so the running crc sees rows in order.
+                self._item_jobs.append(
+                    self._lane(k).submit(stream_stats, st, vals if same else None, vals if in_order else None)
+                )
         st.filled[lo : lo + len(block)] = True
         if not st.filled.all():
             return

@@ -20,6 +20,17 @@ from store.dtypes import bf16_bits_to_float32, float32_to_bf16_bits
 torch = pytest.importorskip("torch")
 
 
+@pytest.fixture(params=["inline", "lanes"])
+def stats_path(request, monkeypatch):
+    """A small stream's checksums and NaN/inf counts run on the writer thread; a big one's on the
+    I/O lanes (store/pipeline.py ``_INLINE_STATS_BYTES``): both paths, whatever the batch size."""
+    import store.pipeline
+
+    if request.param == "lanes":
+        monkeypatch.setattr(store.pipeline, "_INLINE_STATS_BYTES", 0)
+    return request.param
+
+
 def _open_run(tmp_path, n=20, chunk=8, **run_kw):
     ws = Workspace.open(tmp_path / "ws")
     w = ws.writer(RunInfo(run=run_kw.pop("run", "r"), model="m", chunk_samples=chunk, **run_kw))
@@ -135,7 +146,7 @@ def test_overflow_errors_by_default_and_is_counted_when_clipped(tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_and_inf_are_stored_and_counted_per_chunk(tmp_path):
+def test_nan_and_inf_are_stored_and_counted_per_chunk(tmp_path, stats_path):
     x = np.zeros((16, 2, 2), np.float16)
     x[1, 0, 0], x[9, 1, 1], x[10, 0, 1] = np.nan, np.inf, -np.inf
     ws, w = _open_run(tmp_path, n=16, chunk=8)
@@ -221,7 +232,7 @@ def test_resume_in_process_skips_committed_chunks_and_refuses_changed_settings(t
 
 
 @pytest.mark.slow
-def test_batches_out_of_order_and_checksums_match_what_zarr_reads(tmp_path):
+def test_batches_out_of_order_and_checksums_match_what_zarr_reads(tmp_path, stats_path):
     import google_crc32c
 
     from store.checksum import crc32c
