@@ -12,8 +12,8 @@ just on the wrong side of either threshold pays the kernel for its memory on eve
 - **An extraction.** The writer thread frees a batch's captured tensors after the main thread
   has moved on, so the main heap's top swings by a few MiB between batches: glibc trimmed ~3.7
   MiB off it every other batch of 1 and the next batch's image processing faulted it back in
-  (docs/benchmarks.md, "Run F": ~110,000 page faults in 200 samples against ~10,000 for a bare
-  forward of the same batches).
+  (docs/benchmarks.md, "Run F": 95,000-159,000 page faults in 200 samples of tiny Qwen2-VL
+  against 12,000-15,000 for a bare forward of the same batches; 17,000-19,000 once tuned).
 
 Thresholds of 16 / 32 MiB keep such buffers on the heap while big arrays are mmap'd and go back
 to the OS when freed. Not higher: at 64 / 128 MiB a streamed per-token layer's XᵀX (49 MiB at
