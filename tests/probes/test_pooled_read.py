@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kernel_lib import PATHS, kernel_or_numpy
 
 from probes import pooling
 from probes.features import as_float32, read_features
@@ -49,14 +50,10 @@ def _ragged_reference(values16: np.ndarray, offsets: np.ndarray, how: str) -> np
     return v[offsets[:-1]] if how == "first" else v[offsets[1:] - 1]
 
 
-@pytest.fixture(params=["kernel", "numpy"])
+@pytest.fixture(params=PATHS)
 def pooling_path(request, monkeypatch):
     """Each float16 pooling test runs on the C kernel (probes/_halfpool.c) and on the numpy passes."""
-    if request.param == "numpy":
-        monkeypatch.setattr(pooling, "_halfpool", None)
-    elif pooling._halfpool is None:
-        pytest.skip("probes._halfpool was not built (no C compiler at install)")
-    return request.param
+    return kernel_or_numpy(request, monkeypatch, pooling, "_halfpool", "probes._halfpool")
 
 
 def test_the_kernel_refuses_buffers_that_do_not_match_the_shape():

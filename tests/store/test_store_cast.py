@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kernel_lib import PATHS, kernel_or_numpy
 
 from store import dtypes
 from store.errors import DtypeOverflowError
 
 
-@pytest.fixture(params=["kernel", "numpy"])
+@pytest.fixture(params=PATHS)
 def cast_path(request, monkeypatch):
     """Each cast test runs on the C kernel and on the numpy passes."""
-    if request.param == "numpy":
-        monkeypatch.setattr(dtypes, "_halfcast", None)
-    elif dtypes._halfcast is None:
-        pytest.skip("store._halfcast was not built (no C compiler at install)")
-    return request.param
+    return kernel_or_numpy(request, monkeypatch, dtypes, "_halfcast", "store._halfcast")
 
 
 def _rounding_boundaries() -> np.ndarray:
