@@ -237,7 +237,7 @@ def cast() -> None:
     from store import dtypes
 
     if dtypes._halfcast is None:
-        print("   (5) cast: store._halfcast was not built (no C compiler at install): nothing to compare")
+        print("   (6) cast: store._halfcast was not built (no C compiler at install): nothing to compare")
         return
     shape, layers = (8, 256, 3584), 28
     rng = np.random.default_rng(0)
@@ -245,7 +245,7 @@ def cast() -> None:
     sources = {"bfloat16": dtypes.float32_to_bf16_bits(f32), "float32": f32}
     kernel = dtypes._halfcast
     paths = {"kernel": kernel, "numpy": None}
-    print(f"   (5) cast to float16 on the writer thread, one batch {shape[0]} x {shape[1]} x {shape[2]}"
+    print(f"   (6) cast to float16 on the writer thread, one batch {shape[0]} x {shape[1]} x {shape[2]}"
           f" (a 7B model's image tokens), median of 15 alternated; load average {_load()}:")
     for kind, src in sources.items():
         took: dict[str, list[float]] = {"kernel": [], "numpy": []}
