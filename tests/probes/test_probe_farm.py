@@ -180,8 +180,10 @@ def test_killed_farm_process_resumes_without_duplicates(tmp_path):
 
     plan = {"name": "resume", "plugins": ["probetest_slow"],
             "probes": [{"targets": ["spatial.relation", "truth:flag_0"], "kinds": ["slow_pooled"]}]}
-    total = 8 * 2
-    build_spatial_layers(tmp_path / "ws", layers=8)
+    # Long enough that the farm's 2 s flush records some rows before the kill: 8 layers (16 probes)
+    # could finish within one flush interval on a quiet machine, recording nothing until the end.
+    total = 16 * 2
+    build_spatial_layers(tmp_path / "ws", layers=16)
     shutil.copytree(tmp_path / "ws", tmp_path / "ref")
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
