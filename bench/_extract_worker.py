@@ -10,8 +10,9 @@ build batches with agnosia's own loader and ``prepare_batch``, so the sides diff
 capture and the store. Imports happen before the clock starts; loading the weights is timed.
 
 Prints one JSON line: seconds, CPU seconds of every thread of the process, samples, peak RSS
-(MiB), minor page faults while the clock ran, and ``duckdb.connect`` calls made while it ran
-(every call: the store's, DuckDB's own, anyone's). With ``"steps": true`` also seconds and calls
+(MiB), minor page faults while the clock ran, ``duckdb.connect`` calls made while it ran
+(every call: the store's, DuckDB's own, anyone's; each builds a DuckDB instance) and the store's
+manifest attaches (its read-write connections, store/db.py). With ``"steps": true`` also seconds and calls
 per step of the run (a timer around each; ``python -m bench extract --part steps`` prints them).
 """
 
@@ -29,12 +30,25 @@ from typing import Any
 import duckdb
 
 _CONNECTS = [0]
+_ATTACHES = [0]
 _real_connect = duckdb.connect
 
 
 def _counting_connect(*args: Any, **kwargs: Any) -> Any:
     _CONNECTS[0] += 1
     return _real_connect(*args, **kwargs)
+
+
+def _count_attaches() -> None:
+    import store.db
+
+    real = store.db._attach
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        _ATTACHES[0] += 1
+        return real(*args, **kwargs)
+
+    store.db._attach = counting  # looked up at each open
 
 
 def _bare(spec: dict[str, Any], side: str) -> int:
@@ -165,6 +179,7 @@ def main() -> None:
 
     registry()
     duckdb.connect = _counting_connect  # the store looks it up at each call
+    _count_attaches()
     steps: dict[str, list[float]] = {}
     if spec.get("steps"):
         _time_steps(steps)
@@ -177,7 +192,7 @@ def main() -> None:
     if threads is not None:
         steps.update({f"CPU of thread {name}": [seconds_, 1] for name, seconds_ in threads.stop().items()})
     print(json.dumps({"seconds": seconds, "cpu_seconds": time.process_time() - cpu, "samples": samples,
-                      "connects": _CONNECTS[0], "steps": steps,
+                      "connects": _CONNECTS[0], "attaches": _ATTACHES[0], "steps": steps,
                       "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
                       "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 

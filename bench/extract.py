@@ -13,8 +13,9 @@ with ``--part overhead|memory|connects|steps``):
    (``os.getloadavg``) at the start of each round.
 2. **Memory**: agnosia's peak RSS at N and 8N samples (prompt-only, batch 8, tiny Qwen2-VL): the
    writer streams, so the ratio should stay <= 1.05.
-3. **Connects**: ``duckdb.connect`` calls while a writer registers 4 arrays, and during a whole
-   tiny Qwen2-VL run of N samples (the run holds one manifest connection, store/db.py).
+3. **Connects**: manifest opens while a writer registers 4 arrays, and during a whole tiny
+   Qwen2-VL run of N samples: the store's attaches (read-write connections to the process's one
+   DuckDB instance) and ``duckdb.connect`` calls (instances built; store/db.py).
 
 4. **Steps**: one run of each side at batch 1 and 8 (prompt-only, tiny Qwen2-VL) with a timer
    around each step (run set-up, the writer's calls, ``prepare_batch``, the model's forward with
@@ -125,31 +126,36 @@ def memory(root: Path, model: Path, small: Path, large: Path, n: int) -> None:
 def connects(root: Path, model: Path, stimuli: Path, n: int) -> None:
     run = _agnosia(root, _manifest(model, stimuli, 8, 1, "connects"))
     registering = _registration_connects(root)
-    print(f"   (3) duckdb.connect calls: {registering} while a writer registers 4 arrays (one transaction);"
-          f" {run['connects']} during a whole {n}-sample tiny qwen2_vl run (prompt-only, batch 8, chunks of 64)")
+    print(f"   (3) manifest opens: {registering} while a writer registers 4 arrays (one transaction); during a"
+          f" whole {n}-sample tiny qwen2_vl run (prompt-only, batch 8, chunks of 64) {run['attaches']} attaches"
+          f" (read-write connections) and {run['connects']} duckdb.connect calls (DuckDB instances built)")
 
 
 def _registration_connects(root: Path) -> int:
-    """``duckdb.connect`` calls made by ``Writer.arrays`` for 4 arrays, counted in this process."""
+    """Manifest opens (``duckdb.connect`` calls and the store's attaches) made by ``Writer.arrays``
+    for 4 arrays, counted in this process."""
     import duckdb
 
+    import store.db
     from store import ArraySpec, RunInfo, Workspace
 
     ws = Workspace.open(root / "ws-register")
-    real, count = duckdb.connect, [0]
+    real_connect, real_attach, count = duckdb.connect, store.db._attach, [0]
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return real(*args, **kwargs)
+    def counting(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            return real(*args, **kwargs)
+        return call
 
     with ws.writer(RunInfo(run="register", model="none")) as w:
         w.set_samples(w.register_stimuli([{"id": str(i)} for i in range(16)], dataset="s"))
         specs = [ArraySpec(tap="llm", layer=i, tokens="image", shape=(4, 8), dtype="float32") for i in range(4)]
-        duckdb.connect = counting
+        duckdb.connect, store.db._attach = counting(real_connect), counting(real_attach)
         try:
             w.arrays(specs)
         finally:
-            duckdb.connect = real
+            duckdb.connect, store.db._attach = real_connect, real_attach
         w.finish(partial_ok=True)
     return count[0]
 

@@ -516,6 +516,7 @@ def current_version(con: duckdb.DuckDBPyConnection) -> int:
     """0 for an empty file; the highest applied step otherwise."""
     exists = con.execute(
         "SELECT count(*) FROM information_schema.tables WHERE table_name = 'schema_version'"
+        " AND table_catalog = current_database()"  # the shared instance attaches other manifests too
     ).fetchone()
     if not exists or exists[0] == 0:
         return 0

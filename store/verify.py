@@ -115,7 +115,7 @@ def _read_manifest(ws: Workspace, run: str | None) -> _Manifest:
         version = con.execute("SELECT max(version) FROM schema_version").fetchone()
         derived = []
         if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'derived_arrays'"
-                       ).fetchone() == (1,):
+                       " AND table_catalog = current_database()").fetchone() == (1,):
             derived = con.execute(f"SELECT {store_derived.COLUMNS} FROM derived_arrays ORDER BY zarr_path").fetchall()
     return _Manifest(runs, chunks, samples, tensors, version[0] if version else None, derived)
 

@@ -15,6 +15,7 @@ import duckdb
 import pytest
 from devices import model_config
 
+import store.db
 from extract.manifest import parse_manifest
 from extract.models import load_model
 from extract.run import run_extraction
@@ -33,27 +34,34 @@ def g2m_set(tmp_path_factory):
 @pytest.mark.slow
 def test_an_extraction_into_a_new_workspace_opens_the_manifest_twice(tiny_dir, g2m_set, tmp_path, monkeypatch):
     """Asserts: a whole run with the logit lens (arrays, run tensors, vocabulary, generations,
-    the summary's accuracy) opens DuckDB to create the manifest (built while the model loads, in
-    a temporary folder: store/ahead.py) and once for the writer's run
-    (before: 9 opens; one more is allowed for a loaded machine that passes the 10 s a writer
-    holds its connection); and the summary's accuracy, read on the writer's connection, is the
-    stored one."""
-    calls: list[str] = []
-    real = duckdb.connect
+    the summary's accuracy) opens the manifest to create it (built while the model loads, in a
+    temporary folder: store/ahead.py) and once for the writer's run (before: 9 opens; one more is
+    allowed for a loaded machine that passes the 10 s a writer holds its connection), each an
+    attach to the process's one DuckDB instance, which is built at most once (store/db.py); and
+    the summary's accuracy, read on the writer's connection, is the stored one."""
+    instances: list[str] = []
+    opens: list[str] = []
+    real_connect, real_attach = duckdb.connect, store.db._attach
 
-    def counting(database=":memory:", *args, **kwargs):
-        calls.append(str(database))
-        return real(database, *args, **kwargs)
+    def connect(database=":memory:", *args, **kwargs):
+        instances.append(str(database))
+        return real_connect(database, *args, **kwargs)
+
+    def attach(path):
+        opens.append(str(path))
+        return real_attach(path)
 
     manifest = parse_manifest({
         "run": "r1", "model": {"path": str(tiny_dir("qwen2_vl")), **model_config()},
         "stimuli": [{"set": str(g2m_set)}], "taps": [{"tap": "llm", "layers": [0, -1]}],
         "generation": {"max_new_tokens": 3}, "batch_size": 2, "chunk_samples": 2})
-    monkeypatch.setattr(duckdb, "connect", counting)
+    monkeypatch.setattr(duckdb, "connect", connect)
+    monkeypatch.setattr(store.db, "_attach", attach)
     summary = run_extraction(manifest, workspace=tmp_path / "ws", progress=False)
-    monkeypatch.setattr(duckdb, "connect", real)
-    assert "agnosia-manifest-" in calls[0] and all(c == str(tmp_path / "ws" / "manifest.duckdb") for c in calls[1:]), calls
-    assert 2 <= len(calls) <= 3, calls
+    monkeypatch.undo()
+    assert "agnosia-manifest-" in opens[0] and all(c == str(tmp_path / "ws" / "manifest.duckdb") for c in opens[1:]), opens
+    assert 2 <= len(opens) <= 3, opens
+    assert instances in ([], [":memory:"]), instances
     ws = Workspace.open(tmp_path / "ws", readonly=True)
     scored, correct = ws.rows("SELECT count(correct), count(*) FILTER (WHERE correct) FROM generations")[0]
     assert (summary.scored, summary.accuracy) == (scored, correct / scored if scored else None)
