@@ -75,7 +75,7 @@ def write_store(x: np.ndarray, folder: Path, codec: str, batch: int) -> tuple[fl
 
 
 def _first_read(ws: Workspace, where: str) -> float:
-    """A read on a fresh Workspace: the manifest query (~25 ms DuckDB open) included."""
+    """A read on a fresh Workspace: the manifest's opens and queries included."""
     fresh = Workspace.open(ws.path, readonly=True)
     started = time.perf_counter()
     fresh.read("bench", "llm", 0, tokens="image", where=where)
@@ -164,7 +164,20 @@ def bench_read(ws: Workspace, npy: Path, n: int) -> None:
     print(f"  one mapping kept open, mm[rows]           {sel_mb / t_warm:8.0f}   ({t_warm / t_st:4.2f}x of it)")
     print(f"  token 0 only: np.load mmap {t_mm1 * 1e3:.1f} ms, ws.read(index=(0,)) {t_st1 * 1e3:.1f} ms"
           f"   {t_mm1 / t_st1:5.2f}x")
+    # Open and read one token of every sample, a fresh Workspace each time: what a script or a probe
+    # worker pays per array; mostly the manifest's opens (store/db.py), not the bytes.
+    opened = [_timed(lambda: Workspace.open(ws.path, readonly=True).read("bench", "llm", 0, tokens="image",
+                                                                        index=(0,))) for _ in range(15)]
+    warm = [_timed(lambda: ws.read("bench", "llm", 0, tokens="image", index=(0,))) for _ in range(15)]
+    print(f"  Workspace.open + read(index=(0,)), fresh each time: {statistics.median(opened) * 1e3:.1f} ms"
+          f" (the read alone on an open workspace {statistics.median(warm) * 1e3:.1f} ms; medians of 15)")
     del mm
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
 def bench_codecs(x: np.ndarray, tmp: Path, ws: Workspace, np_t: float, st_t: float, batch: int) -> None:

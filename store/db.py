@@ -25,8 +25,10 @@ A read-write connection is a cursor of one in-memory DuckDB per process, with th
 ATTACHed to it and DETACHed when the connection closes (which checkpoints the file and frees its
 lock, as closing a database of its own does). Building and tearing down a DuckDB instance costs
 ~12 ms, most of it the built-in catalog, where ATTACH + DETACH cost ~1 ms
-(docs/design.md#duckdb-one-writer-or-many-readers). Read-only connections keep an instance of
-their own: theirs is locked down (``READ_ONLY_CONFIG``), and a locked-down instance cannot attach.
+(docs/design.md#duckdb-one-writer-or-many-readers). So do the read-only connections the store
+opens for its own statements (``internal``). A read-only connection that may run a user's SQL
+keeps an instance of its own: that one is locked down (``READ_ONLY_CONFIG``), and a locked-down
+instance cannot attach.
 """
 
 from __future__ import annotations
@@ -90,8 +92,13 @@ def wanted_marker(path: Path) -> Path:
 
 
 @contextmanager
-def connect(path: Path, *, read_only: bool, timeout: float = DEFAULT_TIMEOUT) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A connection that is closed (and the file released) when the block ends."""
+def connect(path: Path, *, read_only: bool, timeout: float = DEFAULT_TIMEOUT,
+            internal: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A connection that is closed (and the file released) when the block ends.
+
+    ``internal``: a read-only connection for the store's own statements, never SQL a user wrote:
+    it attaches to the shared instance (~1 ms) instead of building a locked-down one (~12 ms).
+    """
     lock = _process_lock(path)
     deadline = time.monotonic() + timeout
     if not lock.acquire(timeout=max(timeout, 0.001)):
@@ -102,7 +109,7 @@ def connect(path: Path, *, read_only: bool, timeout: float = DEFAULT_TIMEOUT) ->
             held.close()  # one connection per file and process: this one needs the file now
         if read_only:
             _yield_to_writer(path, min(deadline, time.monotonic() + _READER_YIELD_S))
-        con = _open(path, read_only, deadline, timeout)
+        con = _open(path, read_only, deadline, timeout, internal)
         try:
             yield con
         except duckdb.Error as err:
@@ -110,7 +117,7 @@ def connect(path: Path, *, read_only: bool, timeout: float = DEFAULT_TIMEOUT) ->
                 raise disk_full_error(path, err) from err
             raise
         finally:
-            _close(con, path, read_only)
+            _close(con, path, read_only, attached=internal or not read_only)
     finally:
         lock.release()
 
@@ -127,14 +134,17 @@ def _yield_to_writer(path: Path, until: float) -> None:
         time.sleep(0.01)
 
 
-def _open(path: Path, read_only: bool, deadline: float, timeout: float) -> duckdb.DuckDBPyConnection:
+def _open(path: Path, read_only: bool, deadline: float, timeout: float,
+          internal: bool = False) -> duckdb.DuckDBPyConnection:
     delay = 0.005
     marker: Path | None = None
     wanted: Path | None = None
     try:
         while True:
             try:
-                return duckdb.connect(str(path), read_only=True, config=READ_ONLY_CONFIG) if read_only else _attach(path)
+                if read_only and not internal:
+                    return duckdb.connect(str(path), read_only=True, config=READ_ONLY_CONFIG)
+                return _attach(path, read_only)
             except duckdb.Error as err:
                 if not is_lock_conflict(err):
                     raise manifest_error(path, err) from err
@@ -169,19 +179,19 @@ def _shared_instance() -> duckdb.DuckDBPyConnection:
         return _shared[1]
 
 
-def _alias(path: Path) -> str:
-    """The manifest's database name in the shared instance: one per file, a valid identifier."""
-    return "manifest_" + hashlib.sha1(_key(path).encode()).hexdigest()[:16]
+def _alias(path: Path, read_only: bool) -> str:
+    """The manifest's database name in the shared instance: one per file and mode, a valid identifier."""
+    return "manifest_" + hashlib.sha1(_key(path).encode()).hexdigest()[:16] + ("_ro" if read_only else "")
 
 
-def _attach(path: Path) -> duckdb.DuckDBPyConnection:
-    """A read-write connection: a cursor of the shared instance whose default database is ``path``.
-    ``IF NOT EXISTS``: a manifest a failed close left attached is this process's still, and is reused."""
+def _attach(path: Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """A connection of the shared instance whose default database is ``path``. ``IF NOT EXISTS``:
+    a manifest a failed close left attached is this process's still, and is reused."""
     con = _shared_instance().cursor()
-    alias = _alias(path)
+    alias = _alias(path, read_only)
     quoted = str(path).replace("'", "''")
     try:
-        con.execute(f"ATTACH IF NOT EXISTS '{quoted}' AS {alias}")
+        con.execute(f"ATTACH IF NOT EXISTS '{quoted}' AS {alias}{' (READ_ONLY)' if read_only else ''}")
         con.execute(f"USE {alias}")
     except BaseException:
         con.close()
@@ -189,18 +199,18 @@ def _attach(path: Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def _close(con: duckdb.DuckDBPyConnection, path: Path, read_only: bool) -> None:
-    """Close a connection of :func:`_open`; a read-write one detaches its manifest first, which
-    checkpoints it and frees the file for other processes."""
+def _close(con: duckdb.DuckDBPyConnection, path: Path, read_only: bool, attached: bool = True) -> None:
+    """Close a connection of :func:`_open`; an attached one detaches its manifest first, which
+    (read-write) checkpoints it, and frees the file for other processes."""
     try:
-        if not read_only:
+        if attached:
             try:
                 con.execute("USE memory")
             except duckdb.Error:  # a transaction a failed statement aborted: it must end first
                 rollback(con)
                 con.execute("USE memory")
             try:
-                con.execute(f"DETACH DATABASE IF EXISTS {_alias(path)}")
+                con.execute(f"DETACH DATABASE IF EXISTS {_alias(path, read_only)}")
             except duckdb.Error as err:
                 # Detached, but its checkpoint failed (a full disk): the commits are in the WAL,
                 # fsynced, and the next open replays it. Closing an instance of its own says nothing then.

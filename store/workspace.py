@@ -132,7 +132,7 @@ class Workspace(WorkspaceWrites):
             ws.path.mkdir(parents=True, exist_ok=True)
             ws.created = _create_manifest(ws.manifest_path, migrations, timeout, ahead)
         else:
-            with db.connect(ws.manifest_path, read_only=True, timeout=timeout) as con:
+            with db.connect(ws.manifest_path, read_only=True, timeout=timeout, internal=True) as con:
                 version = ws._version(con)
             if version > latest:
                 raise SchemaVersionError(
@@ -202,7 +202,7 @@ class Workspace(WorkspaceWrites):
             raise db.manifest_error(self.manifest_path, err) from err
 
     def schema_version(self) -> int:
-        with self.connect() as con:
+        with self._connect_internal() as con:
             return self._version(con)
 
     # ------------------------------------------------------------------ SQL (read-only)
@@ -210,6 +210,11 @@ class Workspace(WorkspaceWrites):
     def connect(self) -> Any:
         """A read-only DuckDB connection for a ``with`` block; keep the block short."""
         return db.connect(self.manifest_path, read_only=True, timeout=self.timeout)
+
+    def _connect_internal(self) -> Any:
+        """A read-only connection for this class's own statements, never SQL from a caller: it
+        attaches to the process's shared DuckDB instead of building a locked-down one (store/db.py)."""
+        return db.connect(self.manifest_path, read_only=True, timeout=self.timeout, internal=True)
 
     def query(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
         """Run SQL on a read-only connection; a write through it is refused by DuckDB."""
@@ -248,11 +253,11 @@ class Workspace(WorkspaceWrites):
         return [array_info_of_row(r) for r in self.rows(sql + " ORDER BY run, tap, layer, site, tokens", args)]
 
     def array_info_or_none(self, run: str, tap: str, layer: int, site: str, tokens: str) -> ArrayInfo | None:
-        with self.connect() as con:
+        with self._connect_internal() as con:
             return self._array_info(con, run, tap, layer, site, tokens, required=False)
 
     def array_info(self, run: str, tap: str, layer: int, site: str = "resid_post", tokens: str = "image") -> ArrayInfo:
-        with self.connect() as con:
+        with self._connect_internal() as con:
             info = self._array_info(con, run, tap, layer, site, tokens, required=True)
             assert info is not None
             return info
@@ -296,7 +301,7 @@ class Workspace(WorkspaceWrites):
         with self._cache_lock:
             if stamp == self._cache_stamp and key in self._cache:
                 return self._cache[key]
-        with self.connect() as con:
+        with self._connect_internal() if where is None else self.connect() as con:  # where: a caller's SQL
             sel = self._select(con, run, where, params)
         with self._cache_lock:
             if stamp == self._cache_stamp == self._stamp():
@@ -402,7 +407,7 @@ class Workspace(WorkspaceWrites):
             sel = self._cache.get(k_sel) if want_rows else Selection(run, np.zeros(0, np.int64), ())
             committed = self._cache.get(("committed", run, info.zarr_path)) if info is not None else None
         if info is None or sel is None or committed is None:
-            with self.connect() as con:
+            with self._connect_internal() if where is None else self.connect() as con:  # where: a caller's SQL
                 if info is None:
                     info = self._array_info(con, run, tap, layer, site, tokens, required=True)
                     assert info is not None

@@ -47,9 +47,9 @@ def test_an_extraction_into_a_new_workspace_opens_the_manifest_twice(tiny_dir, g
         instances.append(str(database))
         return real_connect(database, *args, **kwargs)
 
-    def attach(path):
-        opens.append(str(path))
-        return real_attach(path)
+    def attach(path, read_only=False):
+        opens.append(str(path) + (" (read-only)" if read_only else ""))
+        return real_attach(path, read_only)
 
     manifest = parse_manifest({
         "run": "r1", "model": {"path": str(tiny_dir("qwen2_vl")), **model_config()},

@@ -126,3 +126,44 @@ def test_a_manifest_open_outside_agnosia_in_this_process_is_named(tmp_path):
     finally:
         outside.close()
     assert _open_elsewhere(path) == "ok 2"
+
+
+def _workspace(path):
+    import numpy as np
+    from storetest_lib import DIM, TOKENS, dense_values, stimulus_rows
+
+    from store import ArraySpec, RunInfo, Workspace
+
+    ws = Workspace.open(path)
+    with ws.writer(RunInfo(run="r", model="m", chunk_samples=4)) as w:
+        w.set_samples(w.register_stimuli(stimulus_rows(8), dataset="d"))
+        (h,) = w.arrays([ArraySpec(tap="llm", layer=0, tokens="image", shape=(TOKENS, DIM), dtype="float32")])
+        w.write(h, 0, dense_values(range(8)))
+        w.finish()
+    return dense_values(range(8)).astype(np.float16)
+
+
+def test_the_stores_own_reads_attach_and_a_callers_sql_stays_locked_down(tmp_path, connects):
+    """Asserts: opening an existing workspace and reading an array (a fresh Workspace each time)
+    builds no DuckDB instance for the manifest (before: two, ~12 ms each; the read is the stored
+    values); SQL a caller wrote, through ``query`` or a read's ``where``, still runs without file
+    access."""
+    import numpy as np
+
+    from store import Workspace
+    from store.errors import StoreError
+
+    expected = _workspace(tmp_path / "ws")
+    before = len(connects)
+    for _ in range(3):
+        ws = Workspace.open(tmp_path / "ws", readonly=True)
+        np.testing.assert_array_equal(ws.read("r", "llm", 0, tokens="image"), expected)
+        assert ws.array_info("r", "llm", 0).n_samples == 8
+    assert all(c == ":memory:" for c in connects[before:]), connects[before:]
+    secret = tmp_path / "secret.csv"
+    secret.write_text("a\n1\n")
+    with pytest.raises(StoreError, match="without file access"):
+        Workspace.open(tmp_path / "ws", readonly=True).query(f"SELECT * FROM read_csv('{secret}')")
+    with pytest.raises(StoreError, match="file system operations are disabled"):
+        Workspace.open(tmp_path / "ws", readonly=True).read(
+            "r", "llm", 0, tokens="image", where=f"stimulus IN (SELECT a::VARCHAR FROM read_csv('{secret}'))")
