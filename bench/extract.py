@@ -26,7 +26,8 @@ with ``--part overhead|memory|connects|steps``):
    as the median of the rounds, and the fixed set-up agnosia adds at N samples.
 6. **Cast**: the writer thread's cast to the stored float16 at a 7B model's shape (one batch of 8
    samples x 256 image tokens x d = 3,584, from bfloat16 and from float32), the C kernel
-   (store/_halfcast.c) against numpy's passes, alternated, each the median of 15: MiB/s of source
+   (store/_halfcast.c) against numpy's passes, alternated, each the median of 15, under the
+   extraction's malloc settings (store/heap.py): MiB/s of source
    and the samples/s one writer thread could cast for a run keeping all 28 LLM layers.
 7. **Arrays**: ``Writer.arrays`` declaring 4 and 200 dense arrays (vision layers' image tokens,
    LLM layers' image and last tokens) of a 200-sample run in a new workspace: node creation,
@@ -241,7 +242,9 @@ def cast() -> None:
     import numpy as np
 
     from store import dtypes
+    from store.heap import tune_malloc
 
+    tune_malloc()  # as run_extraction sets it: each cast's 15 MiB output is then reused heap, not fresh pages
     if dtypes._halfcast is None:
         print("   (6) cast: store._halfcast was not built (no C compiler at install): nothing to compare")
         return
