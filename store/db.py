@@ -64,7 +64,7 @@ _READER_YIELD_S = 1.0
 _locks: dict[str, threading.RLock] = {}
 _locks_guard = threading.Lock()
 _held: dict[str, HeldConnection] = {}  # the open held connection of each file, by resolved path
-_shared: tuple[int, duckdb.DuckDBPyConnection] | None = None  # (pid, the in-memory DuckDB writes attach to)
+_shared: tuple[int, duckdb.DuckDBPyConnection] | None = None  # (pid, the in-memory DuckDB manifests attach to)
 _shared_guard = threading.Lock()
 
 
@@ -170,8 +170,8 @@ def _open(path: Path, read_only: bool, deadline: float, timeout: float,
 
 
 def _shared_instance() -> duckdb.DuckDBPyConnection:
-    """The process's in-memory DuckDB that read-write connections attach manifests to (a forked
-    child builds its own: an instance does not survive a fork)."""
+    """The process's in-memory DuckDB that the store's attached connections are cursors of (a
+    forked child builds its own: an instance does not survive a fork)."""
     global _shared
     with _shared_guard:
         if _shared is None or _shared[0] != os.getpid():
