@@ -33,6 +33,7 @@ instance cannot attach.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import random
@@ -171,12 +172,28 @@ def _open(path: Path, read_only: bool, deadline: float, timeout: float,
 
 def _shared_instance() -> duckdb.DuckDBPyConnection:
     """The process's in-memory DuckDB that the store's attached connections are cursors of (a
-    forked child builds its own: an instance does not survive a fork)."""
+    forked child builds its own: see :func:`_forget_after_fork`)."""
     global _shared
     with _shared_guard:
         if _shared is None or _shared[0] != os.getpid():
             _shared = (os.getpid(), duckdb.connect(":memory:", config=WRITE_CONFIG))
         return _shared[1]
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: never tear down the DuckDB inherited from the parent. Its teardown
+    checkpoints every manifest attached to it, from the child, into files the parent still has
+    open (seen: the parent's WAL gone when a child dropped its copy). So the child keeps one
+    reference it never gives back, even at exit, and builds its own instance when it needs one."""
+    global _shared
+    if _shared is not None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_shared[1]))
+        _shared = None
+    _held.clear()  # the parent's connections: closing them here would detach its manifests
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _alias(path: Path, read_only: bool) -> str:

@@ -167,3 +167,42 @@ def test_the_stores_own_reads_attach_and_a_callers_sql_stays_locked_down(tmp_pat
     with pytest.raises(StoreError, match="file system operations are disabled"):
         Workspace.open(tmp_path / "ws", readonly=True).read(
             "r", "llm", 0, tokens="image", where=f"stimulus IN (SELECT a::VARCHAR FROM read_csv('{secret}'))")
+
+
+_FORK = """
+import os, sys
+from pathlib import Path
+from store import db
+parent, child = Path(sys.argv[1]), Path(sys.argv[2])
+held = db.HeldConnection(parent, idle_s=60, max_hold_s=60)
+with held.use() as con:
+    con.execute("INSERT INTO t VALUES (5)")
+wal = parent.with_name(parent.name + ".wal")
+before = wal.stat().st_size
+pid = os.fork()
+if pid == 0:
+    with db.connect(child, read_only=False) as con:
+        con.execute("INSERT INTO t VALUES (6)")
+    sys.exit(0 if db._shared[0] == os.getpid() else 3)  # a normal exit: the interpreter's teardown runs
+_, status = os.waitpid(pid, 0)
+after = wal.stat().st_size if wal.exists() else None
+with held.use() as con:
+    con.execute("INSERT INTO t VALUES (7)")
+held.close()
+print(os.waitstatus_to_exitcode(status), before == after)
+"""
+
+
+def test_a_forked_child_leaves_the_parents_attached_manifest_alone(tmp_path):
+    """Asserts: a child forked while the parent holds a manifest attached (a writer mid-run)
+    writes its own manifest through an instance of its own and exits normally without touching
+    the parent's file: the parent's WAL is as it was (before the fix, the child's teardown of the
+    inherited instance checkpointed the parent's manifest from the child: the WAL was gone); the
+    parent then still commits, and both files hold their rows."""
+    parent, child = tmp_path / "parent.duckdb", tmp_path / "child.duckdb"
+    _table(parent)
+    _table(child)
+    got = python("-c", _FORK, str(parent), str(child))
+    assert got.returncode == 0 and got.stdout.split() == ["0", "True"], (got.stdout, got.stderr)
+    assert _open_elsewhere(parent) == "ok 4"
+    assert _open_elsewhere(child) == "ok 3"
