@@ -84,9 +84,10 @@ class Workspace(WorkspaceWrites):
         self.root = ArrayRoot(self.zarr_path)  # the remote URL, if any, is read from the group at open
         self.timeout = timeout
         self.created = False  # whether open() made this manifest (so it holds no run yet)
-        # Opening DuckDB costs ~25 ms, more than reading a few MB. What read() needs from the
-        # manifest (array rows, committed chunks, selections) is kept while the manifest file
-        # and its WAL are unchanged: any commit by any process changes their stat.
+        # A read's manifest queries (an attach and three statements) cost more than reading a few
+        # MB. What read() needs from the manifest (array rows, committed chunks, selections) is
+        # kept while the manifest file and its WAL are unchanged: any commit by any process
+        # changes their stat.
         self._cache: dict[tuple[Any, ...], Any] = {}
         self._cache_stamp: tuple[Any, ...] | None = None
         self._cache_lock = threading.Lock()

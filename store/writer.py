@@ -103,7 +103,7 @@ class Writer(Registration, Tensors, Producer, Pipeline):
         self._records_every = records_every
         self._manifest_timeout = manifest_timeout
         self._locks = self._acquire_locks()
-        # Each let-go costs a checkpoint and the next commit a reopen (~75 ms together): idle past the
+        # Each let-go costs a checkpoint (~10 ms) and the next commit a reopen: idle past the
         # records' commit interval only, and let a plain retrying DuckDB client in within 10 s.
         self._manifest = db.HeldConnection(ws.manifest_path, idle_s=max(2.0, records_every + 1.0), max_hold_s=10.0)
         self.took_over: Holder | None = self._locks[-1].took_over
