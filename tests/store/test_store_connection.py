@@ -9,27 +9,12 @@ from __future__ import annotations
 
 import time
 
-import duckdb
 import numpy as np
 import pytest
 from storetest_lib import DIM, TOKENS, dense_values, python, stimulus_rows, wait_for
 
 from store import ArraySpec, Generation, RunInfo, TokenSpans, Workspace, db
 from store.errors import StoreError
-
-
-@pytest.fixture
-def connects(monkeypatch):
-    """Every duckdb.connect of this process, by path (the real connect still runs)."""
-    calls: list[str] = []
-    real = duckdb.connect
-
-    def counting(database=":memory:", *args, **kwargs):
-        calls.append(str(database))
-        return real(database, *args, **kwargs)
-
-    monkeypatch.setattr(duckdb, "connect", counting)
-    return calls
 
 
 def _specs() -> list[ArraySpec]:

@@ -17,19 +17,6 @@ from store.errors import WorkspaceError
 from store.workspace import build_manifest
 
 
-@pytest.fixture
-def connects(monkeypatch):
-    calls: list[str] = []
-    real = duckdb.connect
-
-    def counting(database=":memory:", *args, **kwargs):
-        calls.append(str(database))
-        return real(database, *args, **kwargs)
-
-    monkeypatch.setattr(duckdb, "connect", counting)
-    return calls
-
-
 def _open_elsewhere(path) -> str:
     """Open ``path`` read-write from another process with no retry: 'ok <rows>' or the error's class."""
     got = python("-c", "import duckdb, sys\n"
