@@ -127,12 +127,18 @@ def bench_write(x: np.ndarray, tmp: Path, reps: int, batch: int) -> tuple[float,
     return np_med, st_med, ws
 
 
-def _best(fn: Callable[[], Any], k: int = 5) -> tuple[float, Any]:
+def _runs(fn: Callable[[], Any], k: int) -> tuple[list[float], Any]:
+    """Seconds of each of ``k`` calls of ``fn``, and what the last one returned."""
     times, out = [], None
     for _ in range(k):
         s = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - s)
+    return times, out
+
+
+def _best(fn: Callable[[], Any], k: int = 5) -> tuple[float, Any]:
+    times, out = _runs(fn, k)
     return min(times), out
 
 
@@ -166,18 +172,12 @@ def bench_read(ws: Workspace, npy: Path, n: int) -> None:
           f"   {t_mm1 / t_st1:5.2f}x")
     # Open and read one token of every sample, a fresh Workspace each time: what a script or a probe
     # worker pays per array; mostly the manifest's opens (store/db.py), not the bytes.
-    opened = [_timed(lambda: Workspace.open(ws.path, readonly=True).read("bench", "llm", 0, tokens="image",
-                                                                        index=(0,))) for _ in range(15)]
-    warm = [_timed(lambda: ws.read("bench", "llm", 0, tokens="image", index=(0,))) for _ in range(15)]
+    opened, _ = _runs(lambda: Workspace.open(ws.path, readonly=True).read("bench", "llm", 0, tokens="image",
+                                                                         index=(0,)), 15)
+    warm, _ = _runs(lambda: ws.read("bench", "llm", 0, tokens="image", index=(0,)), 15)
     print(f"  Workspace.open + read(index=(0,)), fresh each time: {statistics.median(opened) * 1e3:.1f} ms"
           f" (the read alone on an open workspace {statistics.median(warm) * 1e3:.1f} ms; medians of 15)")
     del mm
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def bench_codecs(x: np.ndarray, tmp: Path, ws: Workspace, np_t: float, st_t: float, batch: int) -> None:
