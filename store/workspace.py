@@ -217,6 +217,10 @@ class Workspace(WorkspaceWrites):
         attaches to the process's shared DuckDB instead of building a locked-down one (store/db.py)."""
         return db.connect(self.manifest_path, read_only=True, timeout=self.timeout, internal=True)
 
+    def _connect_for(self, where: str | None) -> Any:
+        """The connection for a read: internal, unless ``where`` brings a caller's SQL into it."""
+        return self._connect_internal() if where is None else self.connect()
+
     def query(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> pa.Table:
         """Run SQL on a read-only connection; a write through it is refused by DuckDB."""
         with self.connect() as con:
@@ -302,7 +306,7 @@ class Workspace(WorkspaceWrites):
         with self._cache_lock:
             if stamp == self._cache_stamp and key in self._cache:
                 return self._cache[key]
-        with self._connect_internal() if where is None else self.connect() as con:  # where: a caller's SQL
+        with self._connect_for(where) as con:
             sel = self._select(con, run, where, params)
         with self._cache_lock:
             if stamp == self._cache_stamp == self._stamp():
@@ -408,7 +412,7 @@ class Workspace(WorkspaceWrites):
             sel = self._cache.get(k_sel) if want_rows else Selection(run, np.zeros(0, np.int64), ())
             committed = self._cache.get(("committed", run, info.zarr_path)) if info is not None else None
         if info is None or sel is None or committed is None:
-            with self._connect_internal() if where is None else self.connect() as con:  # where: a caller's SQL
+            with self._connect_for(where) as con:
                 if info is None:
                     info = self._array_info(con, run, tap, layer, site, tokens, required=True)
                     assert info is not None
