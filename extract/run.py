@@ -637,7 +637,9 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: list[Point
     for b, s in enumerate(batch_samples):
         n_keep, n_text = answer_length(generated[b], stop, n_fed)
         ids = generated[b][:n_text]
-        text = lm.tokenizer.decode(ids, skip_special_tokens=True)
+        # the capture decoded every generated id already: reuse it unless the answer stops short
+        text = res.texts[b] if res.texts is not None and n_text == generated.shape[1] else lm.tokenizer.decode(
+            ids, skip_special_tokens=True)
         g = score_answer(s.family, s.task, text, s.answer, s.truth, n_tokens=n_text)
         gens.append(dataclasses.replace(g, stop_reason=stop_reason(generated[b], n_text)))
         spans.append(token_spans(res.layouts[b], pad_len, n_keep))

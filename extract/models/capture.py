@@ -197,33 +197,65 @@ def resolve_points(lm: LoadedModel, taps: Taps, kinds: Sequence[str]) -> list[Po
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Gather:
-    """Flat (batch row, position) pairs of one token kind, with per-sample offsets."""
+    """The positions of one token kind in a batch, with per-sample offsets.
 
-    rows: torch.Tensor
-    cols: torch.Tensor
+    ``span`` is ``(start, count)`` when every sample's positions are the same run of ``count``
+    positions from ``start`` (one image per sample behind the same prompt: the usual batch); a
+    slice then takes them. Otherwise ``rows``/``cols`` are the flat (batch row, position) pairs of
+    an index gather, which costs several times a slice's dispatch at small batches.
+    """
+
     offsets: np.ndarray
     uniform: int | None  # the count every sample has, None when they differ
+    span: tuple[int, int] | None
+    rows: torch.Tensor | None  # None when ``span`` is set
+    cols: torch.Tensor | None
 
 
 def gather_positions(layouts: list[SampleLayout], kind: str, device: torch.device) -> Gather:
     pos = [lay.positions(kind) for lay in layouts]
+    n = pos[0].size if pos else 0
+    if n and all(p.size == n for p in pos):
+        start, stop = int(pos[0][0]), int(pos[0][-1])
+        # Positions increase and never repeat (SampleLayout), so equal ends make equal runs.
+        if stop == start + n - 1 and all(int(p[0]) == start and int(p[-1]) == stop for p in pos[1:]):
+            return Gather(np.arange(len(pos) + 1, dtype=np.int64) * n, n, (start, n), None, None)
     counts = [p.size for p in pos]
     rows = np.repeat(np.arange(len(pos)), counts)
     cols = np.concatenate(pos) if pos else np.zeros(0, np.int64)
     return Gather(
-        torch.as_tensor(rows, dtype=torch.long, device=device),
-        torch.as_tensor(cols, dtype=torch.long, device=device),
         np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
         counts[0] if counts and counts.count(counts[0]) == len(counts) else None,
+        None,
+        torch.as_tensor(rows, dtype=torch.long, device=device),
+        torch.as_tensor(cols, dtype=torch.long, device=device),
     )
 
 
-def _pack(flat: torch.Tensor, g: Gather) -> Captured:
-    """[N, ...] gathered rows -> [B, n, ...] when every sample has n rows, else ragged."""
+def _take(x: torch.Tensor, g: Gather, dim: int, shift: int = 0) -> Captured:
+    """The positions of ``g`` along ``dim`` of ``x`` (batch first; ``shift``: how many leading
+    positions ``x`` lacks), copied: ``[B, ..., n at dim, ...]``, or ragged rows of ``[n_b, ...]``
+    with ``dim``'s axis moved first."""
+    if g.span is not None:
+        # a copy of its own: the module's output may be freed or reused once the forward moves on
+        return x.narrow(dim, g.span[0] - shift, g.span[1]).clone(memory_format=torch.contiguous_format)
+    assert g.rows is not None and g.cols is not None
+    cols = g.cols - shift if shift else g.cols
+    index: tuple[torch.Tensor | slice, ...] = (g.rows, *[slice(None)] * (dim - 1), cols)
+    flat = x[index]  # [N, ...]: the gathered axis first
     n = g.uniform
-    if n is not None:
-        return flat.reshape(len(g.offsets) - 1, n, *flat.shape[1:])
-    return RaggedTokens(flat, g.offsets)
+    if n is None:
+        return RaggedTokens(flat, g.offsets)
+    packed = flat.reshape(len(g.offsets) - 1, n, *flat.shape[1:])
+    return packed.movedim(1, dim) if dim != 1 else packed
+
+
+def _reaches_before(g: Gather, position: int) -> bool:
+    """Whether ``g`` takes any position before ``position``."""
+    if g.span is not None:
+        return g.span[0] < position
+    assert g.cols is not None
+    return bool((g.cols < position).any())
 
 
 def _stack(per_sample: list[torch.Tensor]) -> Captured:
@@ -308,12 +340,8 @@ class Recorder:
             for kind in point.kinds:
                 if kind == "answer" and self.batch.answers is None:
                     continue  # generation: answer rows come from the decode steps
-                g = self.gathers[kind]
-                # [B, H, Tq, K] -> [N, H, K] -> [B, n, H, K] -> [B, H, n, K]
-                packed = _pack(w[g.rows, :, g.cols, :], g)
-                self.prefill[spec.key(kind)] = (
-                    packed.permute(0, 2, 1, 3) if isinstance(packed, torch.Tensor) else packed
-                )
+                # [B, H, Tq, K] -> [B, H, n, K] (ragged: [N, H, K])
+                self.prefill[spec.key(kind)] = _take(w, self.gathers[kind], dim=2)
         elif "answer" in point.kinds:
             # step k's query sits at position seq_len + k - 1 and sees keys 0..seq_len + k - 1
             row = key_aligned(w[:, :, -1, :], self.seq_len + self.step)
@@ -329,13 +357,12 @@ class Recorder:
                 if kind == "answer" and self.batch.answers is None:
                     continue
                 g = self.gathers[kind]
-                cols = g.cols - shift if shift else g.cols
-                if shift and bool((cols < 0).any()):
+                if shift and _reaches_before(g, shift):
                     raise TapError(
                         f"{spec.name}: the model computed this tap only for the last {x.shape[1]} positions;"
                         f" token kind {kind!r} needs earlier ones (during generate, logits exist for 'last' and 'answer')"
                     )
-                self.prefill[spec.key(kind)] = _pack(x[g.rows, cols].detach(), g)
+                self.prefill[spec.key(kind)] = _take(x.detach(), g, dim=1, shift=shift)
         elif "answer" in point.kinds:
             self.steps[spec.key("answer")].append(x[:, -1].detach())
 
@@ -370,7 +397,7 @@ class Recorder:
         groups: dict[tuple[str, str], list[Point]] = defaultdict(list)
         for p in self.points:
             if p.on == "attention":
-                self.attn_modules[id(model.get_submodule(p.path))] = p
+                self.attn_modules[id(_submodule(model, p.path))] = p
             else:
                 groups[(p.path, p.on)].append(p)
 
@@ -380,7 +407,7 @@ class Recorder:
         try:
             self.handles.append(model.register_forward_pre_hook(count_step, with_kwargs=True))
             for (path, on), pts in groups.items():
-                module = model.get_submodule(path)
+                module = _submodule(model, path)
                 if on == "input":
                     self.handles.append(module.register_forward_pre_hook(self._hook(pts), with_kwargs=True))
                 else:
@@ -412,6 +439,20 @@ class Recorder:
             else:
                 out[key] = torch.stack(steps, dim=1)  # [B, steps, D]
         return out
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module:
+    """``model.get_submodule(path)`` by the registered-children dicts: ~50x faster (each level of
+    ``get_submodule`` is a ``hasattr`` and a ``getattr`` that miss the instance first), which counts
+    when a batch of one registers its hooks. Anything else (a missing name) goes to ``get_submodule``,
+    which raises as it does."""
+    module = model
+    for name in path.split(".") if path else ():
+        child = module._modules.get(name)
+        if child is None:
+            return model.get_submodule(path)
+        module = child
+    return module
 
 
 # ------------------------------------------------------------------------------------------------
@@ -586,6 +627,8 @@ def capture_generate(
 
 def _fed_layouts(batch: Batch, n_fed: int) -> list[SampleLayout]:
     """The batch's layouts with the ``n_fed`` generated tokens that were fed back as answer positions."""
+    if n_fed == 0 and all(lay.answer_positions.size == 0 for lay in batch.layouts):
+        return list(batch.layouts)  # nothing fed back (prompt-only): the layouts as they are
     return [
         SampleLayout(
             geometry=lay.geometry,

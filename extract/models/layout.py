@@ -97,7 +97,8 @@ class ImageGeometry:
 
 @dataclass(frozen=True, eq=False)
 class SampleLayout:
-    """Token positions of one sample of a batch (positions index the padded batch row).
+    """Token positions of one sample of a batch (positions index the padded batch row, each kind's
+    in increasing order, none twice).
 
     ``answer_positions`` is empty unless the batch was built with teacher-forced answers.
     """
