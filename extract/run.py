@@ -57,7 +57,7 @@ from extract.models import (
 )
 from extract.models.capture import Point
 from extract.models.errors import InputError
-from extract.models.inputs import Batch
+from extract.models.inputs import Batch, image_size
 from extract.models.layout import Grid, SampleLayout
 from extract.scoring import score_answer
 from stimuli import get_family
@@ -150,8 +150,7 @@ def image_sizes(samples: list[Sample]) -> dict[tuple[int, int], Sample]:
         if s.image is None:
             continue
         try:
-            with Image.open(s.image) as im:
-                sizes.setdefault(im.size, s)
+            sizes.setdefault(image_size(s.image), s)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:  # missing, unparsable, a bomb
             raise InputError(
                 f"image {str(s.image)!r} of stimulus {s.key} cannot be read ({type(err).__name__}: {err}):"
