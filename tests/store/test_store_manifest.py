@@ -333,3 +333,23 @@ def test_array_bytes_are_the_sum_of_their_chunks_and_a_retried_commit_adds_nothi
     after = dict(ws.rows("SELECT zarr_path, bytes FROM activations"))
     assert after[path] == bytes_before + 1234
     assert after[totals[1][0]] == totals[1][1]
+
+
+@pytest.mark.parametrize("row", [
+    {"id": "a", "prompt": "Ü \"q\"\n", "prompts": {"b": "x", "a": ["y", None]}, "params": {"n": np.int64(3), "f": 0.1},
+     "truth": {"matrix": [[1, 2], [3, 4]], "nan": float("nan"), "set": {3, 1}}, "seed": None},
+    {"id": "b"},
+])
+def test_a_stimulus_digest_is_the_sha1_of_its_fields_canonical_json(tmp_path, row):
+    """The digest a re-registration compares: its bytes must not change with how they are built."""
+    import hashlib
+
+    from store.records import to_json
+    from store.registration import _STIMULUS_FIELDS
+
+    content = {k: row.get(k) for k in ("id", *_STIMULUS_FIELDS)}
+    ws = Workspace.open(tmp_path / "ws")
+    with ws.writer(RunInfo(run="r", model="none")) as w:
+        w.register_stimuli([row], dataset="d")
+        w.finish(partial_ok=True)
+    assert ws.rows("SELECT digest FROM stimuli") == [(hashlib.sha1(to_json(content).encode()).hexdigest(),)]
