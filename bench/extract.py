@@ -1,7 +1,7 @@
 """Extraction overhead against a bare model, peak memory as the stimuli grow, and manifest connects.
 
-Four parts, all printed by ``python -m bench extract [--samples N] [--rounds R]`` (one of them
-with ``--part overhead|memory|connects|steps``):
+Eight parts, all printed by ``python -m bench extract [--samples N] [--rounds R]`` (one of them
+with ``--part overhead|memory|connects|steps|steady|cast|arrays|capture``):
 
 1. **Overhead**, interleaved: on tiny Qwen2-VL and tiny LLaVA (``python -m extract.tiny``), the same
    G2M 224 px images, taps ``vision[0,-1]`` + ``llm[0,-1]`` at image tokens, torch on 2 threads:
@@ -161,7 +161,7 @@ def _registration_connects(root: Path) -> int:
     return count[0]
 
 
-PARTS = ("overhead", "memory", "connects", "steps", "steady", "cast", "arrays")
+PARTS = ("overhead", "memory", "connects", "steps", "steady", "cast", "arrays", "capture")
 
 
 def steps(root: Path, model: Path, stimuli: Path, n: int) -> None:
@@ -209,6 +209,27 @@ def steady(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: i
               f" (bare {median(got[(arch, 'bare', n)]):.2f} s at {n}, {median(got[(arch, 'bare', 4 * n)]):.2f} s"
               f" at {4 * n})")
     print(f"   load average per round: {'; '.join(loads)}")
+
+
+def capture_cost(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
+    """The capture's own time per batch over a bare forward's, paired batch by batch (part 8)."""
+    rounds = 4 if quick else 12
+    print(f"   (8) the capture's own cost per batch (no store), paired with a bare forward of the same batch;"
+          f" {rounds - 2} rounds after 2 of warm-up, median; load average {_load()}:")
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), HF_HUB_OFFLINE="1")
+    for arch in ARCHS:
+        for batch in (1, 8):
+            samples = 16 if quick else 48 * (1 + (batch > 1))  # batch 8: 12 batches a round
+            spec = {"model": str(models[arch]), "set": str(stimuli), "batch": batch, "samples": samples,
+                    "rounds": rounds, "taps": TAPS, "threads": THREADS}
+            out = subprocess.run([sys.executable, "-m", "bench._capture_worker", json.dumps(spec)],
+                                 capture_output=True, text=True, env=env)
+            if out.returncode != 0:
+                raise RuntimeError(f"bench capture worker failed:\n{out.stderr[-3000:]}")
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            extra, forward = 1e3 * got["extra_s"], 1e3 * got["forward_s"]
+            print(f"     tiny {arch:8s} batch {batch}: {extra:+.3f} ms over a {forward:.2f} ms forward"
+                  f" ({extra / forward:+.1%}; {got['pairs']} pairs of {samples} samples)")
 
 
 def arrays(root: Path) -> None:
@@ -304,6 +325,8 @@ def main(quick: bool = False, samples: int | None = None, rounds: int | None = N
             steps(root, models["qwen2_vl"], small, n)
         if part in (None, "steady"):
             steady(root, models, write_set(g2m, config, n=4 * n, seed=0, split="test", out=root / "g2m-4x"), n, rounds)
+        if part in (None, "capture"):
+            capture_cost(models, small, quick)
     if part is None:
         cast()
         with tempfile.TemporaryDirectory() as tmp:

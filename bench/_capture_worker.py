@@ -1,0 +1,69 @@
+"""The capture's own cost per batch, paired with the bare forward, alone in a fresh process.
+
+    python -m bench._capture_worker '{"model": "/tmp/m", "set": "/tmp/g2m", "batch": 1, "samples": 48, "rounds": 12}'
+
+Batches are prepared before the clock. For each batch of each round, a bare forward (the one new
+token the argmax of the last logits, as ``python -m bench extract`` part 1's bare side picks it)
+and ``capture_first_token`` of the bench's taps run back to back, their order alternating; a
+batch's figure is the capture's time minus the forward's. Whole runs on this machine differ by
+5-10 % from one run to the next, which hides a change of a few tenths of a millisecond per batch;
+a difference paired batch by batch does not. No store: this is the capture, hooks included.
+
+Prints one JSON line: the median paired difference and the median bare forward, in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+from statistics import median
+
+import torch
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    torch.set_num_threads(int(spec.get("threads", 2)))
+    from extract.manifest import parse_manifest
+    from extract.models import load_model, prepare_batch
+    from extract.run import collect_samples, tap_request
+
+    capture = importlib.import_module("extract.models.capture")  # the package re-exports a function of that name
+    bs, n = int(spec["batch"]), int(spec["samples"])
+    manifest = parse_manifest({"run": "capture", "model": {"path": spec["model"], "device": "cpu"},
+                               "stimuli": [{"set": spec["set"], "limit": n}], "taps": spec["taps"],
+                               "generation": {"max_new_tokens": 1}, "batch_size": bs})
+    _, samples = collect_samples(manifest)
+    lm = load_model(manifest.model.path, dtype=manifest.model.dtype, device="cpu")
+    points = capture.resolve_points(lm, tap_request(lm, manifest), ())
+    batches = [prepare_batch(lm, [s.image for s in group], [s.prompt for s in group],
+                             strings=[s.strings for s in group], padding_side="left")
+               for group in (samples[i : i + bs] for i in range(0, len(samples), bs))]
+
+    def bare(batch: object) -> None:
+        with torch.inference_mode():
+            out = lm.model(**batch.inputs, use_cache=False, logits_to_keep=1)  # type: ignore[attr-defined]
+            out.logits[:, -1].float().argmax(-1).tolist()
+
+    def captured(batch: object) -> None:
+        capture.capture_first_token(lm, batch, points, tokens=("image", "last", "answer"))
+
+    extra, forward = [], []
+    for r in range(int(spec["rounds"])):
+        for j, batch in enumerate(batches):
+            took = {}
+            for name, fn in (("bare", bare), ("capture", captured)) if (r + j) % 2 == 0 else (
+                    ("capture", captured), ("bare", bare)):
+                started = time.perf_counter()
+                fn(batch)
+                took[name] = time.perf_counter() - started
+            if r >= 2:  # the first rounds warm the caches and torch's thread pool
+                extra.append(took["capture"] - took["bare"])
+                forward.append(took["bare"])
+    print(json.dumps({"extra_s": median(extra), "forward_s": median(forward), "pairs": len(extra)}))
+
+
+if __name__ == "__main__":
+    main()
