@@ -104,24 +104,27 @@ def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 def _png_size(fh: Any) -> tuple[int, int]:
-    """The IHDR size of a PNG whose signature was read, checking each chunk's CRC up to the image data."""
+    """The IHDR size of a PNG whose signature was read, checking each chunk's CRC up to the image
+    data; errors and their messages are PIL's."""
     size = None
     while True:
         header = fh.read(8)
         if len(header) < 8:
-            raise SyntaxError("truncated PNG: no image data")
+            raise OSError("Truncated File Read")
         length, kind = struct.unpack(">I4s", header)
         if kind == b"IDAT":
             if size is None:
-                raise SyntaxError("PNG image data before its IHDR header")
+                raise SyntaxError("broken PNG file (IDAT before IHDR)")
             return size
         data, crc = fh.read(length), fh.read(4)
-        if len(data) < length or len(crc) < 4 or zlib.crc32(kind + data) != struct.unpack(">I", crc)[0]:
-            raise SyntaxError(f"broken PNG chunk {kind!r}")
+        if len(data) < length or len(crc) < 4:
+            raise OSError("Truncated File Read")
+        if zlib.crc32(kind + data) != struct.unpack(">I", crc)[0]:
+            raise SyntaxError(f"broken PNG file (bad header checksum in {kind!r})")
         if kind == b"IHDR":
             width, height = struct.unpack(">II", data[:8])
             if not width or not height:
-                raise SyntaxError(f"PNG header gives a {width}x{height} image")
+                raise SyntaxError(f"broken PNG file (a {width}x{height} image)")
             size = (int(width), int(height))
 
 

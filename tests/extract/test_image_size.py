@@ -71,6 +71,15 @@ def test_a_header_pil_refuses_is_refused(tmp_path, name):
         image_size(path)
 
 
+@pytest.mark.parametrize("cut", [16, 33])
+def test_a_cut_file_says_what_pil_says(tmp_path, cut):
+    """The pre-run check's error is what users saw from PIL (docs/reliability.md quotes it)."""
+    path = tmp_path / "cut.png"
+    path.write_bytes(_GOOD[:cut])
+    with pytest.raises(OSError, match="^Truncated File Read$"):
+        image_size(path)
+
+
 def test_a_missing_file_raises_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         image_size(tmp_path / "nope.png")
