@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -86,9 +86,9 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
     """(width, height) of an image file from its header, without its pixels, refused as
     ``Image.open`` refuses it (including ``DecompressionBombError`` past PIL's limit). A PNG's
-    chunks are read here up to its image data, as PIL's open reads them (~10 us, where
-    ``Image.open`` takes ~70 us: an extraction asks this of every image before it starts); other
-    formats go to PIL."""
+    chunks are read here up to its image data, as PIL's open reads them: 5-11 us a header, where
+    ``Image.open`` took 17-73 us, and an extraction asks this of every image before it starts.
+    Other formats go to PIL."""
     with open(path, "rb") as fh:
         size = _png_size(fh) if fh.read(8) == _PNG_SIGNATURE else None
     if size is None:
@@ -103,7 +103,7 @@ def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
     return size
 
 
-def _png_size(fh: Any) -> tuple[int, int]:
+def _png_size(fh: IO[bytes]) -> tuple[int, int]:
     """The IHDR size of a PNG whose signature was read, checking each chunk's CRC up to the image
     data; errors and their messages are PIL's."""
     size = None
