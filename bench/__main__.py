@@ -23,7 +23,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="interleaved rounds, for the benchmarks that take it (extract)")
     parser.add_argument("--part", help="one part of a benchmark that has parts"
                         " (probes: logistic, a, b, c, d; extract: overhead, memory, connects, steps, steady, cast,"
-                        " arrays, capture)")
+                        " arrays, capture, interference)")
     args = parser.parse_args()
     for flag in ("samples", "rounds"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:

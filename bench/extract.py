@@ -1,7 +1,7 @@
 """Extraction overhead against a bare model, peak memory as the stimuli grow, and manifest connects.
 
-Eight parts, all printed by ``python -m bench extract [--samples N] [--rounds R]`` (one of them
-with ``--part overhead|memory|connects|steps|steady|cast|arrays|capture``):
+Nine parts, all printed by ``python -m bench extract [--samples N] [--rounds R]`` (one of them
+with ``--part overhead|memory|connects|steps|steady|cast|arrays|capture|interference``):
 
 1. **Overhead**, interleaved: on tiny Qwen2-VL and tiny LLaVA (``python -m extract.tiny``), the same
    G2M 224 px images, taps ``vision[0,-1]`` + ``llm[0,-1]`` at image tokens, torch on 2 threads:
@@ -161,7 +161,7 @@ def _registration_connects(root: Path) -> int:
     return count[0]
 
 
-PARTS = ("overhead", "memory", "connects", "steps", "steady", "cast", "arrays", "capture")
+PARTS = ("overhead", "memory", "connects", "steps", "steady", "cast", "arrays", "capture", "interference")
 
 
 def steps(root: Path, model: Path, stimuli: Path, n: int) -> None:
@@ -230,6 +230,26 @@ def capture_cost(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
             extra, forward = 1e3 * got["extra_s"], 1e3 * got["forward_s"]
             print(f"     tiny {arch:8s} batch {batch}: {extra:+.3f} ms over a {forward:.2f} ms forward"
                   f" ({extra / forward:+.1%}; {got['pairs']} pairs of {samples} samples)")
+
+
+def interference(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
+    """The main thread's steps slowed by the writer thread storing a batch beside them (part 9)."""
+    print("   (9) the writer thread storing one batch beside the main thread's next step: that step's extra time,"
+          f" paired with the writer idle, median; load average {_load()}:")
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), HF_HUB_OFFLINE="1")
+    for arch in ARCHS:
+        for batch in (1, 8):
+            samples = 16 * batch if quick else (96 if batch == 1 else 200)
+            spec = {"model": str(models[arch]), "set": str(stimuli), "batch": batch, "samples": samples,
+                    "taps": TAPS, "threads": THREADS}
+            out = subprocess.run([sys.executable, "-m", "bench._interference_worker", json.dumps(spec)],
+                                 capture_output=True, text=True, env=env)
+            if out.returncode != 0:
+                raise RuntimeError(f"bench interference worker failed:\n{out.stderr[-3000:]}")
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            steps = "; ".join(f"{name} {1e3 * got[name]['extra_s']:+.3f} ms over {1e3 * got[name]['idle_s']:.2f}"
+                              f" ({got[name]['extra_s'] / got[name]['idle_s']:+.1%})" for name in ("prepare", "forward"))
+            print(f"     tiny {arch:8s} batch {batch}: {steps}; {got['prepare']['pairs']} pairs each")
 
 
 def arrays(root: Path) -> None:
@@ -327,6 +347,8 @@ def main(quick: bool = False, samples: int | None = None, rounds: int | None = N
             steady(root, models, write_set(g2m, config, n=4 * n, seed=0, split="test", out=root / "g2m-4x"), n, rounds)
         if part in (None, "capture"):
             capture_cost(models, small, quick)
+        if part in (None, "interference"):
+            interference(models, small, quick)
     if part is None:
         cast()
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,98 @@
+"""What the writer thread's storing of a batch costs the main thread beside it, alone in a fresh process.
+
+    python -m bench._interference_worker '{"model": "/tmp/m", "set": "/tmp/g2m", "batch": 1, "samples": 96, "taps": [...]}'
+
+Every batch's captures are computed first (``extract.run._run_batch``, prompt-only). Then, for
+each batch, the step that follows a hand-over in a run (``prepare_group`` of the next batch; and,
+in a second pass with a writer of its own, the bare forward) is timed twice: once with the writer
+idle, once right after ``write`` handed it that batch's captures (cast, write and checksum of each
+array, and a commit when a chunk completes), the order of the two alternating from batch to batch.
+A batch's figure is the difference; the first 4 batches warm up.
+
+Prints one JSON line: per step, the median time with the writer idle and the median paired
+difference, in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from statistics import median
+from typing import Any
+
+import torch
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    torch.set_num_threads(int(spec.get("threads", 2)))
+    import extract.run as run
+    from extract.manifest import parse_manifest
+    from extract.models import load_model
+    from store import Workspace
+
+    bs = int(spec["batch"])
+    manifest = parse_manifest({"run": "interference", "model": {"path": spec["model"], "device": "cpu"},
+                               "stimuli": [{"set": spec["set"], "limit": int(spec["samples"])}], "taps": spec["taps"],
+                               "generation": {"max_new_tokens": 1}, "batch_size": bs, "chunk_samples": 64,
+                               "logit_lens": False})
+    sets, samples = run.collect_samples(manifest)
+    lm = load_model(manifest.model.path, dtype=manifest.model.dtype, device="cpu")
+    points = run.resolve_points(lm, run.tap_request(lm, manifest), ())
+    stop = run.eos_ids(lm.model)
+    groups = [samples[i : i + bs] for i in range(0, len(samples), bs)]
+    done = [run._run_batch(lm, g, points, manifest, stop, "forward", start=i * bs) for i, g in enumerate(groups)]
+    specs = run.specs_of(done[0].res, points, True, str(lm.dtype).removeprefix("torch."), "none")
+    assert specs is not None
+    batches = [run.prepare_group(lm, g) for g in groups]
+
+    def forward(j: int) -> None:
+        with torch.inference_mode():
+            out = lm.model(**batches[j].inputs, use_cache=False, logits_to_keep=1)
+            out.logits[:, -1].float().argmax(-1).tolist()
+
+    def prepare(j: int) -> None:
+        run.prepare_group(lm, groups[j])
+
+    def measure(step: Callable[[int], None]) -> dict[str, float]:
+        ws = Workspace.open(tempfile.mkdtemp(prefix="agnosia-interference-"))
+        idle, extra = [], []
+        with ws.writer(run.run_info(lm, manifest, None, ("forward", "bench"))) as w:
+            for path, dataset in sets:
+                w.register_stimulus_set(path, dataset=dataset)
+            w.set_samples([s.key for s in samples])
+            handles = dict(zip(specs, w.arrays(list(specs.values())), strict=True))
+
+            def quiet(j: int) -> float:
+                while not w._queue.empty():  # the writer's last hand-over done, then a moment for its tail
+                    time.sleep(0.001)
+                time.sleep(0.003)
+                started = time.perf_counter()
+                step(j)
+                return time.perf_counter() - started
+
+            def busy(j: int) -> float:
+                done[j].write(w, handles, specs)
+                started = time.perf_counter()
+                step(j)
+                return time.perf_counter() - started
+
+            for j in range(len(groups)):
+                took: dict[str, float] = {}
+                for name, fn in (("quiet", quiet), ("busy", busy)) if j % 2 == 0 else (("busy", busy), ("quiet", quiet)):
+                    took[name] = fn(j)
+                if j >= 4:
+                    idle.append(took["quiet"])
+                    extra.append(took["busy"] - took["quiet"])
+            w.finish()
+        return {"idle_s": median(idle), "extra_s": median(extra), "pairs": len(extra)}
+
+    out: dict[str, Any] = {"prepare": measure(prepare), "forward": measure(forward)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
