@@ -249,7 +249,11 @@ def interference(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
             got = json.loads(out.stdout.strip().splitlines()[-1])
             steps = "; ".join(f"{name} {1e3 * got[name]['extra_s']:+.3f} ms over {1e3 * got[name]['idle_s']:.2f}"
                               f" ({got[name]['extra_s'] / got[name]['idle_s']:+.1%})" for name in ("prepare", "forward"))
-            print(f"     tiny {arch:8s} batch {batch}: {steps}; {got['prepare']['pairs']} pairs each")
+            c = got["prepare"]
+            print(f"     tiny {arch:8s} batch {batch}: {steps}; {c['pairs']} pairs each; the writer's commits:"
+                  f" {c['commits']} in {c['batches']} batches, {1e3 * c['commit_cpu_s'] / max(c['commits'], 1):.1f} ms"
+                  f" of CPU each ({1e3 * c['commit_wall_s'] / max(c['commits'], 1):.1f} ms wall),"
+                  f" {1e3 * c['commit_cpu_s'] / c['batches']:.2f} ms a batch")
 
 
 def arrays(root: Path) -> None:

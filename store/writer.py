@@ -134,6 +134,7 @@ class Writer(Registration, Tensors, Producer, Pipeline):
         self._assembling: dict[tuple[int, int], Assembly] = {}
         self._streams: dict[tuple[int, int], Stream] = {}
         self._pending_chunks: list[ChunkRecord] = []
+        self._commit_failed = False
         self._pending_tokens: list[dict[str, Any]] = []
         self._pending_generations: list[dict[str, Any]] = []
         self._last_commit = time.monotonic()

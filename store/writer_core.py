@@ -91,6 +91,7 @@ class WriterCore:
     # The stimuli whose generations this writer committed, when its run was new (so no other row
     # can exist); None for a run that was there already (a resume: any row may exist).
     _generated: set[str] | None
+    _commit_failed: bool  # a commit of this writer failed: its COMMIT may have landed, so its rows may exist
     _last_commit: float
     _retry_at: float
     _lanes: list[ThreadPoolExecutor]

@@ -73,3 +73,39 @@ def test_v2_workspace_gains_the_columns_and_kinds_from_the_text(tmp_path):
     # whether an old answer ran into the cap was never recorded: no row is called runaway
     assert ws.rows("SELECT text, stop_reason, answer_kind FROM generations ORDER BY array_row") == [
         ("False", None, "word"), ("", None, "empty"), ("110100", None, "digits"), (None, None, "empty")]
+
+
+def test_a_commit_that_landed_before_its_connection_failed_is_retried_without_doubles(tmp_path):
+    """Injects: the writer's manifest connection fails right after a commit's COMMIT landed.
+    Asserts: the commit retried at close lands, though its chunk and generation rows are there
+    already, and neither counts the chunks' bytes twice nor doubles a row; the error that surfaces
+    is the injected one."""
+    from contextlib import contextmanager
+
+    import numpy as np
+
+    from store import ArraySpec, WriterError
+
+    ws = Workspace.open(tmp_path / "ws")
+    with pytest.raises(WriterError, match="injected"):  # the writer's whole life: its close retries the commit
+        with ws.writer(RunInfo(run="r", model="m", chunk_samples=4)) as w:
+            w.set_samples(w.register_stimuli(stimulus_rows(4), dataset="set"))
+            handle = w.array(ArraySpec(tap="llm", layer=0, tokens="last", shape=(1, 8), dtype="float32"))
+            real_use, armed = w._manifest.use, [True]
+
+            @contextmanager
+            def use(*args, **kwargs):
+                with real_use(*args, **kwargs) as con:
+                    yield con
+                if armed[0]:
+                    armed[0] = False
+                    raise duckdb.IOException("connection lost after COMMIT (injected)")
+
+            w._manifest.use = use
+            w.write_batch(0, {handle: np.ones((4, 1, 8), np.float32)},
+                          generations=[Generation(text=f"g{i}") for i in range(4)])
+            w.flush()
+    assert w.stats.commits == 1  # the retry at close landed (the first raised after its COMMIT)
+    assert ws.rows("SELECT count(*), sum(nbytes) FROM chunks") == [(1, 4 * 8 * 2)]
+    assert ws.rows("SELECT bytes FROM activations") == [(4 * 8 * 2,)]
+    assert ws.rows("SELECT array_row, text FROM generations ORDER BY array_row") == [(i, f"g{i}") for i in range(4)]

@@ -329,6 +329,10 @@ def test_array_bytes_are_the_sum_of_their_chunks_and_a_retried_commit_adds_nothi
     chunks.append(type("C", (), {"handle": handle, "chunk": 99, "row_start": 0, "row_stop": 1, "n_rows": 1,
                                  "nbytes": 1234})())
     with db.connect(ws.manifest_path, read_only=False) as con:
+        # A writer whose commits all succeeded inserts without the conflict check: a row that is
+        # there fails its insert (which is why a failed commit turns the check back on).
+        with pytest.raises(duckdb.ConstraintException):
+            _insert_chunks(con, run, chunks, [(0, 0, 0, None)] * len(chunks), datetime.now(), may_exist=False)
         _insert_chunks(con, run, chunks, [(0, 0, 0, None)] * len(chunks), datetime.now())
     after = dict(ws.rows("SELECT zarr_path, bytes FROM activations"))
     assert after[path] == bytes_before + 1234
