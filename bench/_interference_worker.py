@@ -19,6 +19,7 @@ difference, and the writer's commits (count, wall and CPU seconds in all), in se
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -61,7 +62,13 @@ def main() -> None:
         run.prepare_group(lm, groups[j])
 
     def measure(step: Callable[[int], None]) -> dict[str, float]:
-        ws = Workspace.open(tempfile.mkdtemp(prefix="agnosia-interference-"))
+        folder = tempfile.mkdtemp(prefix="agnosia-interference-")
+        try:
+            return measure_in(step, Workspace.open(folder))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def measure_in(step: Callable[[int], None], ws: Workspace) -> dict[str, float]:
         idle, extra = [], []
         with ws.writer(run.run_info(lm, manifest, None, ("forward", "bench"))) as w:
             for path, dataset in sets:
