@@ -153,6 +153,17 @@ def open_root(workspace: Path, *, read_only: bool) -> zarr.Group:
     return zarr.open_group(str(workspace / ZARR_DIR), mode="r" if read_only else "a", zarr_format=3)
 
 
+def create_root(workspace: Path, attributes: Mapping[str, Any]) -> None:
+    """A new workspace's root group with ``attributes``, written whole and only where there is
+    none: two processes creating one workspace at once (shards started together) leave one root,
+    the first's, and neither fails. (zarr's ``open_group(mode="a")`` raises ContainsGroupError for
+    the second, and its attributes are a second write of the file a peer may be reading.) Not
+    yet durable: :func:`fsync_node_chain` makes it so."""
+    folder = workspace / ZARR_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    _put(folder / "zarr.json", _metadata_bytes(GroupMetadata(attributes=dict(attributes))), exclusive=True)
+
+
 # Write every chunk, even all-zero ones: a committed chunk always has a file, and zarr skips the
 # scan it would otherwise make of every chunk for emptiness. A runtime setting, not in zarr.json.
 WRITE_EMPTY: ArrayConfigLike = {"write_empty_chunks": True}

@@ -177,8 +177,7 @@ class Workspace(WorkspaceWrites):
                     " choose another prefix, or, to read that workspace, use the folder its manifest is in"
                 )
             attrs.update({location.URL_ATTR: url, location.ID_ATTR: uuid.uuid4().hex})
-        group = layout.open_root(self.path, read_only=False)
-        group.attrs.update(attrs)
+        layout.create_root(self.path, attrs)  # a peer that made it meanwhile keeps its own
         layout.fsync_node_chain(self.path, "")
         if url is not None:
             try:

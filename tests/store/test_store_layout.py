@@ -188,3 +188,28 @@ def test_a_resumed_array_writes_an_all_zero_chunk(tmp_path):
     assert (ws.zarr_path / "r/llm/0/resid_post/last/c.1.0").is_file()
     np.testing.assert_array_equal(ws.read("r", "llm", 0, tokens="last"),
                                   np.concatenate([np.ones((CHUNK, DIM)), np.zeros((CHUNK, DIM))]))
+
+
+def test_the_root_group_is_written_once_and_the_first_one_stays(tmp_path):
+    """Two processes creating one workspace at once (shard processes started together) each write
+    the root group: the second finds the first's and keeps it, where zarr's open_group raised
+    ContainsGroupError (seen: a shard process of tests/extract/test_shards.py exited 1)."""
+    layout.create_root(tmp_path, {"agnosia_layout": layout.LAYOUT_VERSION, "who": "first"})
+    layout.create_root(tmp_path, {"agnosia_layout": layout.LAYOUT_VERSION, "who": "second"})
+    assert dict(zarr.open_group(str(tmp_path / "arrays"), mode="r").attrs) == {
+        "agnosia_layout": layout.LAYOUT_VERSION, "who": "first"}
+    assert sorted(p.name for p in (tmp_path / "arrays").iterdir()) == ["zarr.json"]  # no temporary left
+
+
+def test_a_workspace_whose_root_a_peer_made_meanwhile_opens(tmp_path, monkeypatch):
+    """Injects: a peer process's root group written between this process's check for one and its
+    own creation. Asserts: the open succeeds, and the root is the peer's."""
+    real = layout.create_root
+
+    def peer_first(workspace, attributes):
+        real(workspace, {**attributes, "peer": True})
+        real(workspace, attributes)
+
+    monkeypatch.setattr(layout, "create_root", peer_first)
+    ws = Workspace.open(tmp_path / "ws")
+    assert zarr.open_group(str(ws.zarr_path), mode="r").attrs["peer"] is True
