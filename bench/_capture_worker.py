@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-import time
+from functools import partial
 from statistics import median
 
 import torch
@@ -26,9 +26,10 @@ import torch
 def main() -> None:
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(int(spec.get("threads", 2)))
+    from bench._paired import bare_forward, in_turn
     from extract.manifest import parse_manifest
-    from extract.models import load_model, prepare_batch
-    from extract.run import collect_samples, tap_request
+    from extract.models import load_model
+    from extract.run import collect_samples, prepare_group, tap_request
 
     capture = importlib.import_module("extract.models.capture")  # the package re-exports a function of that name
     bs, n = int(spec["batch"]), int(spec["samples"])
@@ -38,27 +39,14 @@ def main() -> None:
     _, samples = collect_samples(manifest)
     lm = load_model(manifest.model.path, dtype=manifest.model.dtype, device="cpu")
     points = capture.resolve_points(lm, tap_request(lm, manifest), ())
-    batches = [prepare_batch(lm, [s.image for s in group], [s.prompt for s in group],
-                             strings=[s.strings for s in group], padding_side="left")
-               for group in (samples[i : i + bs] for i in range(0, len(samples), bs))]
-
-    def bare(batch: object) -> None:
-        with torch.inference_mode():
-            out = lm.model(**batch.inputs, use_cache=False, logits_to_keep=1)  # type: ignore[attr-defined]
-            out.logits[:, -1].float().argmax(-1).tolist()
-
-    def captured(batch: object) -> None:
-        capture.capture_first_token(lm, batch, points, tokens=("image", "last", "answer"))
+    batches = [prepare_group(lm, samples[i : i + bs]) for i in range(0, len(samples), bs)]
 
     extra, forward = [], []
     for r in range(int(spec["rounds"])):
         for j, batch in enumerate(batches):
-            took = {}
-            for name, fn in (("bare", bare), ("capture", captured)) if (r + j) % 2 == 0 else (
-                    ("capture", captured), ("bare", bare)):
-                started = time.perf_counter()
-                fn(batch)
-                took[name] = time.perf_counter() - started
+            took = in_turn({"bare": partial(bare_forward, lm, batch.inputs),
+                            "capture": partial(capture.capture_first_token, lm, batch, points,
+                                               tokens=("image", "last", "answer"))}, flip=(r + j) % 2 == 1)
             if r >= 2:  # the first rounds warm the caches and torch's thread pool
                 extra.append(took["capture"] - took["bare"])
                 forward.append(took["bare"])

@@ -54,6 +54,7 @@ def _count_attaches() -> None:
 def _bare(spec: dict[str, Any], side: str) -> int:
     import torch
 
+    from bench._paired import bare_forward
     from extract.manifest import parse_manifest
     from extract.models import load_model, prepare_batch
     from extract.run import collect_samples
@@ -64,16 +65,15 @@ def _bare(spec: dict[str, Any], side: str) -> int:
     lm = load_model(m.path, dtype=m.dtype, device=m.device)
     bs = manifest.batch_size
     new = int(manifest.generation.max_new_tokens)  # the bench's manifests give a number
-    with torch.inference_mode():
-        for i in range(0, len(samples), bs):
-            chunk = samples[i : i + bs]
-            batch = prepare_batch(lm, [s.image for s in chunk], [s.prompt for s in chunk],
-                                  strings=[s.strings for s in chunk], padding_side="left")
-            if side == "generate":
+    for i in range(0, len(samples), bs):
+        chunk = samples[i : i + bs]
+        batch = prepare_batch(lm, [s.image for s in chunk], [s.prompt for s in chunk],
+                              strings=[s.strings for s in chunk], padding_side="left")
+        if side == "generate":
+            with torch.inference_mode():
                 lm.model.generate(**batch.inputs, do_sample=False, max_new_tokens=new).cpu()
-            else:
-                out = lm.model(**batch.inputs, use_cache=False, logits_to_keep=1)
-                out.logits[:, -1].float().argmax(-1).tolist()
+        else:
+            bare_forward(lm, batch.inputs)
     return len(samples)
 
 

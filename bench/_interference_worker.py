@@ -34,6 +34,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(int(spec.get("threads", 2)))
     import extract.run as run
+    from bench._paired import bare_forward
     from extract.manifest import parse_manifest
     from extract.models import load_model
     from store import Workspace
@@ -54,9 +55,7 @@ def main() -> None:
     batches = [run.prepare_group(lm, g) for g in groups]
 
     def forward(j: int) -> None:
-        with torch.inference_mode():
-            out = lm.model(**batches[j].inputs, use_cache=False, logits_to_keep=1)
-            out.logits[:, -1].float().argmax(-1).tolist()
+        bare_forward(lm, batches[j].inputs)
 
     def prepare(j: int) -> None:
         run.prepare_group(lm, groups[j])

@@ -59,13 +59,13 @@ COMPARISONS = (
 )
 
 
-def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+def _worker(spec: dict[str, Any], module: str = "bench._extract_worker") -> dict[str, Any]:
+    """What the worker ``module`` prints for ``spec``, in a fresh process on ``THREADS`` threads."""
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), HF_HUB_OFFLINE="1")
     spec = dict(spec, threads=THREADS)
-    out = subprocess.run([sys.executable, "-m", "bench._extract_worker", json.dumps(spec)],
-                         capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-m", module, json.dumps(spec)], capture_output=True, text=True, env=env)
     if out.returncode != 0:
-        raise RuntimeError(f"bench worker ({spec['side']}) failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"bench worker {module} ({spec.get('side', 'paired')}) failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -216,17 +216,11 @@ def capture_cost(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
     rounds = 4 if quick else 12
     print(f"   (8) the capture's own cost per batch (no store), paired with a bare forward of the same batch;"
           f" {rounds - 2} rounds after 2 of warm-up, median; load average {_load()}:")
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), HF_HUB_OFFLINE="1")
     for arch in ARCHS:
         for batch in (1, 8):
             samples = 16 if quick else 48 * (1 + (batch > 1))  # batch 8: 12 batches a round
-            spec = {"model": str(models[arch]), "set": str(stimuli), "batch": batch, "samples": samples,
-                    "rounds": rounds, "taps": TAPS, "threads": THREADS}
-            out = subprocess.run([sys.executable, "-m", "bench._capture_worker", json.dumps(spec)],
-                                 capture_output=True, text=True, env=env)
-            if out.returncode != 0:
-                raise RuntimeError(f"bench capture worker failed:\n{out.stderr[-3000:]}")
-            got = json.loads(out.stdout.strip().splitlines()[-1])
+            got = _worker({"model": str(models[arch]), "set": str(stimuli), "batch": batch, "samples": samples,
+                           "rounds": rounds, "taps": TAPS}, "bench._capture_worker")
             extra, forward = 1e3 * got["extra_s"], 1e3 * got["forward_s"]
             print(f"     tiny {arch:8s} batch {batch}: {extra:+.3f} ms over a {forward:.2f} ms forward"
                   f" ({extra / forward:+.1%}; {got['pairs']} pairs of {samples} samples)")
@@ -236,17 +230,11 @@ def interference(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
     """The main thread's steps slowed by the writer thread storing a batch beside them (part 9)."""
     print("   (9) the writer thread storing one batch beside the main thread's next step: that step's extra time,"
           f" paired with the writer idle, median; load average {_load()}:")
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), HF_HUB_OFFLINE="1")
     for arch in ARCHS:
         for batch in (1, 8):
             samples = 16 * batch if quick else (96 if batch == 1 else 200)
-            spec = {"model": str(models[arch]), "set": str(stimuli), "batch": batch, "samples": samples,
-                    "taps": TAPS, "threads": THREADS}
-            out = subprocess.run([sys.executable, "-m", "bench._interference_worker", json.dumps(spec)],
-                                 capture_output=True, text=True, env=env)
-            if out.returncode != 0:
-                raise RuntimeError(f"bench interference worker failed:\n{out.stderr[-3000:]}")
-            got = json.loads(out.stdout.strip().splitlines()[-1])
+            got = _worker({"model": str(models[arch]), "set": str(stimuli), "batch": batch, "samples": samples,
+                           "taps": TAPS}, "bench._interference_worker")
             steps = "; ".join(f"{name} {1e3 * got[name]['extra_s']:+.3f} ms over {1e3 * got[name]['idle_s']:.2f}"
                               f" ({got[name]['extra_s'] / got[name]['idle_s']:+.1%})" for name in ("prepare", "forward"))
             c = got["prepare"]
