@@ -31,24 +31,16 @@ import duckdb
 
 _CONNECTS = [0]
 _ATTACHES = [0]
-_real_connect = duckdb.connect
 
 
-def _counting_connect(*args: Any, **kwargs: Any) -> Any:
-    _CONNECTS[0] += 1
-    return _real_connect(*args, **kwargs)
-
-
-def _count_attaches() -> None:
-    import store.db
-
-    real = store.db._attach
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        _ATTACHES[0] += 1
+def counting(real: Any, box: list[int]) -> Any:
+    """``real``, adding one to ``box[0]`` at each call (put in place of a function the store looks
+    up at each call: ``duckdb.connect``, ``store.db._attach``)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        box[0] += 1
         return real(*args, **kwargs)
 
-    store.db._attach = counting  # looked up at each open
+    return call
 
 
 def _bare(spec: dict[str, Any], side: str) -> int:
@@ -178,8 +170,10 @@ def main() -> None:
     from extract.models.adapters import registry
 
     registry()
-    duckdb.connect = _counting_connect  # the store looks it up at each call
-    _count_attaches()
+    import store.db
+
+    duckdb.connect = counting(duckdb.connect, _CONNECTS)
+    store.db._attach = counting(store.db._attach, _ATTACHES)
     steps: dict[str, list[float]] = {}
     if spec.get("steps"):
         _time_steps(steps)

@@ -138,21 +138,15 @@ def _registration_connects(root: Path) -> int:
     import duckdb
 
     import store.db
+    from bench._extract_worker import counting
     from store import ArraySpec, RunInfo, Workspace
 
     ws = Workspace.open(root / "ws-register")
     real_connect, real_attach, count = duckdb.connect, store.db._attach, [0]
-
-    def counting(real: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            count[0] += 1
-            return real(*args, **kwargs)
-        return call
-
     with ws.writer(RunInfo(run="register", model="none")) as w:
         w.set_samples(w.register_stimuli([{"id": str(i)} for i in range(16)], dataset="s"))
         specs = [ArraySpec(tap="llm", layer=i, tokens="image", shape=(4, 8), dtype="float32") for i in range(4)]
-        duckdb.connect, store.db._attach = counting(real_connect), counting(real_attach)
+        duckdb.connect, store.db._attach = counting(real_connect, count), counting(real_attach, count)
         try:
             w.arrays(specs)
         finally:
