@@ -1,4 +1,5 @@
-"""Fixtures every test folder may use: a real S3-compatible server on loopback.
+"""Fixtures every test folder may use: a real S3-compatible server on loopback, and a count of
+DuckDB instances built (``connects``).
 
 ``s3`` starts moto's server (``python -m moto.server``) as its own process once per test
 session (per xdist worker), and gives each test a fresh bucket plus the environment that the
@@ -82,3 +83,18 @@ def s3(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> S3:
     got.fs.mkdir(got.bucket)
     return got
 
+
+@pytest.fixture
+def connects(monkeypatch):
+    """Every duckdb.connect of this process, by path (the real connect still runs)."""
+    import duckdb
+
+    calls: list[str] = []
+    real = duckdb.connect
+
+    def counting(database=":memory:", *args, **kwargs):
+        calls.append(str(database))
+        return real(database, *args, **kwargs)
+
+    monkeypatch.setattr(duckdb, "connect", counting)
+    return calls

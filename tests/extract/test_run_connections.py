@@ -11,7 +11,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import duckdb
 import pytest
 from devices import model_config
 
@@ -32,20 +31,16 @@ def g2m_set(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_an_extraction_into_a_new_workspace_opens_the_manifest_twice(tiny_dir, g2m_set, tmp_path, monkeypatch):
+def test_an_extraction_into_a_new_workspace_opens_the_manifest_twice(tiny_dir, g2m_set, tmp_path, monkeypatch,
+                                                                      connects):
     """Asserts: a whole run with the logit lens (arrays, run tensors, vocabulary, generations,
     the summary's accuracy) opens the manifest to create it (built while the model loads, in a
     temporary folder: store/ahead.py) and once for the writer's run (before: 9 opens; one more is
     allowed for a loaded machine that passes the 10 s a writer holds its connection), each an
     attach to the process's one DuckDB instance, which is built at most once (store/db.py); and
     the summary's accuracy, read on the writer's connection, is the stored one."""
-    instances: list[str] = []
     opens: list[str] = []
-    real_connect, real_attach = duckdb.connect, store.db._attach
-
-    def connect(database=":memory:", *args, **kwargs):
-        instances.append(str(database))
-        return real_connect(database, *args, **kwargs)
+    real_attach = store.db._attach
 
     def attach(path, read_only=False):
         opens.append(str(path) + (" (read-only)" if read_only else ""))
@@ -55,13 +50,13 @@ def test_an_extraction_into_a_new_workspace_opens_the_manifest_twice(tiny_dir, g
         "run": "r1", "model": {"path": str(tiny_dir("qwen2_vl")), **model_config()},
         "stimuli": [{"set": str(g2m_set)}], "taps": [{"tap": "llm", "layers": [0, -1]}],
         "generation": {"max_new_tokens": 3}, "batch_size": 2, "chunk_samples": 2})
-    monkeypatch.setattr(duckdb, "connect", connect)
+    connects.clear()  # the instances built during the run alone
     monkeypatch.setattr(store.db, "_attach", attach)
     summary = run_extraction(manifest, workspace=tmp_path / "ws", progress=False)
     monkeypatch.undo()
     assert "agnosia-manifest-" in opens[0] and all(c == str(tmp_path / "ws" / "manifest.duckdb") for c in opens[1:]), opens
     assert 2 <= len(opens) <= 3, opens
-    assert instances in ([], [":memory:"]), instances
+    assert connects in ([], [":memory:"]), connects
     ws = Workspace.open(tmp_path / "ws", readonly=True)
     scored, correct = ws.rows("SELECT count(correct), count(*) FILTER (WHERE correct) FROM generations")[0]
     assert (summary.scored, summary.accuracy) == (scored, correct / scored if scored else None)
