@@ -1,4 +1,5 @@
-"""``python -m bench [TOPIC ...] [--quick] [--samples N] [--rounds R] [--part P]``: run the benchmarks and print their figures."""
+"""``python -m bench [TOPIC ...] [--quick] [--samples N] [--rounds R] [--part P] [--device D]``: run the
+benchmarks and print their figures."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def main() -> None:
     parser.add_argument("--part", help="one part of a benchmark that has parts"
                         " (probes: logistic, a, b, c, d; extract: overhead, memory, connects, steps, steady, cast,"
                         " arrays, capture, interference)")
+    parser.add_argument("--device", help="where the model runs, for the benchmarks that take it (extract's overhead"
+                        " and capture parts: cuda runs them in bfloat16; default cpu)")
     args = parser.parse_args()
     for flag in ("samples", "rounds"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -41,7 +44,8 @@ def main() -> None:
         started = time.perf_counter()
         run = importlib.import_module(f"bench.{name}").main
         takes = inspect.signature(run).parameters
-        extra = {k: getattr(args, k) for k in ("samples", "rounds", "part") if k in takes and getattr(args, k) is not None}
+        extra = {k: getattr(args, k) for k in ("samples", "rounds", "part", "device")
+                 if k in takes and getattr(args, k) is not None}
         run(quick=args.quick, **extra)
         print(f"   ({time.perf_counter() - started:.1f} s)")
 

@@ -1,6 +1,6 @@
 """The capture's own cost per batch, paired with the bare forward, alone in a fresh process.
 
-    python -m bench._capture_worker '{"model": "/tmp/m", "set": "/tmp/g2m", "batch": 1, "samples": 48, "rounds": 12}'
+    python -m bench._capture_worker '{"model": {"path": "/tmp/m"}, "set": "/tmp/g2m", "batch": 1, "samples": 48, "rounds": 12}'
 
 Batches are prepared before the clock. For each batch of each round, a bare forward (the one new
 token the argmax of the last logits, as ``python -m bench extract`` part 1's bare side picks it)
@@ -33,11 +33,11 @@ def main() -> None:
 
     capture = importlib.import_module("extract.models.capture")  # the package re-exports a function of that name
     bs, n = int(spec["batch"]), int(spec["samples"])
-    manifest = parse_manifest({"run": "capture", "model": {"path": spec["model"], "device": "cpu"},
+    manifest = parse_manifest({"run": "capture", "model": spec["model"],
                                "stimuli": [{"set": spec["set"], "limit": n}], "taps": spec["taps"],
                                "generation": {"max_new_tokens": 1}, "batch_size": bs})
     _, samples = collect_samples(manifest)
-    lm = load_model(manifest.model.path, dtype=manifest.model.dtype, device="cpu")
+    lm = load_model(manifest.model.path, dtype=manifest.model.dtype, device=manifest.model.device)
     points = capture.resolve_points(lm, tap_request(lm, manifest), ())
     batches = [prepare_group(lm, samples[i : i + bs]) for i in range(0, len(samples), bs)]
 

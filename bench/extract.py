@@ -69,9 +69,14 @@ def _worker(spec: dict[str, Any], module: str = "bench._extract_worker") -> dict
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _model(model: Path, device: str) -> dict[str, str]:
+    """A manifest's ``model``: float32 on the CPU, bfloat16 on an accelerator (as a GPU run loads a VLM)."""
+    return {"path": str(model), "device": device, "dtype": "float32" if device == "cpu" else "bfloat16"}
+
+
 def _manifest(model: Path, stimuli: Path, batch: int, new_tokens: int, run: str,
-              limit: int | None = None) -> dict[str, Any]:
-    return {"run": run, "model": {"path": str(model), "device": "cpu"}, "stimuli": [{"set": str(stimuli), "limit": limit}],
+              limit: int | None = None, device: str = "cpu") -> dict[str, Any]:
+    return {"run": run, "model": _model(model, device), "stimuli": [{"set": str(stimuli), "limit": limit}],
             "taps": TAPS, "generation": {"max_new_tokens": new_tokens}, "batch_size": batch, "chunk_samples": 64}
 
 
@@ -87,19 +92,20 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def overhead(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int) -> None:
-    print(f"   (1) overhead: G2M 224 px, {n} samples, taps vision[0,-1] + llm[0,-1] x image, torch {THREADS} threads;"
+def overhead(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int, device: str = "cpu") -> None:
+    print(f"   (1) overhead: G2M 224 px, {n} samples, taps vision[0,-1] + llm[0,-1] x image, torch {THREADS} threads,"
+          f" {_model(Path(), device)['dtype']} on {device};"
           f" {rounds} interleaved rounds, each configuration a fresh process, weights load timed")
     ratios: dict[tuple[str, str], list[float]] = {}
     seconds: dict[tuple[str, str, str], list[float]] = {}
     loads = []
     for _ in range(1):  # page cache and bytecode warm for every side
-        _worker({"side": "forward", "manifest": _manifest(models[ARCHS[0]], stimuli, 8, 1, "warm")})
+        _worker({"side": "forward", "manifest": _manifest(models[ARCHS[0]], stimuli, 8, 1, "warm", device=device)})
     for r in range(rounds):
         loads.append(_load())
         for arch in ARCHS:
             for label, bare_side, batch, new, _aim in COMPARISONS:
-                manifest = _manifest(models[arch], stimuli, batch, new, "bench")
+                manifest = _manifest(models[arch], stimuli, batch, new, "bench", device=device)
                 order = ("bare", "agnosia") if r % 2 == 0 else ("agnosia", "bare")
                 got = {side: (_worker({"side": bare_side, "manifest": manifest}) if side == "bare"
                               else _agnosia(root, manifest)) for side in order}
@@ -205,16 +211,17 @@ def steady(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: i
     print(f"   load average per round: {'; '.join(loads)}")
 
 
-def capture_cost(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
+def capture_cost(models: dict[str, Path], stimuli: Path, quick: bool, device: str = "cpu") -> None:
     """The capture's own time per batch over a bare forward's, paired batch by batch (part 8)."""
     rounds = 4 if quick else 12
-    print(f"   (8) the capture's own cost per batch (no store), paired with a bare forward of the same batch;"
+    print(f"   (8) the capture's own cost per batch (no store), paired with a bare forward of the same batch,"
+          f" {_model(Path(), device)['dtype']} on {device};"
           f" {rounds - 2} rounds after 2 of warm-up, median; load average {_load()}:")
     for arch in ARCHS:
         for batch in (1, 8):
             samples = 16 if quick else 48 * (1 + (batch > 1))  # batch 8: 12 batches a round
-            got = _worker({"model": str(models[arch]), "set": str(stimuli), "batch": batch, "samples": samples,
-                           "rounds": rounds, "taps": TAPS}, "bench._capture_worker")
+            got = _worker({"model": _model(models[arch], device), "set": str(stimuli), "batch": batch,
+                           "samples": samples, "rounds": rounds, "taps": TAPS}, "bench._capture_worker")
             extra, forward = 1e3 * got["extra_s"], 1e3 * got["forward_s"]
             print(f"     tiny {arch:8s} batch {batch}: {extra:+.3f} ms over a {forward:.2f} ms forward"
                   f" ({extra / forward:+.1%}; {got['pairs']} pairs of {samples} samples)")
@@ -299,8 +306,12 @@ def cast() -> None:
               f" {shape[0] / n / layers:4.1f} samples/s of {layers} layers ({per_sample / 2**20:.0f} MiB each)")
 
 
-def main(quick: bool = False, samples: int | None = None, rounds: int | None = None, part: str | None = None) -> None:
-    """Every part, or only ``part`` (one of PARTS)."""
+def main(quick: bool = False, samples: int | None = None, rounds: int | None = None, part: str | None = None,
+         device: str = "cpu") -> None:
+    """Every part, or only ``part`` (one of PARTS). ``device`` other than ``cpu`` (e.g. ``cuda``, in
+    bfloat16) is taken by the parts that compare against a bare model: overhead and capture."""
+    if device != "cpu" and part not in ("overhead", "capture"):
+        raise SystemExit(f"--device {device}: only --part overhead and --part capture run on another device")
     from extract.models import tiny
     from stimuli import get_family
     from stimuli.io import write_set
@@ -321,7 +332,7 @@ def main(quick: bool = False, samples: int | None = None, rounds: int | None = N
         config = g2m.config(grid_sizes=(4,), colors=(3,), image_size=224)
         small = write_set(g2m, config, n=n, seed=0, split="test", out=root / "g2m")
         if part in (None, "overhead"):
-            overhead(root, models, small, n, rounds)
+            overhead(root, models, small, n, rounds, device)
         if part in (None, "memory"):
             large = write_set(g2m, config, n=8 * n, seed=0, split="test", out=root / "g2m-8x")
             memory(root, models["qwen2_vl"], small, large, n)
@@ -332,7 +343,7 @@ def main(quick: bool = False, samples: int | None = None, rounds: int | None = N
         if part in (None, "steady"):
             steady(root, models, write_set(g2m, config, n=4 * n, seed=0, split="test", out=root / "g2m-4x"), n, rounds)
         if part in (None, "capture"):
-            capture_cost(models, small, quick)
+            capture_cost(models, small, quick, device)
         if part in (None, "interference"):
             interference(models, small, quick)
     if part is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from devices import allclose, close, cpu, load
+from devices import allclose, close, cpu, load, numpy
 from tiny_cases import IMAGE, SPATIAL_BATCH, SPATIAL_STEPS, noise_image
 
 from extract.models import RaggedTokens, capture_generate, prepare_batch
@@ -162,7 +162,7 @@ def test_stored_windowed_rows_match_spans_and_transformers(spatial_run):
             batch = prepare_batch(lm, [f"{r[1]}/{r[2]}" for r in pair], [r[3] for r in pair], padding_side="left")
             with torch.no_grad():
                 sequences = lm.model.generate(**batch.inputs, do_sample=False, max_new_tokens=SPATIAL_STEPS)
-            want = reference_attentions(lm, batch, sequences)[layer].numpy()
+            want = numpy(reference_attentions(lm, batch, sequences)[layer])
             T = batch.seq_len
             for b, (row, _, _, _, seq_len, last_prompt, n_ans) in enumerate(pair):
                 first = batch.layouts[b].first_position
