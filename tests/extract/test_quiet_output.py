@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 from terminal_lib import run_in_terminal
 
 from stimuli import get_family
@@ -31,7 +32,7 @@ def test_no_progress_leaves_no_bar_on_a_terminal(tmp_path):
     go = get_family("go")
     write_set(go, go.config(preset="small", variation="mild", counts="0-2"), n=1, seed=1, split="test",
               out=tmp_path / "sets" / "go-toy")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = child_env(HF_HUB_OFFLINE="1")
 
     def extract(data: str, *flags: str) -> str:
         rc, screen = run_in_terminal([sys.executable, "-m", "extract", "manifests/demo-text.yaml", "--data",

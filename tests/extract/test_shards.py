@@ -3,7 +3,6 @@ the store they leave equals what one unsharded process stores, row for row."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from child_env import child_env
 
 from stimuli import get_family
 from stimuli.io import write_set
@@ -58,9 +58,7 @@ def _everything(ws: Workspace, run: str) -> dict[str, object]:
 def test_two_shard_processes_equal_one_run(setup):
     root, manifest, data = setup
     ws_path = root / "ws"
-    pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # keep e.g. a wheel --target dir
-    env = {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": "1"}
+    env = child_env(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "extract", str(manifest), "--data", str(ws_path), "--shard",
                                f"{i}/2", "--no-progress"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import yaml
+from child_env import child_env
 
 from store import Workspace
 
@@ -33,8 +34,7 @@ ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": 
 
 
 def env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, **ENV, "PYTHONPATH": path, **extra}
+    return child_env(HERE, **{**ENV, **extra})
 
 
 def python(*args: str, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess[str]:

@@ -4,11 +4,10 @@ ETA means something (issue 21 item 10)."""
 from __future__ import annotations
 
 import io
-import os
 import sys
-from pathlib import Path
 
 import pytest
+from child_env import child_env
 from terminal_lib import run_in_terminal
 from tqdm import tqdm
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -16,7 +15,6 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 import lab
 from lab.evaluate import EvalSpec, evaluate, steps
 
-REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--per-count", "1", "--counts", "0,60,110", "--probe-boards", "1"]
 
 
@@ -35,7 +33,7 @@ def test_the_bar_ends_exactly_at_its_total() -> None:
 
 @pytest.mark.slow
 def test_a_terminal_sees_the_bar_and_no_progress_hides_it() -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     rc, screen = run_in_terminal([sys.executable, "-m", "lab.evaluate", *SMALL], env=env)
     assert rc == 0, screen[-2000:]
     assert "evaluate: 100%" in screen and "168/168" in screen, screen[-2000:]

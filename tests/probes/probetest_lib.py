@@ -13,7 +13,6 @@ Four runs, one per stimulus family, each with a weak layer 0 and a strong layer 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from child_env import child_env
 
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
@@ -172,9 +172,8 @@ def probe_rows(ws: Workspace) -> list[tuple[Any, ...]]:
 
 
 def python(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    pythonpath = os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")])
-    full = {**os.environ, "PYTHONPATH": pythonpath, **(env or {})}
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=child_env(HERE, **(env or {})), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def wait_for(predicate: Any, timeout: float = 60, step: float = 0.1) -> Any:

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from child_env import child_env
 from probetest_lib import HERE, REPO, build_spatial_layers, probe_rows, wait_for
 
 from probes import parse_plan, run_plan
@@ -28,7 +29,7 @@ N_PROBES = N_LAYERS * 3 * 2
 
 
 def _env():
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    return child_env(HERE)
 
 
 @pytest.fixture(scope="module")

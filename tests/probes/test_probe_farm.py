@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from child_env import child_env
 from probetest_lib import REPO, build_workspace, probe_rows, python
 
 from probes import PlanError, ProbeError, parse_plan, run_plan
@@ -168,7 +169,6 @@ def test_shipped_plans_are_valid(path):
 
 @pytest.mark.slow
 def test_killed_farm_process_resumes_without_duplicates(tmp_path):
-    import os
     import signal
     import subprocess
     import sys
@@ -186,7 +186,7 @@ def test_killed_farm_process_resumes_without_duplicates(tmp_path):
     build_spatial_layers(tmp_path / "ws", layers=16)
     shutil.copytree(tmp_path / "ws", tmp_path / "ref")
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
+    env = child_env(HERE)
     proc = subprocess.Popen([sys.executable, "-m", "probes", str(tmp_path / "plan.yaml"), "--data", str(tmp_path / "ws"),
                              "--in-process", "--no-progress"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -290,7 +290,6 @@ def test_workers_write_nothing_the_client_writes_each_weight_file(tmp_path):
 def test_killed_client_leaves_no_weight_file_without_a_row(tmp_path):
     """Issue 16 item 7: weights wait under a pending name until their row commits; a client killed
     between the two leaves none under a final name, and the next run publishes or deletes them."""
-    import os
     import signal
     import subprocess
     import sys
@@ -305,7 +304,7 @@ def test_killed_client_leaves_no_weight_file_without_a_row(tmp_path):
     script = ("import sys; from probes import parse_plan, run_plan; import yaml;"
               f"run_plan(parse_plan(yaml.safe_load({yaml.safe_dump(plan)!r})), sys.argv[1], in_process=True,"
               " progress=False, flush_every=3600, flush_size=10**6)")   # rows only at the end: the kill lands before
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
+    env = child_env(HERE)
     proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "ws")], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     folder = tmp_path / "ws" / "probes"

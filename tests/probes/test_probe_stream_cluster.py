@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from child_env import child_env
 from probetest_lib import HERE, REPO, build_spatial_layers, probe_rows, python, wait_for
 
 from probes import parse_plan, run_plan
@@ -71,7 +71,7 @@ def test_streamed_plan_on_cli_scheduler_and_workers_equals_local_cluster(tmp_pat
     assert rep.trained == N_PROBES and rep.failed == 0, rep.failures
 
     sched_file = tmp_path / "scheduler.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = child_env(HERE)
     common = {"cwd": REPO, "env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     procs: list[subprocess.Popen[bytes]] = []
     try:

@@ -5,7 +5,6 @@ must give what the same pipeline gives on a local workspace."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from child_env import child_env
 
 from probes.farm import run_plan
 from probes.plan import load_plan
@@ -25,9 +25,7 @@ TOY = REPO / "lab" / "checkpoints" / "toy-counter"
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", **extra}
+    return child_env(**{"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra})
 
 
 def _python(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:

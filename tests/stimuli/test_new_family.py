@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 
 import stimuli as stimuli
 from extract.manifest import parse_manifest
@@ -221,7 +222,7 @@ def test_reading_and_scoring_a_set_imports_only_its_family(tmp_path):
     family = get_family("spatial")
     out = write_set(family, family.config(), n=4, seed=0, split="test", out=tmp_path / "spatial")
     got = subprocess.run([sys.executable, "-c", LAZY, str(out)], capture_output=True, text=True, cwd=REPO,
-                         env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, timeout=300)
+                         env=child_env(), timeout=300)
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.strip() == "['spatial']"
 

@@ -3,23 +3,22 @@ only on a terminal, and never with --no-progress (issue 21 item 5)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 from terminal_lib import run_in_terminal
 
 from stimuli import family_names, get_family
 from stimuli.base import Family, StimulusError
 
-REPO = Path(__file__).resolve().parents[2]
 G2M = ["-m", "stimuli", "g2m", "--n", "3", "--grid-sizes", "3", "4", "--colors", "3", "--image-size", "32"]
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO)}
+    return child_env()
 
 
 def test_a_terminal_sees_a_bar_with_the_sets_total(tmp_path: Path) -> None:
