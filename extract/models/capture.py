@@ -609,12 +609,18 @@ def capture_generate(
     ``host_copy="async"``: on CUDA the values are copied into pinned host memory on a side stream, so the
     copy overlaps whatever the caller runs next; call ``result.ready()`` before reading them. On any other
     device the values are the captured tensors themselves and ``ready`` is None.
+
+    ``generate``'s automatic ``torch.compile`` is off (``disable_compile``): the hooks need every step's
+    own tensors.
     """
     points = resolve_points(lm, taps, tokens)
     _check_request(batch, points, generating=True)
     _check_generate_logits(points)
     gen = dict(do_sample=False, max_new_tokens=max_new_tokens)
     gen.update(generate_kwargs)
+    # On CUDA, generate() compiles the forward of a static cache into CUDA graphs; a replay reuses
+    # its output buffers, so a hook's tensor of one step is overwritten by the next. Each step runs eagerly.
+    gen["disable_compile"] = True
     with _attention_mode(lm, points) as mode, Recorder(lm, batch, points, mode.base) as rec, torch.inference_mode():
         sequences = lm.model.generate(**batch.inputs, **gen)
     values, bad, ready = _finish(lm, rec, on_nonfinite, host_copy)

@@ -65,3 +65,30 @@ def test_generate_logits_only_at_last_and_answer(tiny_lm):
     batch = prepare_batch(lm, [noise_image(width, height, 1)], ["a"], padding_side="left")
     with pytest.raises(TapError, match="logits exist only for the last prompt token"):
         capture_generate(lm, batch, ["logits"], tokens=("image",), max_new_tokens=2)
+
+
+def test_generate_under_capture_is_never_compiled(tiny_lm, monkeypatch):
+    """On CUDA, generate() compiles a static cache's forward into CUDA graphs, whose replays overwrite
+    the tensors the hooks kept from the step before (seen on an H200 with Gemma3). The capture turns
+    that off: here the model asks to be compiled on every device, and generate() still declines."""
+    from transformers import CompileConfig
+
+    lm = tiny_lm("gemma3")
+    width, height, _ = IMAGE["gemma3"]
+    batch = prepare_batch(lm, [noise_image(width, height, 7)], ["Count."], padding_side="left")
+    everywhere = CompileConfig()
+    everywhere._compile_all_devices = True  # transformers' switch to compile off CUDA too
+    asked = []
+    would = type(lm.model)._valid_auto_compile_criteria
+
+    def criteria(self, model_kwargs, generation_config):
+        asked.append(would(self, model_kwargs, generation_config))
+        return False  # whatever the answer: this test does not compile
+
+    monkeypatch.setattr(type(lm.model), "_valid_auto_compile_criteria", criteria)
+    gen = capture_generate(lm, batch, ["llm.0"], tokens=("answer",), max_new_tokens=2, min_new_tokens=2,
+                           cache_implementation="static", compile_config=everywhere)
+    assert gen.generated.shape == (1, 2)
+    assert asked == [False]
+    lm.model.generate(**batch.inputs, max_new_tokens=1, cache_implementation="static", compile_config=everywhere)
+    assert asked == [False, True]  # the same call without the capture would compile
