@@ -28,7 +28,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -477,31 +477,44 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
             print(f"warning: {warning}", file=sys.stderr)
         bar = _progress(total, manifest.run, progress)
         pending: list[_Done] = []  # on CUDA: the last batch, its host copy still running
-        for rows in todo:
-            for start in range(rows.start, rows.stop, manifest.batch_size):
-                batch_samples = samples[start : min(start + manifest.batch_size, rows.stop)]
-                for offset, group in _by_modality(batch_samples):
-                    at = start + offset
-                    done = early.pop(at) if at in early else _run_batch(
-                        lm, group, points, manifest, stop, route[0] if route else "generate", start=at)
-                    if done.ready is None:
-                        done.write(w, handles, specs)
-                    else:  # the previous batch's copy ran beside this batch's forward: it is done by now
-                        for earlier in pending:
-                            earlier.write(w, handles, specs)
-                        pending = [done]
-                    scored += sum(g.correct is not None for g in done.gens)
-                    correct += sum(bool(g.correct) for g in done.gens)
-                computed += len(batch_samples)
-                bar.update(len(batch_samples))
-                if on_batch is not None:
-                    on_batch(computed)
-        for earlier in pending:
-            earlier.write(w, handles, specs)
+        try:
+            for rows in todo:
+                for start in range(rows.start, rows.stop, manifest.batch_size):
+                    batch_samples = samples[start : min(start + manifest.batch_size, rows.stop)]
+                    for offset, group in _by_modality(batch_samples):
+                        at = start + offset
+                        done = early.pop(at) if at in early else _run_batch(
+                            lm, group, points, manifest, stop, route[0] if route else "generate", start=at)
+                        if done.ready is None:
+                            done.write(w, handles, specs)
+                        else:  # the previous batch's copy ran beside this batch's forward: it is done by now
+                            _write_pending(pending, w, handles, specs)
+                            pending.append(done)
+                        scored += sum(g.correct is not None for g in done.gens)
+                        correct += sum(bool(g.correct) for g in done.gens)
+                    computed += len(batch_samples)
+                    bar.update(len(batch_samples))
+                    if on_batch is not None:
+                        on_batch(computed)
+        except BaseException:
+            # A computed batch whose copy was still pending is kept: a crash loses only the batch it
+            # interrupted. If the device or the writer is what failed, this fails too, and the first
+            # failure is the one raised.
+            with suppress(Exception):
+                _write_pending(pending, w, handles, specs)
+            raise
+        _write_pending(pending, w, handles, specs)
         bar.close()
         w.finish()
         totals = _run_totals(w.rows, manifest.run)  # on the writer's connection: no second open
     return Extracted(ws, computed, correct / scored if scored else None, len(handles), totals)
+
+
+def _write_pending(pending: list[_Done], w: Writer, handles: dict[CaptureKey, ArrayHandle],
+                   specs: dict[CaptureKey, ArraySpec]) -> None:
+    """Hand ``pending``'s batches to the writer, each taken off the list first: one that failed is not retried."""
+    while pending:
+        pending.pop(0).write(w, handles, specs)
 
 
 def _run_totals(rows: Callable[..., list[tuple[Any, ...]]], run: str) -> tuple[int, int]:

@@ -157,6 +157,42 @@ def test_interrupted_run_resumes_to_the_same_store(tiny_dir, g2m_set, extracted,
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow  # two extractions of the set
+@pytest.mark.parametrize("copy_fails", [False, True], ids=["copy-lands", "copy-fails"])
+def test_a_crash_keeps_the_batch_whose_host_copy_was_pending(tiny_dir, g2m_set, tmp_path, monkeypatch, copy_fails):
+    """On CUDA a batch is written once the next one has run, while its host copy runs beside that
+    (``_Done.ready``); a crash in between still stores it, and a copy that fails too does not hide
+    the crash. Here on any device: each batch's ``ready`` is one of the test's."""
+    import extract.run as run
+
+    computed = run._run_batch
+
+    def with_copy(*args, **kwargs):
+        done = computed(*args, **kwargs)
+
+        def ready() -> None:
+            if copy_fails:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        done.ready = ready
+        return done
+
+    def crash(done):
+        if done >= 4:
+            raise KeyboardInterrupt("simulated crash after the first batch")
+
+    monkeypatch.setattr(run, "_run_batch", with_copy)
+    manifest = manifest_for(tiny_dir("qwen2_vl"), g2m_set)
+    with pytest.raises(KeyboardInterrupt, match="simulated crash"):
+        run_extraction(manifest, workspace=tmp_path / "data", progress=False, on_batch=crash)
+    ws = Workspace.open(tmp_path / "data", readonly=True)
+    assert ws.verify().ok
+    assert ws.rows("SELECT count(*) FROM generations") == [(0 if copy_fails else 4,)]
+    monkeypatch.undo()
+    resumed = run_extraction(manifest, workspace=tmp_path / "data", progress=False)
+    assert resumed.computed == (N_SAMPLES if copy_fails else N_SAMPLES - 4)
+
+
 def test_bad_layer_fails_before_any_work(tiny_dir, g2m_set, tmp_path):
     manifest = manifest_for(tiny_dir("qwen2_vl"), g2m_set, taps=[{"tap": "llm", "layers": [7]}])
     with pytest.raises(ManifestError, match="layer 7 does not exist"):
