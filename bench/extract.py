@@ -33,7 +33,8 @@ with ``--part overhead|memory|connects|steps|steady|cast|arrays|capture|interfer
    LLM layers' image and last tokens) of a 200-sample run in a new workspace: node creation,
    fsyncs and manifest rows, median of 5 each.
 
-``--quick`` is a smoke run (16 samples, 3 rounds): its figures are not ones to report.
+``--quick`` is a smoke run (16 samples, 3 rounds): its figures are not ones to report. ``--device cuda``
+runs parts 1 and 8 with the models in bfloat16 on that device (the others stay on the CPU).
 """
 
 from __future__ import annotations
