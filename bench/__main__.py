@@ -39,6 +39,10 @@ def main() -> None:
         parts = getattr(importlib.import_module(f"bench.{name}"), "PARTS", ())
         if args.part not in parts:
             parser.error(f"--part {args.part}: benchmark {name} has " + (f"parts {', '.join(parts)}" if parts else "no parts"))
+    if args.device is not None:
+        refused = [n for n in chosen if "device" not in inspect.signature(importlib.import_module(f"bench.{n}").main).parameters]
+        if refused:
+            parser.error(f"--device {args.device}: benchmark(s) {', '.join(refused)} run on the CPU only; choose extract")
     for name in chosen:
         print(f"\n== {name} ==")
         started = time.perf_counter()
