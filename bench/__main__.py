@@ -24,9 +24,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="interleaved rounds, for the benchmarks that take it (extract)")
     parser.add_argument("--part", help="one part of a benchmark that has parts"
                         " (probes: logistic, a, b, c, d; extract: overhead, memory, connects, steps, steady, cast,"
-                        " arrays, capture, interference)")
-    parser.add_argument("--device", help="where the model runs, for the benchmarks that take it (extract's overhead"
-                        " and capture parts: cuda runs them in bfloat16; default cpu)")
+                        " arrays, capture, interference, warm)")
+    parser.add_argument("--device", help="where the model runs, for the benchmarks that take it (extract's overhead,"
+                        " capture and warm parts: cuda runs them in bfloat16; default cpu)")
     args = parser.parse_args()
     for flag in ("samples", "rounds"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:

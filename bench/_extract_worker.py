@@ -44,17 +44,24 @@ def counting(real: Any, box: list[int]) -> Any:
 
 
 def _bare(spec: dict[str, Any], side: str) -> int:
+    from extract.manifest import parse_manifest
+    from extract.models import load_model
+
+    manifest = parse_manifest(spec["manifest"])
+    m = manifest.model
+    return bare_batches(load_model(m.path, dtype=m.dtype, device=m.device), manifest, side)
+
+
+def bare_batches(lm: Any, manifest: Any, side: str) -> int:
+    """The bare side of a comparison: the manifest's samples in its batches through ``lm``, with no
+    hooks and no store; ``side`` ``generate`` (its new tokens) or ``forward`` (one new token)."""
     import torch
 
     from bench._paired import bare_forward
-    from extract.manifest import parse_manifest
-    from extract.models import load_model, prepare_batch
+    from extract.models import prepare_batch
     from extract.run import collect_samples
 
-    manifest = parse_manifest(spec["manifest"])
     _, samples = collect_samples(manifest)
-    m = manifest.model
-    lm = load_model(m.path, dtype=m.dtype, device=m.device)
     bs = manifest.batch_size
     new = int(manifest.generation.max_new_tokens)  # the bench's manifests give a number
     for i in range(0, len(samples), bs):

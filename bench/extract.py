@@ -1,7 +1,7 @@
 """Extraction overhead against a bare model, peak memory as the stimuli grow, and manifest connects.
 
-Nine parts, all printed by ``python -m bench extract [--samples N] [--rounds R]`` (one of them
-with ``--part overhead|memory|connects|steps|steady|cast|arrays|capture|interference``):
+Ten parts, all printed by ``python -m bench extract [--samples N] [--rounds R]`` (one of them
+with ``--part overhead|memory|connects|steps|steady|cast|arrays|capture|interference|warm``):
 
 1. **Overhead**, interleaved: on tiny Qwen2-VL and tiny LLaVA (``python -m extract.tiny``), the same
    G2M 224 px images, taps ``vision[0,-1]`` + ``llm[0,-1]`` at image tokens, torch on 2 threads:
@@ -32,9 +32,18 @@ with ``--part overhead|memory|connects|steps|steady|cast|arrays|capture|interfer
 7. **Arrays**: ``Writer.arrays`` declaring 4 and 200 dense arrays (vision layers' image tokens,
    LLM layers' image and last tokens) of a 200-sample run in a new workspace: node creation,
    fsyncs and manifest rows, median of 5 each.
+8. **Capture**: the capture's own cost per batch, paired batch by batch with a bare forward
+   (``bench._capture_worker``).
+9. **Interference**: what the writer thread's storing of a batch costs the main thread's next step,
+   and the writer's commits (``bench._interference_worker``).
+10. **Warm**: part 1's comparisons with the weights loaded once per model, in one process per model
+   (``bench._warm_worker``): a warm-up run of each side, then the rounds, sides back to back in
+   alternating order. Part 1 times the weights load on both sides, which dilutes what a run adds;
+   this part does not, and a GPU machine, whose process starts take tens of seconds, runs it in
+   minutes.
 
 ``--quick`` is a smoke run (16 samples, 3 rounds): its figures are not ones to report. ``--device cuda``
-runs parts 1 and 8 with the models in bfloat16 on that device (the others stay on the CPU).
+runs parts 1, 8 and 10 with the models in bfloat16 on that device (the others stay on the CPU).
 """
 
 from __future__ import annotations
@@ -162,7 +171,8 @@ def _registration_connects(root: Path) -> int:
     return count[0]
 
 
-PARTS = ("overhead", "memory", "connects", "steps", "steady", "cast", "arrays", "capture", "interference")
+PARTS = ("overhead", "memory", "connects", "steps", "steady", "cast", "arrays", "capture", "interference", "warm")
+ON_DEVICE = ("overhead", "capture", "warm")  # the parts that take --device
 
 
 def steps(root: Path, model: Path, stimuli: Path, n: int) -> None:
@@ -246,6 +256,34 @@ def interference(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
                   f" {1e3 * c['commit_cpu_s'] / c['batches']:.2f} ms a batch")
 
 
+def warm(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int, device: str = "cpu") -> None:
+    """Part 1's comparisons with the weights loaded once per model, and what each further batch costs (part 10)."""
+    print(f"   (10) overhead with the weights loaded once: part 1's comparisons, {n} samples and one batch,"
+          f" {_model(Path(), device)['dtype']} on {device}; one process per model, a warm-up run of each side,"
+          f" then {rounds} rounds, sides back to back in alternating order; weights load not timed;"
+          f" load average {_load()}:")
+    for arch in ARCHS:
+        manifests, bare = {}, {}
+        for label, side, batch, new, _aim in COMPARISONS:
+            for limit in (None, batch):  # all the samples, and one batch: the difference is the per-batch cost
+                key = label if limit is None else f"{label}, one batch"
+                manifests[key] = _manifest(models[arch], stimuli, batch, new, "bench", limit=limit, device=device)
+                bare[key] = side
+        got = _worker({"manifests": manifests, "bare": bare, "rounds": rounds, "root": str(root)},
+                      "bench._warm_worker")["rounds"]
+        print(f"     tiny {arch}:")
+        for label, _side, batch, _new, aim in COMPARISONS:
+            pairs, one = got[label], got[f"{label}, one batch"]
+            rs = [a / b for a, b in pairs]
+            agn, bare_s = median(a for a, _ in pairs), median(b for _, b in pairs)
+            agn1, bare1 = median(a for a, _ in one), median(b for _, b in one)
+            batches = -(-n // batch) - 1
+            print(f"       {label:40s} {median(rs):5.2f}x  (aim <= {aim:.2f}x; rounds {', '.join(f'{x:.2f}' for x in rs)};"
+                  f" median {agn:.2f} s vs {bare_s:.2f} s); each further batch {(agn - agn1) / (bare_s - bare1):.3f}x"
+                  f" ({1e3 * ((agn - agn1) - (bare_s - bare1)) / batches:+.2f} ms), set-up with one batch"
+                  f" {agn1 - bare1:+.3f} s")
+
+
 def arrays(root: Path) -> None:
     """``Writer.arrays`` for 4 and 200 dense arrays in a new workspace, median of 5."""
     import time
@@ -310,9 +348,9 @@ def cast() -> None:
 def main(quick: bool = False, samples: int | None = None, rounds: int | None = None, part: str | None = None,
          device: str = "cpu") -> None:
     """Every part, or only ``part`` (one of PARTS). ``device`` other than ``cpu`` (e.g. ``cuda``, in
-    bfloat16) is taken by the parts that compare against a bare model: overhead and capture."""
-    if device != "cpu" and part not in ("overhead", "capture"):
-        raise SystemExit(f"--device {device}: only --part overhead and --part capture run on another device")
+    bfloat16) is taken by the parts that compare against a bare model (ON_DEVICE)."""
+    if device != "cpu" and part not in ON_DEVICE:
+        raise SystemExit(f"--device {device}: only the parts {', '.join(ON_DEVICE)} run on another device; pass --part")
     from extract.models import tiny
     from stimuli import get_family
     from stimuli.io import write_set
@@ -347,6 +385,8 @@ def main(quick: bool = False, samples: int | None = None, rounds: int | None = N
             capture_cost(models, small, quick, device)
         if part in (None, "interference"):
             interference(models, small, quick)
+        if part in (None, "warm"):
+            warm(root, models, small, n, rounds, device)
     if part is None:
         cast()
         with tempfile.TemporaryDirectory() as tmp:

@@ -22,5 +22,5 @@ def test_a_cpu_only_benchmark_refuses_a_device():
 def test_a_cpu_only_part_of_extract_refuses_a_device():
     out = _bench("extract", "--part", "memory", "--device", "cuda")
     assert out.returncode != 0
-    assert "only --part overhead and --part capture run on another device" in out.stderr
+    assert "only the parts overhead, capture, warm run on another device; pass --part" in out.stderr
     assert "(1) overhead" not in out.stdout  # refused before any part ran
