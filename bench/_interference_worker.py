@@ -1,6 +1,7 @@
 """What the writer thread's storing of a batch costs the main thread beside it, alone in a fresh process.
 
-    python -m bench._interference_worker '{"model": "/tmp/m", "set": "/tmp/g2m", "batch": 1, "samples": 96, "taps": [...]}'
+    python -m bench._interference_worker '{"model": {"path": "/tmp/m"}, "set": "/tmp/g2m", "batch": 1, "samples": 96,
+                                           "taps": [...]}'
 
 Every batch's captures are computed first (``extract.run._run_batch``, prompt-only). Then, for
 each batch, the step that follows a hand-over in a run (``prepare_group`` of the next batch; and,
@@ -40,12 +41,12 @@ def main() -> None:
     from store import Workspace
 
     bs = int(spec["batch"])
-    manifest = parse_manifest({"run": "interference", "model": {"path": spec["model"], "device": "cpu"},
+    manifest = parse_manifest({"run": "interference", "model": spec["model"],
                                "stimuli": [{"set": spec["set"], "limit": int(spec["samples"])}], "taps": spec["taps"],
                                "generation": {"max_new_tokens": 1}, "batch_size": bs, "chunk_samples": 64,
                                "logit_lens": False})
     sets, samples = run.collect_samples(manifest)
-    lm = load_model(manifest.model.path, dtype=manifest.model.dtype, device="cpu")
+    lm = load_model(manifest.model.path, dtype=manifest.model.dtype, device=manifest.model.device)
     points = run.resolve_points(lm, run.tap_request(lm, manifest), ())
     stop = run.eos_ids(lm.model)
     groups = [samples[i : i + bs] for i in range(0, len(samples), bs)]

@@ -20,9 +20,9 @@ import json
 import shutil
 import sys
 import tempfile
-import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 
 def main() -> None:
@@ -33,6 +33,7 @@ def main() -> None:
     import extract.models
     import extract.run
     from bench._extract_worker import bare_batches
+    from bench._paired import in_turn
     from extract.manifest import parse_manifest
     from extract.models import load_model
 
@@ -42,29 +43,19 @@ def main() -> None:
     extract.run.load_model = extract.models.load_model = lambda *args, **kwargs: lm
     root = Path(spec["root"])
 
-    def agnosia(label: str) -> float:
-        ws = Path(tempfile.mkdtemp(dir=root, prefix="ws-"))
-        try:
-            started = time.perf_counter()
-            extract.run.run_extraction(manifests[label], workspace=ws, progress=False)
-            return time.perf_counter() - started
-        finally:
-            shutil.rmtree(ws, ignore_errors=True)
+    def sides(label: str, ws: Path) -> dict[str, Callable[[], object]]:
+        """The two sides of ``label``, bare first; agnosia's runs into ``ws`` (made and removed untimed)."""
+        return {"bare": partial(bare_batches, lm, manifests[label], spec["bare"][label]),
+                "agnosia": partial(extract.run.run_extraction, manifests[label], workspace=ws, progress=False)}
 
-    def bare(label: str) -> float:
-        started = time.perf_counter()
-        bare_batches(lm, manifests[label], spec["bare"][label])
-        return time.perf_counter() - started
-
-    sides = {"agnosia": agnosia, "bare": bare}
-    for label in manifests:  # warm-up: the first kernels, the allocator's pools, the page cache
-        agnosia(label), bare(label)
     rounds: dict[str, list[tuple[float, float]]] = {label: [] for label in manifests}
-    for r in range(int(spec["rounds"])):
+    for r in range(-1, int(spec["rounds"])):  # round -1 warms up: the first kernels, the allocator's pools, the page cache
         for label in manifests:
-            order = ("bare", "agnosia") if r % 2 == 0 else ("agnosia", "bare")
-            took: dict[str, Any] = {side: sides[side](label) for side in order}
-            rounds[label].append((took["agnosia"], took["bare"]))
+            ws = Path(tempfile.mkdtemp(dir=root, prefix="ws-"))
+            took = in_turn(sides(label, ws), flip=r % 2 == 1)
+            shutil.rmtree(ws, ignore_errors=True)
+            if r >= 0:
+                rounds[label].append((took["agnosia"], took["bare"]))
     print(json.dumps({"rounds": rounds}))
 
 

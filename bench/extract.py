@@ -79,9 +79,14 @@ def _worker(spec: dict[str, Any], module: str = "bench._extract_worker") -> dict
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _dtype(device: str) -> str:
+    """float32 on the CPU, bfloat16 on an accelerator (as a GPU run loads a VLM)."""
+    return "float32" if device == "cpu" else "bfloat16"
+
+
 def _model(model: Path, device: str) -> dict[str, str]:
-    """A manifest's ``model``: float32 on the CPU, bfloat16 on an accelerator (as a GPU run loads a VLM)."""
-    return {"path": str(model), "device": device, "dtype": "float32" if device == "cpu" else "bfloat16"}
+    """A manifest's ``model`` on ``device``, in its dtype."""
+    return {"path": str(model), "device": device, "dtype": _dtype(device)}
 
 
 def _manifest(model: Path, stimuli: Path, batch: int, new_tokens: int, run: str,
@@ -104,7 +109,7 @@ def _load() -> str:
 
 def overhead(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int, device: str = "cpu") -> None:
     print(f"   (1) overhead: G2M 224 px, {n} samples, taps vision[0,-1] + llm[0,-1] x image, torch {THREADS} threads,"
-          f" {_model(Path(), device)['dtype']} on {device};"
+          f" {_dtype(device)} on {device};"
           f" {rounds} interleaved rounds, each configuration a fresh process, weights load timed")
     ratios: dict[tuple[str, str], list[float]] = {}
     seconds: dict[tuple[str, str, str], list[float]] = {}
@@ -226,7 +231,7 @@ def capture_cost(models: dict[str, Path], stimuli: Path, quick: bool, device: st
     """The capture's own time per batch over a bare forward's, paired batch by batch (part 8)."""
     rounds = 4 if quick else 12
     print(f"   (8) the capture's own cost per batch (no store), paired with a bare forward of the same batch,"
-          f" {_model(Path(), device)['dtype']} on {device};"
+          f" {_dtype(device)} on {device};"
           f" {rounds - 2} rounds after 2 of warm-up, median; load average {_load()}:")
     for arch in ARCHS:
         for batch in (1, 8):
@@ -245,8 +250,8 @@ def interference(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
     for arch in ARCHS:
         for batch in (1, 8):
             samples = 16 * batch if quick else (96 if batch == 1 else 200)
-            got = _worker({"model": str(models[arch]), "set": str(stimuli), "batch": batch, "samples": samples,
-                           "taps": TAPS}, "bench._interference_worker")
+            got = _worker({"model": _model(models[arch], "cpu"), "set": str(stimuli), "batch": batch,
+                           "samples": samples, "taps": TAPS}, "bench._interference_worker")
             steps = "; ".join(f"{name} {1e3 * got[name]['extra_s']:+.3f} ms over {1e3 * got[name]['idle_s']:.2f}"
                               f" ({got[name]['extra_s'] / got[name]['idle_s']:+.1%})" for name in ("prepare", "forward"))
             c = got["prepare"]
@@ -259,7 +264,7 @@ def interference(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
 def warm(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int, device: str = "cpu") -> None:
     """Part 1's comparisons with the weights loaded once per model, and what each further batch costs (part 10)."""
     print(f"   (10) overhead with the weights loaded once: part 1's comparisons, {n} samples and one batch,"
-          f" {_model(Path(), device)['dtype']} on {device}; one process per model, a warm-up run of each side,"
+          f" {_dtype(device)} on {device}; one process per model, a warm-up run of each side,"
           f" then {rounds} rounds, sides back to back in alternating order; weights load not timed;"
           f" load average {_load()}:")
     for arch in ARCHS:
