@@ -526,12 +526,12 @@ def _run_totals(rows: Callable[..., list[tuple[Any, ...]]], run: str) -> tuple[i
 
 def write_lens(w: Writer, lm: LoadedModel, lens: Any, dtype: str) -> None:
     """The run tensors an offline logit lens needs (unembedding, final norm) and the vocabulary."""
-    w.write_tensor("lm_head.weight", lens.unembed, dtype=dtype, module=lens.unembed_path)
-    if lens.unembed_bias is not None:
-        w.write_tensor("lm_head.bias", lens.unembed_bias, dtype=dtype, module=lens.unembed_path)
-    w.write_tensor("final_norm.weight", lens.norm.weight, dtype=dtype, module=lens.norm.module_path)
-    if lens.norm.bias is not None:
-        w.write_tensor("final_norm.bias", lens.norm.bias, dtype=dtype, module=lens.norm.module_path)
+    tensors = {"lm_head.weight": (lens.unembed, lens.unembed_path), "lm_head.bias": (lens.unembed_bias, lens.unembed_path),
+               "final_norm.weight": (lens.norm.weight, lens.norm.module_path),
+               "final_norm.bias": (lens.norm.bias, lens.norm.module_path)}
+    present = {name: t for name, t in tensors.items() if t[0] is not None}
+    w.write_tensors({name: v for name, (v, _) in present.items()}, dtype=dtype,
+                    modules={name: module for name, (_, module) in present.items()})
     w.record_vocab(vocabulary(lm, int(lens.unembed.shape[0])))
 
 

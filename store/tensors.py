@@ -8,6 +8,8 @@ change, so a kill mid-write leaves no row rather than a row pointing at half-wri
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,72 +40,107 @@ class Tensors(WriterCore):
         Synchronous and uncompressed. Stored as it came (float32/float16) unless ``stored_dtype``
         says otherwise; bfloat16 follows the run's bf16 policy (``dtype='bfloat16'`` for uint16 bits).
         """
+        self.write_tensors({name: values}, dtype=dtype, modules={name: module}, stored_dtype=stored_dtype)
+
+    def write_tensors(
+        self,
+        tensors: Mapping[str, Any],
+        *,
+        dtype: str = "float32",
+        modules: Mapping[str, str | None] | None = None,
+        stored_dtype: str | None = None,
+    ) -> None:
+        """:meth:`write_tensor` of several tensors (``modules``: each one's module path): one query
+        for what is stored, one pass of fsyncs and one transaction for all of them."""
         self._check_open()
-        check_name("tensor name", name)
+        for name in tensors:
+            check_name("tensor name", name)
         if self.shard is not None and self.shard.index != 0:
             raise StoreError(
                 f"run tensors of a sharded run are written by shard 0 (this is shard {self.shard}): skip"
                 " write_tensor on the other shards"
             )
+        prepared = [self._prepared(name, values, dtype, stored_dtype, (modules or {}).get(name))
+                    for name, values in tensors.items()]
+        todo = self._not_stored(prepared)
+        if not todo:
+            return  # a resume: the committed copies are these tensors; rewriting them could leave half-written ones
+        self._mark_running()
+        paths = [t.path for t in todo]
+        with disk_full_names(self.ws.zarr_path / paths[0]):
+            files = {t.path: self._write_tensor_files(t) for t in todo}
+            layout.fsync_node_chains(self.ws.path, paths, self._syncers, [f for fs in files.values() for f in fs])
+
+        def upload() -> None:
+            self.ws.root.upload([f for fs in files.values() for f in fs])
+            for path in paths:
+                self.ws.root.upload_meta(path)
+
+        self._upload(upload)
+        at = now()
+        with self._write_connection() as con:
+            con.execute("BEGIN TRANSACTION")
+            con.execute("DELETE FROM tensors WHERE run = ? AND list_contains(?, name)", [self.run, [t.name for t in todo]])
+            for t in todo:
+                nbytes = sum(f.stat().st_size for f in files[t.path] if f.name != "zarr.json")
+                con.execute(
+                    "INSERT INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [self.run, t.name, t.module, t.path, list(t.values.shape), t.kind, t.stored_dtype, nbytes, t.crc,
+                     at],
+                )
+            con.execute("COMMIT")
+        if self.ws.root.remote:
+            unstage([f for fs in files.values() for f in fs])
+
+    def _prepared(self, name: str, values: Any, dtype: str, stored_dtype: str | None,
+                  module: str | None) -> _Tensor:
+        """``values`` cast as they will be stored, with their checksum."""
         arr, kind = as_numpy(values, dtype)
-        if stored_dtype is None:
-            stored_dtype = tensor_stored(kind, self.info.bf16)
-        c = cast(np.ascontiguousarray(arr), kind, stored_dtype, self.info.overflow, f"tensor {name}")
+        stored = stored_dtype or tensor_stored(kind, self.info.bf16)
+        c = cast(np.ascontiguousarray(arr), kind, stored, self.info.overflow, f"tensor {name}")
         vals = np.ascontiguousarray(c.values)
         if vals.ndim == 0:
             vals = vals.reshape(1)
-        path = f"{self.run}/_tensors/{name}"
-        crc = crc32c(vals)
-        if self._tensor_is_stored(name, path, vals.shape, stored_dtype, crc):
-            return  # a resume: the committed copy is this tensor; rewriting it could leave a half-written one
-        self._mark_running()
-        files = self._write_tensor_files(path, name, vals, module, kind, stored_dtype)
-        nbytes = sum(f.stat().st_size for f in files if f.name != "zarr.json")
+        return _Tensor(name, f"{self.run}/_tensors/{name}", vals, kind, stored, module, crc32c(vals))
 
-        def upload() -> None:
-            self.ws.root.upload(files)
-            self.ws.root.upload_meta(path)
-
-        self._upload(upload)
+    def _not_stored(self, tensors: list[_Tensor]) -> list[_Tensor]:
+        """The tensors whose committed copy is not this one. The row of one that has another copy
+        goes before its files change: a kill mid-write then leaves no row, not a broken one."""
         with self._write_connection() as con:
-            con.execute("BEGIN TRANSACTION")
-            con.execute("DELETE FROM tensors WHERE run = ? AND name = ?", [self.run, name])
-            con.execute(
-                "INSERT INTO tensors VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [self.run, name, module, path, list(vals.shape), kind, stored_dtype, nbytes, crc, now()],
-            )
-            con.execute("COMMIT")
-        if self.ws.root.remote:
-            unstage(files)
-
-    def _tensor_is_stored(self, name: str, path: str, shape: tuple[int, ...], stored_dtype: str, crc: int) -> bool:
-        """Whether the committed copy of ``name`` is this tensor; if another one is, forget its row
-        before its files change: a kill mid-write then leaves no row, not a broken one."""
-        with self._write_connection() as con:
-            known = con.execute("SELECT shape, stored_dtype, crc32c FROM tensors WHERE run = ? AND name = ?",
-                                [self.run, name]).fetchall()
+            known = {name: rest for name, *rest in con.execute(
+                "SELECT name, shape, stored_dtype, crc32c FROM tensors WHERE run = ? AND list_contains(?, name)",
+                [self.run, [t.name for t in tensors]]).fetchall()}
             if not known:
-                return False
-            old_shape, stored, known_crc = known[0]
-            if (list(old_shape) == list(shape) and stored == stored_dtype and known_crc == crc
-                    and self.ws.root.has(path)):
-                return True
-            self._mark_running(con)
-            con.execute("DELETE FROM tensors WHERE run = ? AND name = ?", [self.run, name])
-        return False
+                return tensors
+            todo = [t for t in tensors if t.name not in known or known[t.name] != [list(t.values.shape), t.stored_dtype, t.crc]
+                    or not self.ws.root.has(t.path)]
+            changed = [t.name for t in todo if t.name in known]
+            if changed:
+                self._mark_running(con)
+                con.execute("DELETE FROM tensors WHERE run = ? AND list_contains(?, name)", [self.run, changed])
+        return todo
 
-    def _write_tensor_files(self, path: str, name: str, vals: np.ndarray, module: str | None, kind: str,
-                            stored_dtype: str) -> list[Path]:
-        """The tensor's Zarr array, fsynced with its folder chain; returns its files."""
-        per_row = max(1, vals[:1].nbytes)
-        with disk_full_names(self.ws.zarr_path / path):
-            meta = layout.array_metadata(
-                vals.shape, (max(1, min(vals.shape[0], (16 << 20) // per_row)), *vals.shape[1:]),
-                numpy_dtype(stored_dtype), None, (),
-                {"run": self.run, "name": name, "module": module, "source_dtype": kind, "stored_dtype": stored_dtype},
-            )
-            arr_z = layout.create_array(self._root, path, meta)
-            arr_z[...] = vals
-            files = sorted((self.ws.zarr_path / path).iterdir())
-            layout.fsync_node_chains(self.ws.path, [path], self._syncers, files)
-        return files
+    def _write_tensor_files(self, t: _Tensor) -> list[Path]:
+        """The tensor's Zarr array (not yet durable); returns its files."""
+        per_row = max(1, t.values[:1].nbytes)
+        meta = layout.array_metadata(
+            t.values.shape, (max(1, min(t.values.shape[0], (16 << 20) // per_row)), *t.values.shape[1:]),
+            numpy_dtype(t.stored_dtype), None, (),
+            {"run": self.run, "name": t.name, "module": t.module, "source_dtype": t.kind, "stored_dtype": t.stored_dtype},
+        )
+        arr_z = layout.create_array(self._root, t.path, meta)
+        arr_z[...] = t.values
+        return sorted((self.ws.zarr_path / t.path).iterdir())
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """A run tensor as it will be stored."""
+
+    name: str
+    path: str
+    values: np.ndarray
+    kind: str           # the source dtype
+    stored_dtype: str
+    module: str | None
+    crc: int

@@ -239,6 +239,69 @@ def test_run_level_tensors(tmp_path):
     assert ws.verify().ok
 
 
+def test_run_tensors_written_together_share_one_fsync_pass_and_a_resume_rewrites_only_a_changed_one(
+        tmp_path, monkeypatch):
+    from store import RunInfo
+    from store import arrays as layout
+
+    ws = Workspace.open(tmp_path / "ws")
+    info = RunInfo(run="r", model="m")
+    rng = np.random.default_rng(0)
+    weight, norm = rng.standard_normal((50, 8)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    passes: list[list[str]] = []
+    real = layout.fsync_node_chains
+
+    def counted(workspace, zarr_paths, pool=None, files=()):
+        passes.append(list(zarr_paths))
+        return real(workspace, zarr_paths, pool, files)
+
+    monkeypatch.setattr(layout, "fsync_node_chains", counted)
+    with ws.writer(info) as w:
+        w.write_tensors({"lm_head.weight": weight, "final_norm.weight": norm},
+                        modules={"lm_head.weight": "lm_head", "final_norm.weight": "model.norm"})
+    assert [p for p in passes if "_tensors" in p[0]] == [["r/_tensors/lm_head.weight", "r/_tensors/final_norm.weight"]]
+    assert ws.rows("SELECT name, module, shape FROM tensors ORDER BY name") == [
+        ("final_norm.weight", "model.norm", [8]), ("lm_head.weight", "lm_head", [50, 8])]
+    kept = ws.zarr_path / "r/_tensors/lm_head.weight/c.0.0"
+    stat = kept.stat()
+    with ws.writer(info) as w:  # a resume: the weight is the same, the norm changed
+        w.write_tensors({"lm_head.weight": weight, "final_norm.weight": norm * 2},
+                        modules={"lm_head.weight": "lm_head", "final_norm.weight": "model.norm"})
+    assert (kept.stat().st_ino, kept.stat().st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
+    assert np.array_equal(ws.read_tensor("r", "lm_head.weight"), weight)
+    assert np.array_equal(ws.read_tensor("r", "final_norm.weight"), norm * 2)
+    assert ws.rows("SELECT count(*) FROM tensors") == [(2,)]
+    assert ws.verify().ok
+
+
+def test_run_tensors_written_together_land_together(tmp_path, monkeypatch):
+    """A writer killed while writing the second of two tensors' files leaves neither row; the next
+    writer writes both."""
+    from store import RunInfo
+    from store.tensors import Tensors
+
+    ws = Workspace.open(tmp_path / "ws")
+    info = RunInfo(run="r", model="m")
+    weight, norm = np.ones((6, 4), dtype=np.float32), np.full(4, 2.0, dtype=np.float32)
+    real = Tensors._write_tensor_files
+
+    def dies_on_the_norm(self, t):
+        if t.name == "final_norm.weight":
+            raise KeyboardInterrupt("killed while writing the second tensor")
+        return real(self, t)
+
+    monkeypatch.setattr(Tensors, "_write_tensor_files", dies_on_the_norm)
+    with pytest.raises(KeyboardInterrupt), ws.writer(info) as w:
+        w.write_tensors({"lm_head.weight": weight, "final_norm.weight": norm})
+    assert ws.rows("SELECT count(*) FROM tensors") == [(0,)]
+    assert ws.verify().ok
+    monkeypatch.setattr(Tensors, "_write_tensor_files", real)
+    with ws.writer(info) as w:
+        w.write_tensors({"lm_head.weight": weight, "final_norm.weight": norm})
+    assert np.array_equal(ws.read_tensor("r", "final_norm.weight"), norm)
+    assert ws.rows("SELECT count(*) FROM tensors") == [(2,)]
+
+
 def test_resume_ignores_keys_added_later_with_no_value(tmp_path):
     """A run written before the manifest grew a key (stored config lacks it) resumes when the new
     key is null, and is still refused when a real setting differs."""
