@@ -11,7 +11,13 @@ every round each configuration's two sides run back to back, their order alterna
 time the same thing: collecting the samples, the batches, and on agnosia's side the capture and the
 store. The manifests share one model.
 
-Prints one JSON line: per label, each round's (agnosia, bare) seconds.
+On the CPU each side's run is split in two: the model's forward calls (hooks included; ``generate``
+calls it once per step) and the rest. The forward's share shows what the capture and the writer
+thread beside it cost the model; the rest, what the run adds around it (set-up, store calls,
+scoring). On another device a forward call returns before its kernels finish, so no split.
+
+Prints one JSON line: per label, each round's (agnosia, bare) seconds, and on the CPU each round's
+(agnosia, bare) seconds in the model's forward.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import json
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
-from functools import partial
+from functools import partial, wraps
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
@@ -42,21 +50,50 @@ def main() -> None:
     lm = load_model(model.path, dtype=model.dtype, device=model.device)
     extract.run.load_model = extract.models.load_model = lambda *args, **kwargs: lm
     root = Path(spec["root"])
+    in_forward = [0.0]
+    if model.device == "cpu":
+        lm.model.forward = _timed(lm.model.forward, in_forward)
 
     def sides(label: str, ws: Path) -> dict[str, Callable[[], object]]:
         """The two sides of ``label``, bare first; agnosia's runs into ``ws`` (made and removed untimed)."""
         return {"bare": partial(bare_batches, lm, manifests[label], spec["bare"][label]),
                 "agnosia": partial(extract.run.run_extraction, manifests[label], workspace=ws, progress=False)}
 
+    def counted(fn: Callable[[], object], into: dict[str, float], side: str) -> Callable[[], object]:
+        def run() -> object:
+            before = in_forward[0]
+            try:
+                return fn()
+            finally:
+                into[side] = in_forward[0] - before
+        return run
+
     rounds: dict[str, list[tuple[float, float]]] = {label: [] for label in manifests}
+    forward: dict[str, list[tuple[float, float]]] = {label: [] for label in manifests}
     for r in range(-1, int(spec["rounds"])):  # round -1 warms up: the first kernels, the allocator's pools, the page cache
         for label in manifests:
             ws = Path(tempfile.mkdtemp(dir=root, prefix="ws-"))
-            took = in_turn(sides(label, ws), flip=r % 2 == 1)
+            fwd: dict[str, float] = {}
+            took = in_turn({side: counted(fn, fwd, side) for side, fn in sides(label, ws).items()}, flip=r % 2 == 1)
             shutil.rmtree(ws, ignore_errors=True)
             if r >= 0:
                 rounds[label].append((took["agnosia"], took["bare"]))
-    print(json.dumps({"rounds": rounds}))
+                forward[label].append((fwd["agnosia"], fwd["bare"]))
+    print(json.dumps({"rounds": rounds, "forward": forward if model.device == "cpu" else None}))
+
+
+def _timed(fn: Callable[..., Any], total: list[float]) -> Callable[..., Any]:
+    """``fn``, adding each call's seconds to ``total[0]``; its signature stays ``fn``'s (``generate``
+    checks its inputs against the forward's)."""
+    @wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - started
+
+    return call
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ with ``--part overhead|memory|connects|steps|steady|cast|arrays|capture|interfer
    (``bench._warm_worker``): a warm-up run of each side, then the rounds, sides back to back in
    alternating order. Part 1 times the weights load on both sides, which dilutes what a run adds;
    this part does not, and a GPU machine, whose process starts take tens of seconds, runs it in
-   minutes.
+   minutes. On the CPU each run is also split into the model's forward calls (hooks included) and
+   the rest: what the capture and the writer beside it cost the model, and what the run adds around it.
 
 ``--quick`` is a smoke run (16 samples, 3 rounds): its figures are not ones to report. ``--device cuda``
 runs parts 1, 8 and 10 with the models in bfloat16 on that device (the others stay on the CPU).
@@ -274,8 +275,8 @@ def warm(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int
                 key = label if limit is None else f"{label}, one batch"
                 manifests[key] = _manifest(models[arch], stimuli, batch, new, "bench", limit=limit, device=device)
                 bare[key] = side
-        got = _worker({"manifests": manifests, "bare": bare, "rounds": rounds, "root": str(root)},
-                      "bench._warm_worker")["rounds"]
+        out = _worker({"manifests": manifests, "bare": bare, "rounds": rounds, "root": str(root)}, "bench._warm_worker")
+        got = out["rounds"]
         print(f"     tiny {arch}:")
         for label, _side, batch, _new, aim in COMPARISONS:
             pairs, one = got[label], got[f"{label}, one batch"]
@@ -287,6 +288,18 @@ def warm(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int
                   f" median {agn:.2f} s vs {bare_s:.2f} s); each further batch {(agn - agn1) / (bare_s - bare1):.3f}x"
                   f" ({1e3 * ((agn - agn1) - (bare_s - bare1)) / batches:+.2f} ms), set-up with one batch"
                   f" {agn1 - bare1:+.3f} s")
+            if out["forward"] is not None:
+                print(f"         {_split(pairs, out['forward'][label])}")
+
+
+def _split(pairs: list[list[float]], forward: list[list[float]]) -> str:
+    """Part 10's rounds of one comparison split into the model's forward calls and the rest of each run."""
+    ratios = [a / b for a, b in forward]
+    rest = [(a - fa, b - fb) for (a, b), (fa, fb) in zip(pairs, forward, strict=True)]
+    return (f"in the model's forward {median(ratios):.3f}x (median {median(a for a, _ in forward):.2f} s vs"
+            f" {median(b for _, b in forward):.2f} s: capture and writer beside it); the rest"
+            f" {median(a - b for a, b in rest):+.3f} s (median {median(a for a, _ in rest):.2f} s vs"
+            f" {median(b for _, b in rest):.2f} s: set-up, store calls, scoring)")
 
 
 def arrays(root: Path) -> None:
