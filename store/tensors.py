@@ -4,6 +4,7 @@ Written synchronously and uncompressed, one Zarr array each under ``<run>/_tenso
 recorded in the ``tensors`` table with a CRC-32C of the stored values. A resume that writes the
 same tensor leaves the committed copy alone; a changed tensor loses its row before its files
 change, so a kill mid-write leaves no row rather than a row pointing at half-written bytes.
+Tensors written in one call commit in one transaction: they land together or not at all.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from store.writer_core import WriterCore, disk_full_names, now, unstage
 
 
 class Tensors(WriterCore):
-    """``write_tensor`` of a writer."""
+    """``write_tensor`` and ``write_tensors`` of a writer."""
 
     def write_tensor(
         self,
