@@ -25,6 +25,7 @@ import resource
 import sys
 import threading
 import time
+from functools import wraps
 from typing import Any
 
 import duckdb
@@ -90,9 +91,11 @@ _RUN_STEPS = ("collect_samples", "load_model", "image_sizes", "check_image_sizes
 _WRITER_STEPS = ("__init__", "register_stimulus_set", "set_samples", "arrays", "write_batch", "finish", "__exit__")
 
 
-def _timed(owner: Any, name: str, label: str, steps: dict[str, list[float]]) -> None:
+def time_calls(owner: Any, name: str, label: str, steps: dict[str, list[float]]) -> None:
+    """Put a timer around ``owner.name``: each call adds its seconds and one call to ``steps[label]``."""
     fn = getattr(owner, name)
 
+    @wraps(fn)  # the signature stays fn's: generate checks its inputs against the forward's
     def timed(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         try:
@@ -114,15 +117,15 @@ def _time_steps(steps: dict[str, list[float]]) -> None:
     for name in _RUN_STEPS:
         for owner in (run, models):
             if hasattr(owner, name):
-                _timed(owner, name, name, steps)
+                time_calls(owner, name, name, steps)
     for name in _WRITER_STEPS:
-        _timed(Writer, name, f"Writer.{name}", steps)
-    _timed(Workspace, "open", "Workspace.open", steps)
+        time_calls(Writer, name, f"Writer.{name}", steps)
+    time_calls(Workspace, "open", "Workspace.open", steps)
     loaded = models.load_model
 
     def load(*args: Any, **kwargs: Any) -> Any:
         lm = loaded(*args, **kwargs)
-        _timed(lm.model, "forward", "model forward (hooks included)", steps)
+        time_calls(lm.model, "forward", "model forward (hooks included)", steps)
         return lm
 
     run.load_model = models.load_model = load

@@ -26,11 +26,9 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable
-from functools import partial, wraps
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 
 def main() -> None:
@@ -40,7 +38,7 @@ def main() -> None:
     torch.set_num_threads(int(spec.get("threads", 2)))
     import extract.models
     import extract.run
-    from bench._extract_worker import bare_batches
+    from bench._extract_worker import bare_batches, time_calls
     from bench._paired import in_turn
     from extract.manifest import parse_manifest
     from extract.models import load_model
@@ -50,9 +48,12 @@ def main() -> None:
     lm = load_model(model.path, dtype=model.dtype, device=model.device)
     extract.run.load_model = extract.models.load_model = lambda *args, **kwargs: lm
     root = Path(spec["root"])
-    in_forward = [0.0]
+    steps: dict[str, list[float]] = {}
     if model.device == "cpu":
-        lm.model.forward = _timed(lm.model.forward, in_forward)
+        time_calls(lm.model, "forward", "forward", steps)
+
+    def in_forward() -> float:
+        return steps.get("forward", [0.0])[0]
 
     def sides(label: str, ws: Path) -> dict[str, Callable[[], object]]:
         """The two sides of ``label``, bare first; agnosia's runs into ``ws`` (made and removed untimed)."""
@@ -61,11 +62,11 @@ def main() -> None:
 
     def counted(fn: Callable[[], object], into: dict[str, float], side: str) -> Callable[[], object]:
         def run() -> object:
-            before = in_forward[0]
+            before = in_forward()
             try:
                 return fn()
             finally:
-                into[side] = in_forward[0] - before
+                into[side] = in_forward() - before
         return run
 
     rounds: dict[str, list[tuple[float, float]]] = {label: [] for label in manifests}
@@ -80,20 +81,6 @@ def main() -> None:
                 rounds[label].append((took["agnosia"], took["bare"]))
                 forward[label].append((fwd["agnosia"], fwd["bare"]))
     print(json.dumps({"rounds": rounds, "forward": forward if model.device == "cpu" else None}))
-
-
-def _timed(fn: Callable[..., Any], total: list[float]) -> Callable[..., Any]:
-    """``fn``, adding each call's seconds to ``total[0]``; its signature stays ``fn``'s (``generate``
-    checks its inputs against the forward's)."""
-    @wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            total[0] += time.perf_counter() - started
-
-    return call
 
 
 if __name__ == "__main__":

@@ -70,10 +70,11 @@ class Tensors(WriterCore):
         paths = [t.path for t in todo]
         with disk_full_names(self.ws.zarr_path / paths[0]):
             files = {t.path: self._write_tensor_files(t) for t in todo}
-            layout.fsync_node_chains(self.ws.path, paths, self._syncers, [f for fs in files.values() for f in fs])
+            every_file = [f for fs in files.values() for f in fs]
+            layout.fsync_node_chains(self.ws.path, paths, self._syncers, every_file)
 
         def upload() -> None:
-            self.ws.root.upload([f for fs in files.values() for f in fs])
+            self.ws.root.upload(every_file)
             for path in paths:
                 self.ws.root.upload_meta(path)
 
@@ -91,7 +92,7 @@ class Tensors(WriterCore):
                 )
             con.execute("COMMIT")
         if self.ws.root.remote:
-            unstage([f for fs in files.values() for f in fs])
+            unstage(every_file)
 
     def _prepared(self, name: str, values: Any, dtype: str, stored_dtype: str | None,
                   module: str | None) -> _Tensor:
