@@ -26,7 +26,7 @@ from store import db
 from store.depth import assign_depths
 from store.dtypes import default_stored
 from store.errors import SpecMismatchError, StoreError
-from store.records import ArrayInfo, ArraySpec, RunInfo, check_name, to_json
+from store.records import ArrayInfo, ArraySpec, RunInfo, check_name, json_object, to_json
 from store.workspace import ARRAY_COLUMNS, array_info_of_row
 from store.writer_core import ArrayHandle, WriterCore, disk_full_names, now
 
@@ -125,11 +125,11 @@ class Registration(WriterCore):
                         set_path: str | os.PathLike[str] | None, seen: set[str]) -> list[str]:
         """One transaction of :meth:`register_stimuli`; ``seen``: the keys of the set's earlier blocks."""
         records = []
+        set_text = None if set_path is None else str(set_path)
         for r in rows:
             if "id" not in r or r["id"] in (None, ""):
                 raise StoreError(f"every stimulus row needs an 'id' (the truth.parquet format), got keys {sorted(r)}")
-            content = {k: r.get(k) for k in ("id", *_STIMULUS_FIELDS)}
-            blob = to_json(content) or ""
+            encoded = {k: to_json(r.get(k)) for k in ("id", *_STIMULUS_FIELDS)}
             records.append(
                 {
                     "stimulus": f"{dataset}/{r['id']}",
@@ -140,13 +140,14 @@ class Registration(WriterCore):
                     "seed": None if r.get("seed") is None else int(r["seed"]),
                     "prompt": r.get("prompt"),
                     "answer": r.get("answer"),
-                    "prompts": to_json(r.get("prompts")),
-                    "answers": to_json(r.get("answers")),
-                    "params": to_json(r.get("params")),
-                    "truth": to_json(r.get("truth")),
+                    "prompts": encoded["prompts"],
+                    "answers": encoded["answers"],
+                    "params": encoded["params"],
+                    "truth": encoded["truth"],
                     "image": r.get("image"),
-                    "set_path": None if set_path is None else str(set_path),
-                    "digest": hashlib.sha1(blob.encode()).hexdigest(),
+                    "set_path": set_text,
+                    # of the row's fields as one JSON object: a content change under a known key shows
+                    "digest": hashlib.sha1(json_object(encoded).encode()).hexdigest(),
                 }
             )
         keys = [str(r["stimulus"]) for r in records]

@@ -410,8 +410,9 @@ def test_array_bytes_are_the_sum_of_their_chunks_and_a_retried_commit_adds_nothi
 def test_a_stimulus_digest_is_the_sha1_of_its_fields_canonical_json(tmp_path, row):
     """The digest a re-registration compares: its bytes must not change with how they are built."""
     import hashlib
+    import json
 
-    from store.records import to_json
+    from store.records import _json_default
     from store.registration import _STIMULUS_FIELDS
 
     content = {k: row.get(k) for k in ("id", *_STIMULUS_FIELDS)}
@@ -419,4 +420,24 @@ def test_a_stimulus_digest_is_the_sha1_of_its_fields_canonical_json(tmp_path, ro
     with ws.writer(RunInfo(run="r", model="none")) as w:
         w.register_stimuli([row], dataset="d")
         w.finish(partial_ok=True)
-    assert ws.rows("SELECT digest FROM stimuli") == [(hashlib.sha1(to_json(content).encode()).hexdigest(),)]
+    # The formula of the first stores, spelled out: a workspace registered then must still match.
+    canonical = json.dumps(content, sort_keys=True, default=_json_default, allow_nan=True)
+    assert ws.rows("SELECT digest FROM stimuli") == [(hashlib.sha1(canonical.encode()).hexdigest(),)]
+
+
+@pytest.mark.parametrize("value", [
+    "Ü \"q\"\n\t", "", 3, 10**30, -2.5, np.int64(7), float("inf"), True, None, np.float32(0.1), np.arange(3),
+    {"b": 1, "a": {"d": [1, None], "c": "ß"}}, [{"z": 1, "y": 2}], {"set": {3, 1}},
+])
+def test_to_json_is_canonical_json_dumps(value):
+    """to_json keeps one encoder and a fast path for strings; its bytes stay json.dumps's."""
+    import json
+
+    from store.records import _json_default, json_object, to_json
+
+    def dumps(v):
+        return json.dumps(v, sort_keys=True, default=_json_default, allow_nan=True)
+
+    assert to_json(value) == (None if value is None else dumps(value))
+    record = {"value": value, "a": "x", "z": None}
+    assert json_object({k: to_json(v) for k, v in record.items()}) == dumps(record)
