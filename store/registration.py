@@ -146,7 +146,7 @@ class Registration(WriterCore):
                     "truth": encoded["truth"],
                     "image": r.get("image"),
                     "set_path": set_text,
-                    # of the row's fields as one JSON object: a content change under a known key shows
+                    # of the row's fields as one canonical JSON object: what a re-registration compares
                     "digest": hashlib.sha1(json_object(encoded).encode()).hexdigest(),
                 }
             )

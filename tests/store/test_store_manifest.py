@@ -430,7 +430,7 @@ def test_a_stimulus_digest_is_the_sha1_of_its_fields_canonical_json(tmp_path, ro
     {"b": 1, "a": {"d": [1, None], "c": "ß"}}, [{"z": 1, "y": 2}], {"set": {3, 1}},
 ])
 def test_to_json_is_canonical_json_dumps(value):
-    """to_json keeps one encoder and a fast path for strings; its bytes stay json.dumps's."""
+    """to_json keeps one encoder and fast paths for strings and integers; its bytes stay json.dumps's."""
     import json
 
     from store.records import _json_default, json_object, to_json
