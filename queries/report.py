@@ -17,14 +17,8 @@ import pyarrow as pa
 
 from queries.figures import Figure, Page, Section, save_table
 from queries.named import run as run_named
-from queries.pages import (
-    COUNT_TARGETS,
-    counting_page,
-    modality_attention_share,
-    probes_section,
-    tricks_page,
-    where_lost_sections,
-)
+from queries.pages import modality_attention_share, probes_section, tricks_page
+from queries.pages_counting import COUNT_TARGETS, counting_page, where_lost_sections
 from queries.pages_spatial import _probe_error_map, g2m_page, images_page
 from queries.render import format_cell
 from store import StoreError, Workspace
