@@ -38,7 +38,7 @@ from probes.cluster import start as cluster_start
 from probes.errors import ProbeError
 from probes.kinds import get_kind
 from probes.plan import ArrayRow, Group, Plan, ProbeTask, expand, group_tasks
-from probes.splits import Fold, column_fold, hash_fold
+from probes.splits import Fold, column_fold, hash_fold, kfold_fold
 from probes.targets import SampleInfo, TargetValues, get_target, token_grid
 from probes.worker import GroupJob, GroupResult, run_group
 from stimuli.progress import progress_bar
@@ -149,6 +149,9 @@ class _Preparer:
             rows, infos = self.samples(run, where)
             if task.split == "hash":
                 fold = hash_fold([i.stimulus for i in infos], task.seed, task.test_fraction)
+            elif task.split == "kfold":
+                assert task.folds is not None and task.fold is not None, "a kfold task names its fold"
+                fold = kfold_fold([i.stimulus for i in infos], task.seed, task.folds, task.fold)
             else:
                 fold = column_fold([i.split for i in infos], task.seed)
             if task.train_where:

@@ -8,7 +8,9 @@ derive: auto                         # or never: store pooled features once (doc
 defaults:                            # apply to every entry unless it says otherwise
   seeds: [0]
   test_fraction: 0.2                 # hash split by stimulus key (probes/splits.py)
-  split: hash                        # or column: the stimuli's split column (train / test)
+  split: hash                        # or kfold (folds: k probes per seed, each sample tested once),
+                                     # or column: the stimuli's split column (train / test)
+  folds: 5                           # split kfold only
   control: shuffle                   # or none
   sites: [resid_post]
   tokens: [image]
@@ -66,10 +68,14 @@ def _listify(v: Any) -> Any:
     return [v] if isinstance(v, (str, int)) and v != "all" else v
 
 
+Split = Literal["hash", "kfold", "column"]
+
+
 class Defaults(_Strict):
     seeds: list[int] = [0]
     test_fraction: float = Field(0.2, gt=0, lt=1)
-    split: Literal["hash", "column"] = "hash"
+    split: Split = "hash"
+    folds: int = Field(5, ge=2, le=100)
     control: Literal["shuffle", "none"] = "shuffle"
     sites: list[str] = ["resid_post"]
     tokens: list[str] = ["image"]
@@ -90,7 +96,8 @@ class Entry(_Strict):
     params: dict[str, Any] = {}
     seeds: list[int] | None = None
     test_fraction: float | None = Field(None, gt=0, lt=1)
-    split: Literal["hash", "column"] | None = None
+    split: Split | None = None
+    folds: int | None = Field(None, ge=2, le=100)
     control: Literal["shuffle", "none"] | None = None
     tag: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -166,16 +173,21 @@ class ProbeTask:
     test_fraction: float = 0.2
     control: str = "shuffle"
     tag: str | None = None
+    folds: int | None = None          # split kfold: k, and ``fold`` the one this probe tests
+    fold: int | None = None
     key: str = field(default="", compare=False)
 
     def identity(self) -> dict[str, Any]:
-        return {
+        ident = {
             "v": KEY_VERSION, "run": self.run, "tap": self.tap, "layer": self.layer, "site": self.site,
             "tokens": self.tokens, "target": self.target, "kind": self.kind, "seed": self.seed, "params": self.params,
             "where": self.where, "train_where": self.train_where, "split": self.split,
             "test_fraction": self.test_fraction if self.split == "hash" else None, "control": self.control,
             "tag": self.tag,
         }
+        if self.split == "kfold":  # only here: the keys of hash and column probes stay what they were
+            ident |= {"folds": self.folds, "fold": self.fold}
+        return ident
 
     @property
     def record_target(self) -> str:
@@ -184,7 +196,8 @@ class ProbeTask:
     @property
     def fold_id(self) -> str:
         frac = self.test_fraction if self.split == "hash" else None
-        return f"{self.split}|{self.seed}|{frac}|{self.train_where or ''}"
+        kfold = f"|{self.fold}/{self.folds}" if self.split == "kfold" else ""
+        return f"{self.split}|{self.seed}|{frac}|{self.train_where or ''}{kfold}"
 
 
 def task_key(identity: dict[str, Any]) -> str:
@@ -403,12 +416,15 @@ def entry_tasks(entry: Entry, defaults: Defaults, features: Sequence[Features]) 
     """The product pass: every (feature array, target, kind, seed) of an entry, in that nesting order."""
     params = {k: kind_params(entry, k) for k in entry.kinds}
     seeds = entry.seeds if entry.seeds is not None else defaults.seeds
-    for f, target, kind, seed in itertools.product(features, entry.targets, entry.kinds, seeds):
+    split = entry.split or defaults.split
+    k = (entry.folds or defaults.folds) if split == "kfold" else None
+    folds: list[int | None] = list(range(k)) if k else [None]
+    for f, target, kind, seed, fold in itertools.product(features, entry.targets, entry.kinds, seeds, folds):
         yield _make_task(
             run=f.run, tap=f.tap, layer=f.layer, site=f.site, tokens=f.tokens, target=target, kind=kind, seed=seed,
-            params=params[kind], where=entry.where, train_where=entry.train_where, split=entry.split or defaults.split,
-            test_fraction=entry.test_fraction or defaults.test_fraction, control=entry.control or defaults.control,
-            tag=entry.tag,
+            params=params[kind], where=entry.where, train_where=entry.train_where, split=split,
+            test_fraction=1.0 / k if k else entry.test_fraction or defaults.test_fraction,
+            control=entry.control or defaults.control, tag=entry.tag, folds=k, fold=fold,
         )
 
 
@@ -418,7 +434,8 @@ def dedupe(candidates: Iterable[ProbeTask], seen: dict[tuple[Any, ...], ProbeTas
     (where/params/split) cannot both be stored: a PlanError."""
     added = []
     for task in candidates:
-        pk = (task.run, task.tap, task.layer, task.site, task.tokens, task.record_target, task.kind, task.seed)
+        pk = (task.run, task.tap, task.layer, task.site, task.tokens, task.record_target, task.kind, task.seed,
+              task.fold)
         other = seen.get(pk)
         if other is None:
             seen[pk] = task

@@ -1,9 +1,12 @@
 """Train/test splits that can be recomputed later from the stimulus keys alone.
 
-The default rule hashes ``"<seed>:<stimulus key>"`` to a number in [0, 1) and puts a sample in
-the test set when it is below ``test_fraction``. A sample's side therefore depends only on its
-own key and the seed, never on which other rows a query selected, so a probe can be re-scored
-from the manifest at any time (the rule, seed and fraction are recorded with every probe).
+The default rule hashes ``"<seed>:<stimulus key>"`` to a number u in [0, 1) and puts a sample in
+the test set when it is below ``test_fraction``. ``kfold`` cuts the same u into ``folds`` equal
+bins: fold i tests the samples whose u falls in bin i and trains on the rest, so the k probes of
+one seed test every sample exactly once (a curve of held-out predictions for all samples).
+A sample's side therefore depends only on its own key and the seed, never on which other rows a
+query selected, so a probe can be re-scored from the manifest at any time (the rule, seed and
+fraction are recorded with every probe).
 ``by="column"`` uses the stimuli table's ``split`` column instead (e.g. the study's own
 train/test files).
 """
@@ -19,6 +22,7 @@ import numpy as np
 from probes.errors import ProbeError
 
 HASH_RULE = "test iff int(sha256('<seed>:<stimulus>')[:16], 16) / 2**64 < test_fraction"
+KFOLD_RULE = "test iff floor(folds * int(sha256('<seed>:<stimulus>')[:16], 16) / 2**64) == fold"
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,20 @@ def hash_fold(stimuli: Sequence[str], seed: int, test_fraction: float) -> Fold:
             " select more rows (where=...) or change test_fraction"
         )
     return Fold(seed, ~test, test, {"by": "hash", "rule": HASH_RULE, "seed": seed, "test_fraction": test_fraction})
+
+
+def kfold_fold(stimuli: Sequence[str], seed: int, folds: int, fold: int) -> Fold:
+    if not 2 <= folds or not 0 <= fold < folds:
+        raise ProbeError(f"kfold needs folds >= 2 and 0 <= fold < folds, got fold {fold} of {folds}")
+    if len(stimuli) < folds:
+        raise ProbeError(f"kfold with {folds} folds needs at least {folds} samples, the selection has {len(stimuli)}:"
+                         " select more rows (where=...) or lower folds")
+    test = np.floor(hash_unit(stimuli, seed) * folds).astype(np.int64) == fold
+    if not test.any() or test.all():
+        raise ProbeError(f"fold {fold} of {folds} (seed {seed}) holds {int(test.sum())} of {len(stimuli)} rows:"
+                         " select more rows (where=...) or lower folds")
+    return Fold(seed, ~test, test, {"by": "kfold", "rule": KFOLD_RULE, "seed": seed, "folds": folds, "fold": fold,
+                                    "test_fraction": 1.0 / folds})
 
 
 def column_fold(splits: Sequence[str | None], seed: int, train: str = "train", test: str = "test") -> Fold:

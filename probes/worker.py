@@ -31,6 +31,7 @@ from probes.targets import TargetValues
 from store import ArrayInfo, ProbeResult
 from store.heap import tune_malloc
 from store.location import ArrayRoot
+from store.maintenance import PREDICTION_COLUMNS
 from store.schema import series_of
 
 
@@ -169,11 +170,17 @@ def _record(job: GroupJob, task: ProbeTask, out: Outcome, seconds: float, worker
         n_train=out.n_train, n_test=out.n_test, metric=out.metric,
         control_score=None if control is None or _nan(control) else float(control), artifact=artifact, params=params,
         key=task.key, kind_params=task.params, split=rule, train_where=task.train_where,
-        test_fraction=task.test_fraction if task.split == "hash" else None,
+        test_fraction=task.test_fraction if task.split in ("hash", "kfold") else None, fold=task.fold,
         series=series_of(task.tokens, task.record_target, task.kind, task.params, task.where, task.train_where,
-                         rule, task.control),
+                         _series_rule(fold.rule), task.control),
         predictions=_predictions(job.rows, out.predictions),
     )
+
+
+def _series_rule(rule: dict[str, Any]) -> str:
+    """The split rule as the series sees it: every seed, and the k folds of a kfold seed, are one
+    curve, whose seeds the queries average (a series per seed never averaged)."""
+    return json.dumps({k: v for k, v in rule.items() if k not in ("fold", "seed")}, sort_keys=True)
 
 
 def _predictions(rows: np.ndarray, got: PerSample | tuple[Any, Any] | None) -> dict[str, list[Any]] | None:
@@ -183,7 +190,7 @@ def _predictions(rows: np.ndarray, got: PerSample | tuple[Any, Any] | None) -> d
     if not isinstance(got, PerSample):  # (positions, values): a one-number prediction per sample
         got = PerSample(np.asarray(got[0]), np.asarray(got[1]))
     out = {"array_row": rows[np.asarray(got.positions, dtype=np.int64)].tolist()}
-    for name in ("prediction", "truth", "score"):
+    for name in PREDICTION_COLUMNS:
         values = getattr(got, name)
         if values is not None:
             out[name] = np.asarray(values, dtype=np.float64).reshape(len(out["array_row"])).tolist()

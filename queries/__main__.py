@@ -1,8 +1,11 @@
 """``python -m queries NAME [--param key=value] [--format table|csv|json|parquet]``.
 
-Besides the SQL files of queries/sql, two named queries are Python (queries/gap.py): ``gap``
-(a probe's decodability per depth and group beside the model's accuracy) and ``lost`` (where
-along the model each group's information is lost).
+Besides the SQL files of queries/sql, four named queries are Python: ``gap`` (queries/gap.py: a
+probe's decodability per depth and group beside the model's accuracy), ``curves`` and
+``expressed`` (queries/evidence.py: each probe series per group along depth with bootstrap
+intervals and its control; what the model answers per group), and ``lost`` (queries/verdicts.py:
+per question and group, whether the target is present and transferable, re-encoded, lost or not
+distinguishable, and from which depth).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from queries import gap
+from queries import evidence, gap, verdicts
 from queries.named import QueryError, available, check_out, run
 from queries.render import emit, render_schema
 from store import StoreError, Workspace
@@ -45,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
             params = ", ".join(f"{k}={d}" for k, (d, _) in gap.PARAMS.items())
             print(f"{'gap':<20} a probe's decodability per depth and stimulus group beside the model's accuracy"
                   f"\n{'':<20} params: {params}")
-            print(f"{'lost':<20} where along the model each group's information is lost (gap, reduced)"
+            print(f"{'curves':<20} each probe series per group along depth: value, 95% bootstrap interval, control"
                   f"\n{'':<20} params: {params}")
+            print(f"{'expressed':<20} what the model answers per group: accuracy, MAE over numbers, runaway share"
+                  f"\n{'':<20} params: {params}")
+            print(f"{'lost':<20} per question and group: present and transferable, re-encoded, lost or not"
+                  f" distinguishable (docs/verdicts.md)\n{'':<20} params: {params}")
             return 0
         if args.out:
             check_out(args.out)
@@ -60,9 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
         elif args.sql:
             table = ws.query(args.sql)
-        elif args.name in ("gap", "lost"):
+        elif args.name == "gap":
             table = gap.gap(ws, _params(args.param))
-            table = gap.where_lost(table) if args.name == "lost" else table
+        elif args.name in ("curves", "lost"):
+            found = evidence.curves(ws, _params(args.param))
+            table = evidence.curves_table(found) if args.name == "curves" else \
+                verdicts.verdicts_table(verdicts.where_lost(found))
+        elif args.name == "expressed":
+            given = _params(args.param)
+            found = evidence.curves(ws, given)
+            table = evidence.expressed_table(evidence.expressed(ws, given, evidence.truths_of(found, ws, given)))
         elif args.name:
             table = run(ws, args.name, _params(args.param))
         else:

@@ -57,6 +57,7 @@ class WorkspaceWrites:
                 "metric": r.metric, "score": float(r.score),
                 "control_score": None if r.control_score is None else float(r.control_score),
                 "artifact": r.artifact, "params": to_json(r.params), "created_at": now,
+                "fold": None if r.fold is None else int(r.fold),
             }
             for r in results
         ]
@@ -70,10 +71,10 @@ class WorkspaceWrites:
             con.execute(
                 "INSERT INTO probes SELECT key, run, tap, layer, site, tokens, target, kind, seed, series,"
                 " kind_params::JSON, split, test_fraction, train_where, n_train, n_test, metric,"
-                " score, control_score, artifact, params::JSON, created_at FROM new_probes"
+                " score, control_score, artifact, params::JSON, created_at, fold FROM new_probes"
             )
-            con.execute("INSERT INTO probe_predictions SELECT key, run, array_row, prediction, truth, score"
-                        " FROM new_predictions")
+            con.execute("INSERT INTO probe_predictions SELECT key, run, array_row, prediction, truth, score,"
+                        " control_prediction, control_score FROM new_predictions")
             con.execute("COMMIT")
             con.unregister("new_probes")   # a held connection outlives this call: let the tables go
             con.unregister("new_predictions")
@@ -206,13 +207,16 @@ def _now() -> Any:
 
 
 _PROBE_KINDS = {"layer": "int32", "seed": "int32", "test_fraction": "float64", "n_train": "int32", "n_test": "int32",
-                "score": "float64", "control_score": "float64"}   # the other columns: str, datetime or NULL
-_PREDICTION_KINDS = {"array_row": "int64", "prediction": "float64", "truth": "float64", "score": "float64"}
+                "score": "float64", "control_score": "float64", "fold": "int32"}   # the other columns: str, datetime or NULL
+_PREDICTION_KINDS = {"array_row": "int64", "prediction": "float64", "truth": "float64", "score": "float64",
+                     "control_prediction": "float64", "control_score": "float64"}
+#: The per-sample columns a result may carry (``ProbeResult.predictions``), in the table's order.
+PREDICTION_COLUMNS = ("prediction", "truth", "score", "control_prediction", "control_score")
 
 
 def _prediction_columns(results: Sequence[ProbeResult]) -> dict[str, list[Any]]:
     """Every result's per-sample predictions as columns (NaN -> NULL)."""
-    cols: dict[str, list[Any]] = {c: [] for c in ("key", "run", "array_row", "prediction", "truth", "score")}
+    cols: dict[str, list[Any]] = {c: [] for c in ("key", "run", "array_row", *PREDICTION_COLUMNS)}
     for r in results:
         got = r.predictions or {}
         n = len(got.get("array_row", ()))
@@ -221,7 +225,7 @@ def _prediction_columns(results: Sequence[ProbeResult]) -> dict[str, list[Any]]:
         cols["key"] += [r.probe_key()] * n
         cols["run"] += [r.run] * n
         cols["array_row"] += [int(v) for v in got["array_row"]]
-        for c in ("prediction", "truth", "score"):
+        for c in PREDICTION_COLUMNS:
             vals = got.get(c)
             cols[c] += [None] * n if vals is None else [None if v is None or np.isnan(v) else float(v) for v in vals]
     return cols

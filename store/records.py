@@ -421,8 +421,12 @@ class ProbeResult:
     test_fraction: float | None = None
     train_where: str | None = None
     # Per test sample (``probe_predictions`` rows): equal-length sequences under "array_row" and
-    # any of "prediction", "truth", "score" (missing or NaN entries are stored as NULL).
+    # any of "prediction", "truth", "score", and the shuffled-label control's "control_prediction"
+    # and "control_score" (missing or NaN entries are stored as NULL).
     predictions: Mapping[str, Any] | None = None
+    # Which of k folds this probe tested (split kfold: the k probes of one seed test every sample
+    # once); None for a hash or column split.
+    fold: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.score, (int, float)) or math.isnan(float(self.score)):
@@ -447,6 +451,8 @@ class ProbeResult:
             return str(self.params["key"])
         ident = [self.run, self.tap, int(self.layer), self.site, self.tokens, self.target, self.kind, int(self.seed),
                  self.kind_params, self.split, self.test_fraction, self.train_where]
+        if self.fold is not None:  # keys of results without a fold stay what they were
+            ident.append(int(self.fold))
         return "h" + hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:23]
 
 

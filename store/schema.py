@@ -472,6 +472,48 @@ def _v7_derived(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(_V7_DERIVED)
 
 
+# k-fold probes (one row per fold: ``fold``), the shuffled-label control's per-sample output beside the
+# probe's (a verdict compares the two per group, queries/verdicts.py), and seeds averaged in the
+# views: folds first within a seed, then mean and spread over seeds.
+_V8_FOLDS_CONTROLS = """
+ALTER TABLE probes ADD COLUMN fold INTEGER;                       -- split kfold: which fold this probe tested
+ALTER TABLE probe_predictions ADD COLUMN control_prediction DOUBLE; -- the shuffled-label control's number
+ALTER TABLE probe_predictions ADD COLUMN control_score DOUBLE;      -- ... and its per-sample score
+
+CREATE OR REPLACE VIEW v_probe_layers AS
+WITH per_seed AS (
+    SELECT run, tap, layer, site, tokens, target, kind, metric, series, test_fraction, seed,
+           avg(score) AS score, avg(control_score) AS control_score, count(*) AS n_folds
+    FROM probes
+    GROUP BY run, tap, layer, site, tokens, target, kind, metric, series, test_fraction, seed
+)
+SELECT p.run, p.tap, p.layer, p.site, p.tokens, p.target, p.kind, p.metric, p.series, p.test_fraction,
+       any_value(a.depth) AS depth, any_value(a.stage) AS stage,
+       avg(p.score) AS score, avg(p.control_score) AS control_score,
+       -- R^2's chance floor is 0 (the mean); a shuffled ridge can score far below it
+       avg(p.score) - CASE WHEN p.metric = 'r2' THEN greatest(avg(p.control_score), 0) ELSE avg(p.control_score) END
+           AS selectivity,
+       count(*) AS n_seeds,
+       stddev_samp(p.score) AS score_sd,            -- spread over seeds (NULL with one seed)
+       stddev_samp(p.control_score) AS control_sd,
+       max(p.n_folds) AS n_folds
+FROM per_seed p
+LEFT JOIN activations a ON a.run = p.run AND a.tap = p.tap AND a.layer = p.layer AND a.site = p.site
+                       AND a.tokens = p.tokens
+GROUP BY p.run, p.tap, p.layer, p.site, p.tokens, p.target, p.kind, p.metric, p.series, p.test_fraction;
+
+CREATE OR REPLACE VIEW v_best_probe AS
+SELECT *
+FROM v_probe_layers
+QUALIFY row_number() OVER (
+    PARTITION BY run, tap, site, tokens, target, kind, metric, series, test_fraction ORDER BY score DESC, layer) = 1;
+"""
+
+
+def _v8_folds_controls(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(_V8_FOLDS_CONTROLS)
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: ``apply`` runs inside the migration's transaction."""
@@ -505,6 +547,8 @@ MIGRATIONS: list[Migration] = [
     Migration(6, "probes keyed by their full identity, probe_predictions per test sample, activations.depth/stage",
               _v6_probes),
     Migration(7, "derived_arrays: pooled features computed once per chunk, with their source's identity", _v7_derived),
+    Migration(8, "probes.fold (k-fold splits), per-sample control predictions, seeds' mean and spread in the views",
+              _v8_folds_controls),
 ]
 
 

@@ -64,12 +64,16 @@ class Outcome:
 @dataclass
 class PerSample:
     """A probe's test samples: positions among the job's rows and, per sample, its one-number
-    prediction, the target's number and the per-sample score (each None where it has none)."""
+    prediction, the target's number and the per-sample score (each None where it has none); the
+    shuffled-label control's prediction and score on the same samples beside them, so a query can
+    set the probe against its control per group of samples, not only over all of them."""
 
     positions: np.ndarray
     prediction: np.ndarray | None = None
     truth: np.ndarray | None = None
     score: np.ndarray | None = None
+    control_prediction: np.ndarray | None = None
+    control_score: np.ndarray | None = None
 
 
 KINDS: dict[str, type[Probe]] = {}
@@ -228,13 +232,16 @@ class Probe:
         score = float(probe.score(take(X, test), y[test]))
         metrics = probe.metrics(take(X, test), y[test])
         control = None
+        pred, truth, per_sample = probe.sample_predictions(take(X, test), _rows(y, test))
+        predictions = PerSample(np.flatnonzero(test), pred, truth, per_sample)
         if job.control:
             yc = job.target.permuted(control_permutation(len(y), fold.seed))
             ctr, cte = fold.train & yc.labelled(), fold.test & yc.labelled()
             ctrl = cls.build(job, fold.seed).fit(take(X, ctr), _wide(yc.values)[ctr])
             control = float(ctrl.score(take(X, cte), _wide(yc.values)[cte]))
-        pred, truth, per_sample = probe.sample_predictions(take(X, test), _rows(y, test))
-        predictions = PerSample(np.flatnonzero(test), pred, truth, per_sample)
+            # Per sample: the control on the probe's test samples, scored against their real target.
+            predictions.control_prediction, _, predictions.control_score = ctrl.sample_predictions(
+                take(X, test), _rows(y, test))
         return Outcome(cls.metric, score, control, int(train.sum()), int(test.sum()), metrics, probe,
                        predictions=predictions)
 

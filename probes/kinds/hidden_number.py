@@ -103,9 +103,12 @@ class HiddenNumberProbe(LinearProbe):
                     te = fold.test & (y >= 0).all(1)
                     results.append((probe, probe.score(F[te], y[te]), probe.metrics(F[te], y[te]), tr, te))
                 probe, score, metrics, tr, te = results[0]
+                boards = _per_board(probe, F, ys[0], te)
+                if job.control:  # the control's N_H on the same test boards, against their real count
+                    ctl = _per_board(results[1][0], F, ys[0], te)
+                    boards.control_prediction, boards.control_score = ctl.prediction, ctl.score
                 out[g].append(Outcome(cls.metric, score, results[1][1] if job.control else None,
-                                      int(tr.sum()), int(te.sum()), metrics, probe,
-                                      predictions=_per_board(probe, F, ys[0], te)))
+                                      int(tr.sum()), int(te.sum()), metrics, probe, predictions=boards))
         return out
 
 

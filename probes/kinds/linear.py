@@ -139,6 +139,7 @@ def evaluate_batched(cls: type[LinearProbe], Xs: list[Any], jobs: list[Job]) -> 
         solved = solve_columns(Xtr, ytr, params)
         preds = solved.predict((Xte - solved.mean) / solved.scale)
         share = solved.info.flops / max(G * len(idx), 1)
+        column = {jc: c for c, jc in enumerate(cols)}
         for g in range(G):
             scores: dict[tuple[int, bool], float] = {}
             for c, (j, is_control) in enumerate(cols):
@@ -152,12 +153,16 @@ def evaluate_batched(cls: type[LinearProbe], Xs: list[Any], jobs: list[Job]) -> 
                 probe._set_state(solved, g, c)
                 labelled = yte[c][yte[c] >= 0]
                 majority = float(np.bincount(labelled).max() / len(labelled)) if len(labelled) else float("nan")
+                samples = per_sample(te, preds[c][g], yte[c], R, job.target.classes)
+                if (j, True) in column:  # the control's predictions, scored against the real labels
+                    ctl = per_sample(te, preds[column[(j, True)]][g], yte[c], R, job.target.classes)
+                    samples.control_prediction, samples.control_score = ctl.prediction, ctl.score
                 out[g][j] = Outcome(
                     cls.metric, scores[(j, False)], scores.get((j, True)),
                     int((job.target.labelled() & fold.train).sum()), int((job.target.labelled() & fold.test).sum()),
                     {"majority": majority, "n_train_rows": int((ytr[c] >= 0).sum()), "n_iter": solved.info.n_iter,
                      "converged": solved.info.converged},
-                    probe, share, predictions=per_sample(te, preds[c][g], yte[c], R, job.target.classes),
+                    probe, share, predictions=samples,
                 )
     return out  # type: ignore[return-value]
 

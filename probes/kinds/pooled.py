@@ -132,7 +132,8 @@ class PooledProbe(LinearProbe):
         mae = float(np.nanmean(np.abs(preds[:, 0] - y[fold.test])))
         return Outcome("r2", scores[0], scores[1] if job.control else None, int(tr.sum()), int(te.sum()),
                        {"mae": mae, "task": "regress"}, probe,
-                       predictions=PerSample(np.flatnonzero(fold.test), preds[:, 0].astype(np.float64), y[fold.test]))
+                       predictions=PerSample(np.flatnonzero(fold.test), preds[:, 0].astype(np.float64), y[fold.test],
+                                             control_prediction=preds[:, 1].astype(np.float64) if job.control else None))
 
 
 def r2(y: np.ndarray, pred: np.ndarray) -> float:
