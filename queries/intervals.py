@@ -61,7 +61,8 @@ def mean_interval(values: np.ndarray, resamples: int = RESAMPLES, level: float =
     if S > 1:
         seeds = rng.multinomial(S, np.full(S, 1.0 / S), size=resamples).astype(np.float64)
         seeds = np.where(np.isnan(means), 0.0, seeds)
-        stats = np.where(np.isnan(means), 0.0, means * seeds).sum(1) / seeds.sum(1)
+        with np.errstate(invalid="ignore", divide="ignore"):   # a draw of only unmeasured seeds: dropped below
+            stats = np.where(np.isnan(means), 0.0, means * seeds).sum(1) / seeds.sum(1)
     else:
         stats = means[:, 0]
     stats = stats[np.isfinite(stats)]

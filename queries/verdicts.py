@@ -5,16 +5,20 @@ queries/evidence.py's curves: the ``present`` series (trained on every group, te
 the ``transferable`` series (trained in-distribution, tested on every group), each with its
 shuffled-label control, per group along depth, every value with a bootstrap interval.
 
-Two comparisons decide everything, both on 95 % bootstrap intervals:
+Two comparisons decide everything, both on 95 % bootstrap intervals. The control of a present
+series is its own shuffled-label control; the control of a transferable series is the present
+series' control at the same depth, where there is a present series (see :func:`steps_down`).
 
 * a series **beats its control** at a depth when its interval lies entirely on the better side of
   its control's interval (lower error, or higher score);
 * a series **steps down** from depth a to a later depth b when its interval at b lies entirely on
   the worse side of its interval at a, while its control's intervals at a and b overlap (the
   control does not move with it: a shift that moves the control too is no loss of the target),
-  and the step is at least ``MIN_STEP`` (a tenth) of the distance from the series to its control
-  at a (a significant step that closes less of that distance, 0.22 -> 0.41 stones against a
-  control at 31, changes nothing a reader would act on).
+  the series beats its control at a (a series at chance has nothing to lose), and the step is at
+  least ``MIN_STEP`` (a tenth) of the distance from the series to its control at a (a significant
+  step that closes less of that distance, 0.22 -> 0.41 stones against a control at 31, changes
+  nothing a reader would act on). For a transferable series the present series must hold instead
+  of its own control staying steady (:func:`steps_down` says why).
 
 The verdict, per group:
 
@@ -68,16 +72,34 @@ def beats_control(point: Point, lower_is_better: bool) -> bool:
 MIN_STEP = 0.1
 
 
-def steps_down(curve: Curve, a: int, b: int) -> bool:
-    """Point b is worse than point a beyond both intervals, with the control steady, by at least
-    ``MIN_STEP`` of the distance to the control at a."""
+def steps_down(curve: Curve, a: int, b: int, reference: Curve | None = None) -> bool:
+    """Point b is worse than point a beyond both intervals, by at least ``MIN_STEP`` of the
+    distance from a to its control, from a that beats its control.
+
+    Without ``reference`` (a present series) the control is the series' own and must be steady
+    (its intervals at a and b overlap). With one (a transferable series, ``reference`` its present
+    series) the control is the reference's control at the same depth, and the reference must hold
+    instead: an in-range map that meets a turned code extrapolates differently whether it was fitted
+    to real or shuffled labels, so the transferable series' own control moves with any re-encoding."""
     pa_, pb = curve.points[a], curve.points[b]
-    steady = pa_.control is None or pb.control is None or pa_.control.overlaps(pb.control)
-    if not (better(pa_.value, pb.value, curve.lower_is_better) and steady):
+    if not better(pa_.value, pb.value, curve.lower_is_better):
         return False
-    if pa_.control is None:
+    control = pa_.control
+    if reference is None:
+        if pa_.control is not None and pb.control is not None and not pa_.control.overlaps(pb.control):
+            return False
+    else:
+        control = _control_at(reference, pa_.depth, pa_.control)
+    if control is None:
         return True
-    return abs(pb.value.mean - pa_.value.mean) >= MIN_STEP * abs(pa_.control.mean - pa_.value.mean)
+    if not better(pa_.value, control, curve.lower_is_better):
+        return False   # nothing to lose: the series did not beat its control at a
+    return abs(pb.value.mean - pa_.value.mean) >= MIN_STEP * abs(control.mean - pa_.value.mean)
+
+
+def _control_at(reference: Curve, depth: int, fallback: Interval | None) -> Interval | None:
+    """The reference series' control at ``depth`` (its own where the reference has no such depth)."""
+    return next((p.control for p in reference.points if p.depth == depth and p.control is not None), fallback)
 
 
 @dataclass
@@ -110,7 +132,7 @@ def decide(present: Curve | None, transfer: Curve | None) -> Verdict:
             v.point = present.points[-1]
             v.reason += " No transferable series (the same probe with train_where) to test the in-range code."
         return v
-    _transfer(transfer, v, present_held=present is not None and bool(present.points))
+    _transfer(transfer, v, present if present is not None and present.points else None)
     return v
 
 
@@ -145,40 +167,44 @@ def _present(c: Curve, v: Verdict) -> bool:
     return False
 
 
-def _transfer(c: Curve, v: Verdict, present_held: bool) -> None:
+def _transfer(c: Curve, v: Verdict, present: Curve | None) -> None:
+    """Fills ``v`` from the transferable curve, its control the present curve's where there is one."""
     lower = c.lower_is_better
+    present_held = present is not None
     m = len(c.points)
-    step = next((j for j in range(1, m) if steps_down(c, j - 1, j)), None)
+    step = next((j for j in range(1, m) if steps_down(c, j - 1, j, present)), None)
     before = None if step is None else step - 1
     if step is None:
-        step = next((j for j in range(1, m) if steps_down(c, 0, j)), None)
+        step = next((j for j in range(1, m) if steps_down(c, 0, j, present)), None)
         before = None if step is None else 0
-    beats = [beats_control(p, lower) for p in c.points]
+    controls = [_control_at(present, p.depth, p.control) if present else p.control for p in c.points]
+    beats = [ctl is not None and better(p.value, ctl, lower) for p, ctl in zip(c.points, controls, strict=True)]
+    ctl_name = "the present probe's control" if present else "its control"
     if step is None and not any(beats):
         step, before = 0, None
     if step is None:
         if all(beats):
             v.verdict = TRANSFERABLE_VERDICT
             v.transfer_point = c.points[-1]
-            held = "and" if present_held else "alone implies presence:"
-            v.reason += (f" The probe trained in-distribution ({c.probe_target}) {held} beats its control at every depth"
-                         f" with no step (last, {c.points[-1].at}: {_iv(c.points[-1].value)} vs control"
-                         f" {_iv(c.points[-1].control)}).")
+            v.reason += (f" The probe trained in-distribution ({c.probe_target}) {'also ' if present_held else ''}beats"
+                         f" {ctl_name} at every depth with no step (last, {c.points[-1].at}: {_iv(c.points[-1].value)}"
+                         f" vs {_iv(controls[-1])})"
+                         + ("." if present_held else ": a transferable series that holds implies presence."))
         else:
             misses = ", ".join(p.at for p, b in zip(c.points, beats, strict=True) if not b)
             v.verdict = PRESENT_TRANSFER_UNDECIDED if present_held else UNDECIDED
-            v.reason += (f" The probe trained in-distribution ({c.probe_target}) shows no step but does not beat its"
-                         f" control at {misses}.")
+            v.reason += (f" The probe trained in-distribution ({c.probe_target}) shows no step but does not beat"
+                         f" {ctl_name} at {misses}.")
         return
     p = c.points[step]
     v.transfer_point, v.transfer_before = p, None if before is None else c.points[before]
     if before is None:
-        what = (f"beats its control at no depth (first, {p.at}: {_iv(p.value)} vs control {_iv(p.control)})")
+        what = f"beats {ctl_name} at no depth (first, {p.at}: {_iv(p.value)} vs {_iv(controls[step])})"
     else:
         b = c.points[before]
-        what = (f"steps down from {b.at} ({_iv(b.value)}, control {_iv(b.control)}) to {p.at} ({_iv(p.value)},"
-                f" control {_iv(p.control)})")
-    what += _largest_step(c, step)
+        what = (f"steps down from {b.at} ({_iv(b.value)}; {ctl_name} {_iv(controls[before])}) to {p.at}"
+                f" ({_iv(p.value)})")
+    what += _largest_step(c, step, present)
     if present_held:
         v.verdict, v.depth, v.at = REENCODED.format(depth=p.depth), p.depth, p.at
         v.reason += f" The probe trained in-distribution ({c.probe_target}) {what}."
@@ -190,11 +216,11 @@ def _transfer(c: Curve, v: Verdict, present_held: bool) -> None:
                      " split: kfold).")
 
 
-def _largest_step(c: Curve, first: int) -> str:
+def _largest_step(c: Curve, first: int, present: Curve | None) -> str:
     """The largest counted step after the first, where it is another one (a curve may step twice)."""
     sign = 1.0 if c.lower_is_better else -1.0
     counted = [(sign * (c.points[j].value.mean - c.points[j - 1].value.mean), j) for j in range(1, len(c.points))
-               if steps_down(c, j - 1, j)]
+               if steps_down(c, j - 1, j, present)]
     if not counted:
         return ""
     size, j = max(counted)
