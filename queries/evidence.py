@@ -268,3 +268,46 @@ def expressed_table(found: list[Expressed]) -> pa.Table:
         row["n_number_answers"] = e.n_numbers
         rows.append(row)
     return pa.Table.from_pylist(rows) if rows else pa.table({"run": pa.array([], pa.string())})
+
+
+_ANSWER_GAPS = """
+WITH s AS (
+    SELECT run, array_row, CAST(({group_by}) AS VARCHAR) AS grp, ({answer})::DOUBLE AS answer
+    FROM v_samples WHERE run LIKE $run AND ({where})
+)
+SELECT a.depth, s.grp, p.seed, pp.array_row, abs(pp.prediction - s.answer) AS gap
+FROM probes p
+JOIN activations a ON a.run = p.run AND a.tap = p.tap AND a.layer = p.layer AND a.site = p.site AND a.tokens = p.tokens
+JOIN probe_predictions pp USING (key)
+JOIN s ON s.run = p.run AND s.array_row = pp.array_row
+WHERE p.run LIKE $run AND p.target LIKE $target AND p.kind LIKE $kind AND p.tokens LIKE $tokens
+      AND s.answer IS NOT NULL AND pp.prediction IS NOT NULL AND a.depth IS NOT NULL
+"""
+
+#: The model's answer as the counting-bottleneck study reads it for its Language Gap: digits only.
+DIGITS_ANSWER = ("CASE WHEN answer_kind = 'digits' THEN try_cast(trim(CAST(prediction AS VARCHAR), '\"') AS DOUBLE)"
+                 " END")
+
+
+def answer_gaps(ws: Workspace, params: dict[str, str] | None = None) -> dict[tuple[str, int], Interval]:
+    """Mean |probe prediction - the model's number| per (group, depth) over the samples whose answer
+    is a number (counting-bottleneck's Language Gap |N_H - N_P| for the N_H probe), with intervals."""
+    p = bind({"answer": DIGITS_ANSWER, **(params or {})})
+    sql = _ANSWER_GAPS.format(group_by=p["group_by"], where=p["where"], answer=p["answer"])
+    try:
+        rows = ws.query(sql, {k: p[k] for k in ("run", "target", "kind", "tokens")}).to_pylist()
+    except StoreError as err:
+        raise GapError(f"answer gaps on {ws.path}: {err}") from err
+    by: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by[(str(r["grp"]), int(r["depth"]))].append(r)
+    out = {}
+    for key, got in by.items():
+        seeds, seed_pos = np.unique([r["seed"] for r in got], return_inverse=True)
+        samples, sample_pos = np.unique([r["array_row"] for r in got], return_inverse=True)
+        E = np.full((len(seeds), len(samples)), np.nan)
+        E[seed_pos, sample_pos] = [r["gap"] for r in got]
+        iv = mean_interval(E)
+        if iv is not None:
+            out[key] = iv
+    return out

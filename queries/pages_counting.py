@@ -6,16 +6,17 @@ Every builder takes a read-only workspace and the output folder; figures come fr
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from queries import gap
+from queries import evidence
 from queries.figures import Page, Section, figure, lines, panels, stage_bands
+from queries.gap import GapError
 from queries.named import run as run_named
+from queries.verdicts import verdicts_table, where_lost
 from store import Workspace
 
 #: Read-outs of a count: targets whose per-sample predictions are numbers of stones or objects.
@@ -32,9 +33,9 @@ def family_runs(ws: Workspace, family: str) -> list[str]:
 
 def counting_page(ws: Workspace, out: Path) -> Page:
     page = Page("counting-bottleneck", "counting-bottleneck: where is the count lost?",
-                "A count read-out trained on boards inside the vision training range (ID, 0-49 stones), tested"
-                " past it (VE 50-99, FE 100-120): at which depth does its error rise, and what does the model"
-                " answer there?",
+                "Is the count still decodable at each depth (a read-out trained on every count), does the code"
+                " learned inside the vision training range (ID, 0-49 stones) extend past it (VE 50-99, FE 100-120),"
+                " and what does the model answer there?",
                 empty="no run of this study in the workspace: run `make demo` (python -m extract manifests/demo.yaml"
                       " then python -m probes manifests/probes-demo.yaml)")
     page.sections += where_lost_sections(ws, out)
@@ -46,49 +47,140 @@ def counting_page(ws: Workspace, out: Path) -> Page:
 
 
 def where_lost_sections(ws: Workspace, out: Path) -> list[Section]:
-    """The question first: per count read-out along depth, its error per regime, and where it is lost."""
+    """The question first: per count target, the three curves per regime along depth (present,
+    transferable, expressed), the study's N_H with its Vision and Language Gaps, and the verdicts."""
     sections = []
-    marks = ", ".join("?" for _ in COUNT_TARGETS)
-    found = ws.rows(f"SELECT DISTINCT p.run, p.target FROM probes p JOIN probe_predictions pp USING (key)"
-                    f" JOIN v_samples s ON s.run = p.run AND s.array_row = pp.array_row"
-                    f" WHERE p.target IN ({marks}) AND pp.prediction IS NOT NULL AND s.family IS DISTINCT FROM"
-                    f" 'counting' ORDER BY 1, 2", list(COUNT_TARGETS))
-    for run, target in found:
-        params = {"run": run, "target": target, "tokens": "image", "group_by": "coalesce(truth->>'regime', 'all')"}
-        table = gap.gap(ws, params)
-        if not table.num_rows or all(v is None for v in table.column("depth").to_pylist()):
+    for run in family_runs(ws, "go"):
+        params = {"run": run, "tokens": "image", "group_by": "coalesce(truth->>'regime', 'all')"}
+        for target in COUNT_TARGETS:
+            try:
+                found = evidence.curves(ws, {**params, "target": f"{target}%", "kind": "pooled"})
+            except GapError:
+                continue   # no count read-out of this target in this run
+            said = evidence.expressed(ws, params, evidence.truths_of(found, ws, {**params, "target": f"{target}%"}))
+            sections.append(_three_curves(out, run, target, found, said))
+        try:
+            n_h = evidence.curves(ws, {**params, "kind": "hidden_number%", "target": "go.intersection%"})
+        except GapError:
             continue
-        name = f"lost_{run}_{target}".replace(":", "_").replace(".", "_")
-        curve = table.select(["depth", "stage", "tap", "layer", "site", "group", "n", "probe_mae", "probe_r2",
-                              "mean_prediction", "model_accuracy", "model_mae", "gap_mae", "selectivity"])
-        fig = figure(out, name, partial(_gap_lines, table=table), csv=f"{name}_curve.csv", caption=(
-            f"Mean absolute error of the count read-out ({target}, ridge on the mean image token) on test stimuli"
-            " per depth along the data path, one line per regime (ID seen in vision training, VE/FE past it); the"
-            " dashed line of each regime's colour is the model's own answer error where it is on the panel."
-            f" Command: python -m queries gap --param run={run} --param target={target}"
-            " --param group_by=\"truth->>'regime'\"."))
-        sections.append(Section(f"Where is the count lost? {run}, {target}",
-                                "The table says at which depth each regime's error rose most (python -m queries"
-                                f" lost --param run={run} --param target={target} --param"
-                                " group_by=\"truth->>'regime'\").", figures=[fig],
-                                tables=[(name, gap.where_lost(table)), (f"{name}_curve", curve)]))
+        sections.append(_hidden_number(ws, out, run, n_h, params))
     return sections
 
 
-def _gap_lines(ax: Any, table: pa.Table) -> None:
-    rows = [r for r in table.to_pylist() if r["depth"] is not None]
-    top = max((r["probe_mae"] or 0) for r in rows) * 1.15 or 1.0
-    for group in sorted({r["group"] for r in rows}, key=lambda g: REGIMES.index(g) if g in REGIMES else 9):
-        pts = sorted((r["depth"], r["probe_mae"], r["model_mae"]) for r in rows if r["group"] == group)
-        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{group} read-out",
-                        color=REGIME_COLOURS.get(group))
-        model = pts[-1][2]
-        if model is not None and model <= top:
-            ax.axhline(model, ls="--", lw=1, color=line.get_color(), label=f"{group} model answer")
-    ax.set_ylim(0, top)
-    ax.set_ylabel("mean absolute error (stones)")
-    stage_bands(ax, rows)
-    ax.legend(fontsize=7)
+def _ordered(groups: set[str]) -> list[str]:
+    return sorted(groups, key=lambda g: (REGIMES.index(g) if g in REGIMES else 9, g))
+
+
+def _three_curves(out: Path, run: str, target: str, found: list[evidence.Curve],
+                  said: list[evidence.Expressed]) -> Section:
+    table = evidence.curves_table(found)
+    groups = _ordered({c.group for c in found})
+    model = {e.group: e for e in said if e.run == run}
+    top = max((p.value.high for c in found for p in c.points), default=1.0)
+    top = max([top] + [p.control.high for c in found for p in c.points if p.control and c.role == "present"]) * 1.08
+    name = f"lost_{run}_{target}".replace(":", "_").replace(".", "_")
+
+    def draw(ax: Any, group: str) -> None:
+        for c in (c for c in found if c.group == group):
+            colour = "tab:green" if c.role == evidence.PRESENT else "tab:purple"
+            label = "present (trained on every count)" if c.role == evidence.PRESENT else "transferable (trained ≤ 49)"
+            _band(ax, c.points, colour, label)
+            if c.role == evidence.PRESENT:
+                _band(ax, c.points, "grey", "present's shuffled-label control", control=True)
+        e = model.get(group)
+        if e is not None and e.mae is not None:
+            ax.axhline(e.mae.mean, ls="--", lw=1.2, color="black",
+                       label=f"model's answers: MAE {e.mae.mean:.3g} over {e.n_numbers} number answers")
+            ax.axhspan(e.mae.low, e.mae.high, color="black", alpha=0.08)
+        ax.set_ylim(0, top)
+        ax.set_title(f"{group}: {_expressed_text(e)}", fontsize=8, pad=12)
+        ax.set_ylabel("mean absolute error (stones)")
+        stage_bands(ax, [{"depth": p.depth, "stage": p.stage, "tap": p.tap, "layer": p.layer, "site": p.site}
+                         for c in found if c.group == group for p in c.points])
+        ax.legend(fontsize=6, loc="upper left")
+
+    ns = ", ".join(f"{g} {max(p.value.n for c in found if c.group == g for p in c.points)}" for g in groups)
+    seeds = max((p.value.n_seeds for c in found for p in c.points), default=1)
+    fig = panels(out, name, groups, draw, table=table, cols=1, size=(7.0, 3.0), caption=(
+        f"{run}, {target}: the count read-out (ridge on the mean image token) along depth, one panel per regime,"
+        f" one y-axis for all. Green: trained on every count and tested held out (5-fold by board), against its"
+        f" shuffled-label control (grey, dotted); purple: trained on in-range boards (≤ 49 stones) and tested on"
+        f" the held-out boards of every regime; black dashed: the model's own answers (mean absolute error over the"
+        f" answers that are numbers). Bands: 95 % bootstrap intervals over boards and seeds. n = {ns} boards,"
+        f" {seeds} seed(s). Command: python -m queries curves --param run={run} --param target={target}%"
+        " --param group_by=\"truth->>'regime'\"."))
+    verdicts = where_lost(found)
+    return Section(
+        f"Where is the count lost? {run}, {target}",
+        "Verdicts by the stated test of docs/verdicts.md (python -m queries lost --param run=" + run +
+        f" --param target={target}% --param group_by=\"truth->>'regime'\"): present = the read-out trained on every"
+        " count beats its shuffled-label control; re-encoded = it does, while the in-range read-out steps down.",
+        figures=[fig],
+        tables=[(f"{name}_verdicts", verdicts_table(verdicts)), (f"{name}_expressed", evidence.expressed_table(said))])
+
+
+def _expressed_text(e: evidence.Expressed | None) -> str:
+    if e is None or e.accuracy is None:
+        return "no model answers"
+    runaway = f", runaway {e.runaway.mean:.0%}" if e.runaway and e.runaway.mean > 0 else ""
+    return (f"model accuracy {e.accuracy.mean:.0%} [{e.accuracy.low:.0%}, {e.accuracy.high:.0%}]"
+            f" (n={e.n}){runaway}, {e.n_numbers} number answers")
+
+
+def _band(ax: Any, points: list[evidence.Point], colour: str, label: str, control: bool = False) -> None:
+    pts = [(p.depth, p.control if control else p.value) for p in points]
+    pts = [(d, iv) for d, iv in pts if iv is not None]
+    if not pts:
+        return
+    xs = [d for d, _ in pts]
+    ax.plot(xs, [iv.mean for _, iv in pts], marker="o", ms=3, color=colour, ls=":" if control else "-", label=label)
+    ax.fill_between(xs, [iv.low for _, iv in pts], [iv.high for _, iv in pts], color=colour, alpha=0.18, lw=0)
+
+
+def _hidden_number(ws: Workspace, out: Path, run: str, found: list[evidence.Curve], params: dict[str, str]) -> Section:
+    """counting-bottleneck's estimator along depth: Vision Gap |N_H - N_G| and Language Gap |N_H - N_P| per regime."""
+    language = evidence.answer_gaps(ws, {**params, "kind": "hidden_number%", "target": "go.intersection%"})
+    groups = _ordered({c.group for c in found})
+    name = f"hidden_number_{run}"
+    rows = []
+    for c in found:
+        for p in c.points:
+            lg = language.get((c.group, p.depth))
+            rows.append({"run": run, "regime": c.group, "depth": p.depth, "at": p.at, "boards": p.value.n,
+                         "vision_gap": p.value.mean, "vision_gap_low": p.value.low, "vision_gap_high": p.value.high,
+                         "control": p.control.mean if p.control else None,
+                         "language_gap": lg.mean if lg else None, "language_gap_low": lg.low if lg else None,
+                         "language_gap_high": lg.high if lg else None, "number_answers": lg.n if lg else 0})
+    table = pa.Table.from_pylist(rows)
+
+    def draw(ax: Any, group: str) -> None:
+        for c in (c for c in found if c.group == group):
+            _band(ax, c.points, "tab:blue", "Vision Gap |N_H − N_G|")
+            _band(ax, c.points, "grey", "control's |N_H − N_G|", control=True)
+            pts = sorted((d, iv) for (g, d), iv in language.items() if g == group)
+            if pts:
+                xs = [d for d, _ in pts]
+                # dashed with open markers: where both gaps are 0 (ID) the Vision Gap still shows beneath
+                ax.plot(xs, [iv.mean for _, iv in pts], marker="s", ms=5, mfc="none", ls="--", color="tab:red",
+                        label=f"Language Gap |N_H − N_P| ({pts[0][1].n} number answers)")
+                ax.fill_between(xs, [iv.low for _, iv in pts], [iv.high for _, iv in pts], color="tab:red", alpha=0.15)
+            stage_bands(ax, [{"depth": p.depth, "stage": p.stage, "tap": p.tap, "layer": p.layer, "site": p.site}
+                             for p in c.points])
+        ax.set_title(group, fontsize=8, pad=12)
+        ax.set_ylabel("stones")
+        ax.legend(fontsize=6, loc="upper left")
+
+    ns = ", ".join(f"{g} {max(p.value.n for c in found if c.group == g for p in c.points)}" for g in groups)
+    fig = panels(out, name, groups, draw, table=table, cols=1, size=(7.0, 2.8), caption=(
+        f"{run}: the study's hidden number N_H (tokens a black/white/empty probe trained on in-range boards calls"
+        " black) at every depth, one panel per regime: Vision Gap |N_H − N_G| (blue, against the shuffled-label"
+        " control's, grey) and Language Gap |N_H − N_P| over the boards whose answer is a number (red). Bands: 95 %"
+        f" bootstrap intervals over boards. n = {ns} boards. Command: python -m queries curves --param run={run}"
+        " --param kind=hidden_number --param group_by=\"truth->>'regime'\"."))
+    return Section(f"The hidden number N_H along depth: {run}",
+                   "counting-bottleneck's own estimator, which extrapolates because it counts tokens: where N_H"
+                   " leaves the true count (Vision Gap), the tokens themselves stop saying black.",
+                   figures=[fig], tables=[(f"{name}_verdicts", verdicts_table(where_lost(found)))])
 
 
 def answers_section(ws: Workspace, out: Path) -> Section:

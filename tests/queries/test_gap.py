@@ -72,7 +72,7 @@ def test_gap_groups_by_any_expression_and_bad_sql_is_one_clear_error(ws, capsys)
         gap(ws, {"colour": "x"})
     assert cli(["lost", "--data", str(ws.path), "--param", "group_by=truth->>'regime'"]) == 0
     out = capsys.readouterr().out
-    assert "llm: llm.1/resid_post" in out and "not lost" in out
+    assert out.count("not distinguishable") == 3 and "control none stored" in out  # no control: no claim
     assert cli(["gap", "--data", str(ws.path), "--param", "group_by=nope"]) == 2
     assert "error: gap on" in capsys.readouterr().err
 
@@ -84,8 +84,9 @@ def test_the_report_opens_with_where_the_count_is_lost(ws, tmp_path):
     index = write_report(ws.path, tmp_path / "report")
     page = index.read_text()
     assert page.index("Where is the count lost? r, truth:count") < page.index("Probes along the model")
-    lost = (tmp_path / "report" / "lost_r_truth_count.csv").read_text()
-    assert lost.count("llm: llm.1/resid_post") == 2 and "not lost" in lost  # VE and FE lost there, ID kept
+    verdicts = (tmp_path / "report" / "lost_r_truth_count_verdicts.csv").read_text()
+    # These hand-made probes stored no control predictions: the page claims no loss it cannot back.
+    assert verdicts.count('"not distinguishable"') == 3 and "lost from" not in verdicts
     assert (tmp_path / "report" / "lost_r_truth_count.png").stat().st_size > 0
 
 
