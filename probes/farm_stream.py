@@ -21,7 +21,7 @@ import numpy as np
 from probes import stream, stream_layer
 from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, params_json
-from probes.kinds.ridge import RidgeParams, RidgeProbe, gcv_pick, one_hot, regresses
+from probes.kinds.ridge import RidgeProbe, classifiable, gcv_pick, one_hot, regresses
 from probes.ridge_dual import chooses_dual
 from probes.splits import control_permutation
 from probes.worker import GroupJob, GroupResult, _record, _signature, tasks_by_signature
@@ -113,7 +113,7 @@ def _spec(job: GroupJob, jobs: list[Job], kind: type[RidgeProbe], params: Any, l
     n = len(job.rows)
     designs: dict[tuple[bytes, bytes], dict[str, Any]] = {}
     for j, jb in enumerate(jobs):
-        if kind.stream_solver != "ridge" and regresses(RidgeParams(), jb.target):
+        if kind.stream_solver != "ridge" and not classifiable(jb.target):
             raise ProbeError(f"kind {kind.name} classifies; target {jb.target.name} holds numbers: use kind ridge")
         regress = kind.stream_solver == "ridge" and regresses(params, jb.target)
         fold = jb.fold

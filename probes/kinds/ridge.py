@@ -24,6 +24,7 @@ from pydantic import Field, field_validator
 
 from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, Probe, ProbeParams, register_kind
+from probes.kinds.pooled import MAX_AUTO_CLASSES
 from probes.pooling import pool
 from probes.targets import Shape
 
@@ -33,7 +34,8 @@ class RidgeParams(ProbeParams):
                                 description="L2 strengths (scikit-learn's alpha); GCV on the training rows picks one")
     pool: Literal["mean", "max", "first", "last"] = Field("mean", description="sample targets: how tokens become one vector")
     task: Literal["auto", "classify", "regress"] = Field(
-        "auto", description="auto: classes unless the target's values are non-integer numbers")
+        "auto", description=f"auto: a regression when the target's values are numbers that are not whole or take"
+                            f" more than {MAX_AUTO_CLASSES} values (a count), else classes (as kind pooled)")
     standardize: bool = Field(False, description="z-score features with the training rows' statistics first")
     precision: Literal["float64", "float32"] = Field(
         "float64", description="XᵀX accumulation and solve; float32 halves memory and doubles GEMM speed")
@@ -54,9 +56,28 @@ def regresses(params: Any, target: Any) -> bool:
         return True
     if target.shape != "sample" or target.numeric is None:
         return False
+    return is_quantity(target.numeric)
+
+
+def classifiable(target: Any) -> bool:
+    """Whether a classifier (lda, nearest_centroid) can learn a target: it has classes, and its
+    numbers, if any, are whole (a count classifies, as its values; 2.5 does not)."""
+    if target.classes is None:
+        return False
+    if target.shape != "sample" or target.numeric is None:
+        return True
     v = np.asarray(target.numeric, dtype=np.float64)
     v = v[~np.isnan(v)]
-    return bool(len(v) and not np.all(v == np.round(v)))
+    return bool(np.all(v == np.round(v)))
+
+
+def is_quantity(values: np.ndarray) -> bool:
+    """Task auto's rule, kind pooled's too: numbers that are not whole, or whole numbers taking more
+    than MAX_AUTO_CLASSES values (a count of stones: a 121-way classifier scores a near miss as
+    wrong), are regressed; a few whole values are classes."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[~np.isnan(v)]
+    return bool(len(v) and (not np.all(v == np.round(v)) or len(np.unique(v)) > MAX_AUTO_CLASSES))
 
 
 def one_hot(codes: np.ndarray, classes: np.ndarray) -> np.ndarray:
@@ -112,9 +133,11 @@ class RidgeProbe(Probe):
         return np.asarray(F[ok], dtype=np.float64), y[ok]
 
     def _regress(self, y: np.ndarray) -> bool:
+        """Task auto in memory: y holds the target's numbers (what the farm regresses on) or its
+        class codes; codes are integers, so only a sample target's numbers can pass the rule."""
         if self.params.task != "auto":
             return self.params.task == "regress"
-        return y.dtype.kind == "f" and not np.all(y[~np.isnan(y)] == np.round(y[~np.isnan(y)]))
+        return y.ndim == 1 and y.dtype.kind in "iuf" and is_quantity(y)
 
     def fit(self, X: Any, y: Any) -> RidgeProbe:
         F, labels = self.units(X, y)
