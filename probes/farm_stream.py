@@ -20,7 +20,7 @@ import numpy as np
 
 from probes import stream, stream_layer
 from probes.errors import ProbeError
-from probes.kinds.base import Job, Outcome, params_json
+from probes.kinds.base import Job, Outcome, PerSample, params_json
 from probes.kinds.ridge import RidgeProbe, classifiable, gcv_pick, one_hot, regresses
 from probes.ridge_dual import chooses_dual
 from probes.splits import control_permutation
@@ -194,40 +194,41 @@ class MemoryPlan:
 def plan_stream(specs: list[SpecGroup], job: GroupJob) -> MemoryPlan:
     """Each streamed task's peak from shapes alone: Gram matrices, one block, the solve's factor."""
     info = job.arrays[0]
-    vpr = info.values_per_row
-    item = np.dtype(info.stored_dtype).itemsize
-    peaks: list[tuple[int, str]] = []
-    read = 0
-    for g in specs:
-        sp = g.spec
-        d = info.item_shape[-1]
-        p = np.dtype(sp.precision).itemsize
-        A = len(sp.alphas)
-        cols = sum(s.Y.shape[-1] for s in sp.solves)
-        xx = 0 if sp.method == "centroid" or sp.ledoit_wolf else d * d * p   # class means need no XᵀX (stream._designs)
-        gram = sum(xx + d * s.Y.shape[-1] * 8 for s in sp.solves) + (xx + d * cols * 8 if sp.shared else 0)
-        if sp.ledoit_wolf:   # 3 float64 d×d moments per class per variant (probes/moments.py)
-            gram += sum(3 * d * d * 8 * len(v.classes if v.classes is not None else []) for s in sp.solves
-                        for v in s.variants)
-        # The reader decodes whole stored chunks: one chunk's values sit beside the block being read.
-        chunk = min(info.chunk_samples, len(sp.rows)) * vpr * item
-        block = sp.block_rows * vpr * (item + 4 + p) + chunk
-        counts = len(sp.rows) * sum(len(s.variants) for s in sp.solves) * A * 8 if sp.count_class is not None else 0
-        moving = 8 * d * d * 8 if sp.ledoit_wolf else 0   # Moments.moved's d×d temporaries (merge, solve)
-        held = (f"lda shrinkage auto's per-class moments, {gram / MiB:.0f} MiB (a fixed shrinkage needs one XᵀX)"
-                if sp.ledoit_wolf else f"{gram / MiB:.0f} MiB of statistics")
-        if sp.dual:   # no test pass: the solve scores the rows it holds
-            peaks += dual_peaks(sp, d, block, 2 * d * cols * A * 8 + 2 * counts)
-        else:
-            peaks += [(2 * gram + block, f"map (2 x {held}, block of {sp.block_rows} rows)"),
-                      (2 * gram + moving, f"merge (2 x {held})"),
-                      (gram + (2 if sp.shared else 1) * xx + 2 * d * cols * A * 8 + moving,
-                       "solve (statistics + one factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
-                      (sp.block_rows * vpr * (item + 4 + 8) + chunk + 2 * d * cols * A * 8 + 2 * counts,
-                       "score (a block of test rows)")]
-        read += len(job.arrays) * _rows_bytes(info, len(sp.rows))
+    peaks = [peak for g in specs for peak in task_peaks(g.spec, info)]
+    read = len(specs) * len(job.arrays) * _rows_bytes(info, len(job.rows))
     peak, what = max(peaks)
     return MemoryPlan(read, WORKER_BASE + peak, what)
+
+
+def task_peaks(sp: stream.StreamSpec, info: Any) -> list[tuple[int, str]]:
+    """(bytes, which task) of each kind of task of one spec over a layer shaped as ``info``."""
+    vpr = info.values_per_row
+    item = np.dtype(info.stored_dtype).itemsize
+    d = info.item_shape[-1]
+    p = np.dtype(sp.precision).itemsize
+    A = len(sp.alphas)
+    cols = sum(s.Y.shape[-1] for s in sp.solves)
+    xx = 0 if sp.method == "centroid" or sp.ledoit_wolf else d * d * p   # class means need no XᵀX (stream._designs)
+    gram = sum(xx + d * s.Y.shape[-1] * 8 for s in sp.solves) + (xx + d * cols * 8 if sp.shared else 0)
+    if sp.ledoit_wolf:   # 3 float64 d×d moments per class per variant (probes/moments.py)
+        gram += sum(3 * d * d * 8 * len(v.classes if v.classes is not None else []) for s in sp.solves
+                    for v in s.variants)
+    # The reader decodes whole stored chunks: one chunk's values sit beside the block being read.
+    chunk = min(info.chunk_samples, len(sp.rows)) * vpr * item
+    block = sp.block_rows * vpr * (item + 4 + p) + chunk
+    # Scores.per_sample: one float64 per selected sample, variant and alpha (a sum holds two).
+    per_sample = len(sp.rows) * sum(len(s.variants) for s in sp.solves) * A * 8
+    moving = 8 * d * d * 8 if sp.ledoit_wolf else 0   # Moments.moved's d×d temporaries (merge, solve)
+    held = (f"lda shrinkage auto's per-class moments, {gram / MiB:.0f} MiB (a fixed shrinkage needs one XᵀX)"
+            if sp.ledoit_wolf else f"{gram / MiB:.0f} MiB of statistics")
+    if sp.dual:   # no test pass: the solve scores the rows it holds
+        return dual_peaks(sp, d, block, 2 * d * cols * A * 8 + 2 * per_sample)
+    return [(2 * gram + block, f"map (2 x {held}, block of {sp.block_rows} rows)"),
+            (2 * gram + moving, f"merge (2 x {held})"),
+            (gram + (2 if sp.shared else 1) * xx + 2 * d * cols * A * 8 + moving,
+             "solve (statistics + one factor" + (", + one Solve's XᵀX copy)" if sp.shared else ")")),
+            (sp.block_rows * vpr * (item + 4 + 8) + chunk + 2 * d * cols * A * 8 + 2 * per_sample,
+             "score (a block of test rows, per-sample sums)")]
 
 
 def dual_rows(sp: stream.StreamSpec, d: int) -> tuple[int, int]:
@@ -525,15 +526,15 @@ def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flop
         raise ProbeError(f"{g.kind.name} on {job.target.name}: fewer than 2 labelled training rows; select more rows")
     pick = _pick(gcv[var.start : var.stop])
     by_alpha = _test_scores(sc, s, v, var)
-    ctrl = None
+    ctrl, control = None, None
     if where.control is not None:
         cs, cv = where.control
         cvar = sp.solves[cs].variants[cv]
         control_gcv = sol.gcv[cs]
         if sol.W[cs] is not None and control_gcv is not None:
-            cpick = _pick(control_gcv[cvar.start : cvar.stop])
-            ctrl = float(_test_scores(sc, cs, cv, cvar)[cpick] if sp.count_class is None
-                         else _exact(*_counts(sp, sc, cs, cv, cpick)[1:]))
+            control = (cs, cv, _pick(control_gcv[cvar.start : cvar.stop]))
+            ctrl = float(_test_scores(sc, cs, cv, cvar)[control[2]] if sp.count_class is None
+                         else _control_exact(sp, sc, control))
     probe = copy.copy(where.probe)   # the same parameters and seed: no validation per probe
     W, b = W_all[:, var.start : var.stop, pick], b_all[var.start : var.stop, pick]
     regress = var.classes is None
@@ -547,9 +548,9 @@ def _outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, flop
         metrics.update(alpha=sp.alphas[pick], alphas=list(sp.alphas), by_alpha=[float(x) for x in by_alpha],
                        solve="dual" if sp.dual else "primal")   # n×n kernel of the rows, or d×d XᵀX
     if sp.count_class is not None:   # hidden_number_ridge: N_H per test board against its count
-        return _count_outcome(g, j, sol, sc, (s, v, pick), ctrl, metrics, flops, probe)
+        return _count_outcome(g, j, sol, sc, (s, v, pick), control, ctrl, metrics, flops, probe)
     return Outcome("r2" if regress else "accuracy", float(by_alpha[pick]), ctrl, where.n_train, where.n_test,
-                   metrics, probe, flops)
+                   metrics, probe, flops, predictions=_samples(sp, sc, (s, v, pick), control, job.target.classes))
 
 
 def _pick(gcv: np.ndarray) -> int:
@@ -557,12 +558,57 @@ def _pick(gcv: np.ndarray) -> int:
     return 0 if gcv.shape[-1] == 1 else gcv_pick(gcv)
 
 
+def _samples(sp: stream.StreamSpec, sc: stream.Scores, own: tuple[int, int, int],
+             control: tuple[int, int, int] | None, classes: tuple[Any, ...] | None) -> PerSample | None:
+    """A streamed probe's test samples and, beside them, its control's on the same samples, both
+    against the real target: a sample regression's values, a sample classifier's classes (as
+    numbers where the target's classes are numbers, as linear.per_sample gives them) and 1/0
+    correct, a token classifier's accuracy over each sample's labelled tokens. A token regression
+    has no one number per sample: None."""
+    s, v, pick = own
+    solve, var = sp.solves[s], sp.solves[s].variants[v]
+    tested = np.flatnonzero(solve.test.any(1))
+    got = sc.per_sample[s][tested, v, pick]
+    ctl = None if control is None else sc.per_sample[control[0]][tested, control[1], control[2]]
+    if var.classes is None:
+        if sp.level != "sample":
+            return None
+        return PerSample(tested, got, solve.Y[tested, 0, var.start], control_prediction=ctl)
+    if sp.level == "token":
+        units = solve.test[tested].sum(1)
+        return PerSample(tested, score=got / units, control_score=None if ctl is None else ctl / units)
+    codes = solve.codes[tested, 0, v].astype(np.float64)
+    numbers = class_numbers(classes)
+
+    def named(c: np.ndarray | None) -> np.ndarray | None:
+        return None if numbers is None or c is None else numbers[c.astype(np.int64)]
+
+    return PerSample(tested, named(got), named(codes), (got == codes).astype(np.float64), named(ctl),
+                     None if ctl is None else (ctl == codes).astype(np.float64))
+
+
+def class_numbers(classes: tuple[Any, ...] | None) -> np.ndarray | None:
+    """The classes as float64 where every one is a number (a count's values), else None: codes of
+    a categorical target are no numbers to average."""
+    if not classes or not all(isinstance(c, int | float | np.integer | np.floating)
+                              and not isinstance(c, bool | np.bool_) for c in classes):
+        return None
+    return np.asarray(classes, dtype=np.float64)
+
+
 def _counts(sp: stream.StreamSpec, sc: stream.Scores, s: int, v: int, pick: int) -> tuple[np.ndarray, ...]:
-    """(positions, predicted counts, true counts) of a variant's test samples."""
+    """(positions, predicted counts, true counts) of a probe's test samples."""
     solve = sp.solves[s]
     tested = np.flatnonzero(solve.test.any(1))
     truth = (solve.codes[tested, :, v] == sp.count_class).sum(1)
     return tested, sc.per_sample[s][tested, v, pick], truth.astype(np.float64)
+
+
+def _control_exact(sp: stream.StreamSpec, sc: stream.Scores, control: tuple[int, int, int]) -> float:
+    """A counting control's exact match on its own test samples against its own (shuffled) labels."""
+    cs, cv, pick = control
+    tested = int(sp.solves[cs].test.any(1).sum())
+    return float(sc.exact[cs][cv, pick] / tested) if tested else float("nan")
 
 
 def _exact(n_h: np.ndarray, n_g: np.ndarray) -> float:
@@ -570,9 +616,10 @@ def _exact(n_h: np.ndarray, n_g: np.ndarray) -> float:
 
 
 def _count_outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores, at: tuple[int, int, int],
-                   ctrl: float | None, metrics: dict[str, Any], flops: float, probe: Any) -> Outcome:
-    """The score of a counting kind: exact match of each test sample's count of predicted units."""
-    from probes.kinds.base import PerSample
+                   control: tuple[int, int, int] | None, ctrl: float | None, metrics: dict[str, Any], flops: float,
+                   probe: Any) -> Outcome:
+    """The score of a counting kind: exact match of each test sample's count of predicted units;
+    per sample N_H, and the control's N_H on the same boards, against their real count."""
     from probes.kinds.hidden_number import count_metrics
 
     s, v, pick = at
@@ -581,8 +628,12 @@ def _count_outcome(g: SpecGroup, j: int, sol: stream.Solution, sc: stream.Scores
     metrics |= count_metrics(n_h, n_g) | {"token_accuracy": float(_test_scores(sc, s, v, var)[pick])}
     job = g.jobs[j]
     boards = int((job.target.labelled() & job.fold.train).sum())
+    samples = PerSample(tested, n_h, n_g, (n_h == n_g).astype(np.float64))
+    if control is not None:
+        samples.control_prediction = sc.per_sample[control[0]][tested, control[1], control[2]]
+        samples.control_score = (samples.control_prediction == n_g).astype(np.float64)
     return Outcome(g.kind.metric, _exact(n_h, n_g), ctrl, boards, len(tested), metrics, probe, flops,
-                   predictions=PerSample(tested, n_h, n_g, (n_h == n_g).astype(np.float64)))
+                   predictions=samples)
 
 
 def _test_scores(sc: stream.Scores, s: int, v: int, var: stream.Variant) -> np.ndarray:

@@ -576,31 +576,58 @@ def solve_classes(st: Stats, solve_: Solve, method: str,
 
 @dataclass
 class Scores:
-    """Test-pass sums per Solve and Variant, per alpha: hits / count (classify), SSE and y sums (regress)."""
+    """Test-pass sums per Solve and Variant, per alpha: hits / count (classify), SSE and y sums
+    (regress), and each variant's per-sample column (:func:`_per_sample`)."""
 
     hits: list[np.ndarray]       # [V, A]
     count: list[np.ndarray]      # [V]
     sse: list[np.ndarray]        # [V, A]
     sy: list[np.ndarray]         # [V]
     syy: list[np.ndarray]        # [V]
-    per_sample: list[np.ndarray] = field(default_factory=list)   # [n, V, A] counts (count_class), else [0, V, A]
+    #: [n, V, A] per Solve: each variant's number per sample of the selection, on the test units of
+    #: its job's *real* target (a control's too: the per-sample control is scored against the real
+    #: labels): the predicted value (sample regression), class code (sample classification), units
+    #: predicted right (token classification) or predicted ``count_class`` (counting kinds).
+    per_sample: list[np.ndarray] = field(default_factory=list)
+    #: [V, A] per Solve (count_class): samples whose count of units predicted ``count_class`` on the
+    #: variant's *own* test units equals that of its own labels (the control's score, on its labels).
+    exact: list[np.ndarray] = field(default_factory=list)
     flops: float = 0.0
     read_bytes: int = 0
     rss_peak: int = 0
 
 
 def empty_scores(spec: StreamSpec) -> Scores:
-    A = len(spec.alphas)
+    A, n = len(spec.alphas), len(spec.rows)
     V = [len(s.variants) for s in spec.solves]
-    n = len(spec.rows) if spec.count_class is not None else 0
     return Scores([np.zeros((v, A)) for v in V], [np.zeros(v) for v in V], [np.zeros((v, A)) for v in V],
-                  [np.zeros(v) for v in V], [np.zeros(v) for v in V], [np.zeros((n, v, A)) for v in V])
+                  [np.zeros(v) for v in V], [np.zeros(v) for v in V], [np.zeros((n, v, A)) for v in V],
+                  [np.zeros((v, A)) for v in V])
+
+
+Partner = tuple[int, int, int]   # (real variant in this Solve, control's Solve, control's variant)
+
+
+def partners(spec: StreamSpec) -> list[list[Partner]]:
+    """Per Solve, its probes that have a control: the control may sit in another Solve (its
+    permuted labels mark other units labelled or, for hidden_number_ridge, other training tokens)."""
+    real: dict[int, tuple[int, int]] = {}
+    control: dict[int, tuple[int, int]] = {}
+    for s, solve_ in enumerate(spec.solves):
+        for v, var in enumerate(solve_.variants):
+            (control if var.control else real)[var.job] = (s, v)
+    out: list[list[Partner]] = [[] for _ in spec.solves]
+    for job, (s, v) in real.items():
+        if job in control:
+            out[s].append((v, *control[job]))
+    return out
 
 
 def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) -> Scores:
     """Map task over test rows: predictions for every column and alpha, summed into Scores."""
     out = empty_scores(spec)
     pos = _positions(spec, lo, hi, "test")
+    paired = partners(spec)
     with one_blas_thread():
         for a in range(0, len(pos), spec.block_rows):
             idx = pos[a : a + spec.block_rows]
@@ -608,9 +635,9 @@ def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) ->
             out.read_bytes += nbytes
             for s, solve_ in enumerate(spec.solves):
                 mask = solve_.test[idx]
-                if sol.W[s] is not None and mask.any():
+                if sol.W[s] is not None and mask.any():   # a block holds whole samples (see _exact_counts)
                     _score_units(out, spec, s, sol, U[mask], solve_.Y[idx][mask], solve_.codes[idx][mask],
-                                 idx[np.nonzero(mask)[0]])
+                                 idx[np.nonzero(mask)[0]], paired[s])
     out.rss_peak = _rss()
     return out
 
@@ -620,6 +647,7 @@ def _score_rows(spec: StreamSpec, rows: Rows | None, sol: Solution) -> Scores:
     out = empty_scores(spec)
     if rows is None:
         return out
+    paired = partners(spec)
     for s, solve_ in enumerate(spec.solves):
         R = solve_.test.shape[1]
         mask = solve_.test.reshape(-1)[rows.units]
@@ -627,31 +655,49 @@ def _score_rows(spec: StreamSpec, rows: Rows | None, sol: Solution) -> Scores:
             continue
         units = rows.units[mask]
         _score_units(out, spec, s, sol, rows.X[mask], solve_.Y.reshape(-1, solve_.Y.shape[-1])[units],
-                     solve_.codes.reshape(-1, solve_.codes.shape[-1])[units], units // R)
+                     solve_.codes.reshape(-1, solve_.codes.shape[-1])[units], units // R, paired[s])
     return out
 
 
 def _score_units(out: Scores, spec: StreamSpec, s: int, sol: Solution, X: np.ndarray, Y: np.ndarray,
-                 codes: np.ndarray, samples: np.ndarray) -> None:
+                 codes: np.ndarray, samples: np.ndarray, paired: list[Partner]) -> None:
     """Add Solve ``s``'s predictions of test units X [m, d] (labels Y, class codes, each unit's
-    position in the selection) to ``out``, for every column and alpha."""
-    W, b = sol.W[s], sol.b[s]
-    assert W is not None and b is not None, "a scored probe was solved"
+    position in the selection) to ``out``, for every column and alpha; and, on the same units,
+    the per-sample columns of its probes and of their controls."""
     A = len(spec.alphas)
     X = X.astype(np.float64)
-    P = (X @ W.reshape(W.shape[0], -1)).reshape(len(X), W.shape[1], A) + b[None]
-    out.flops += 2.0 * X.shape[0] * X.shape[1] * W.shape[1] * A
-    _tally(out, s, spec.solves[s], P, Y, codes)
+    P = _predict(sol, s, X, slice(None))
+    out.flops += 2.0 * X.shape[0] * X.shape[1] * P.shape[1] * A
+    solve_ = spec.solves[s]
+    _tally(out, s, solve_, P, Y, codes)
+    for v, var in enumerate(solve_.variants):
+        if not var.control:
+            _per_sample(out.per_sample[s][:, v], spec, P[:, var.start : var.stop], var.classes, codes[:, v], samples)
+    for v, cs, cv in paired:
+        cvar = spec.solves[cs].variants[cv]
+        if sol.W[cs] is None:
+            continue
+        cols = slice(cvar.start, cvar.stop)
+        Pc = P[:, cols] if cs == s else _predict(sol, cs, X, cols)
+        out.flops += 0.0 if cs == s else 2.0 * X.shape[0] * X.shape[1] * Pc.shape[1] * A
+        _per_sample(out.per_sample[cs][:, cv], spec, Pc, cvar.classes, codes[:, v], samples)
     if spec.count_class is not None:
-        _count(out.per_sample[s], spec.solves[s], P, samples, spec.count_class)
+        _exact_counts(out.exact[s], solve_, P, codes, samples, spec.count_class)
+
+
+def _predict(sol: Solution, s: int, X: np.ndarray, cols: slice) -> np.ndarray:
+    """[m, c, A]: Solve ``s``'s columns ``cols`` on units X [m, d] float64, every alpha."""
+    W, b = sol.W[s], sol.b[s]
+    assert W is not None and b is not None, "a scored probe was solved"
+    W, b = W[:, cols], b[cols]
+    return (X @ W.reshape(W.shape[0], -1)).reshape(len(X), W.shape[1], W.shape[2]) + b[None]
 
 
 def _tally(out: Scores, s: int, solve_: Solve, P: np.ndarray, Y: np.ndarray, codes: np.ndarray) -> None:
     for v, var in enumerate(solve_.variants):
         p, y = P[:, var.start : var.stop], Y[:, var.start : var.stop]
         if var.classes is not None:
-            known = var.classes if len(var.classes) else np.zeros(1, np.int64)
-            out.hits[s][v] += (known[p.argmax(1)] == codes[:, v, None]).sum(0)
+            out.hits[s][v] += (_classes(var.classes)[p.argmax(1)] == codes[:, v, None]).sum(0)
             out.count[s][v] += len(y)
         else:
             out.sse[s][v] += ((p[:, 0] - y[:, 0:1]) ** 2).sum(0)
@@ -660,13 +706,42 @@ def _tally(out: Scores, s: int, solve_: Solve, P: np.ndarray, Y: np.ndarray, cod
             out.count[s][v] += len(y)
 
 
-def _count(into: np.ndarray, solve_: Solve, P: np.ndarray, sample: np.ndarray, cls: int) -> None:
-    """Add each unit predicted ``cls`` to its sample's count, per variant and alpha (``into`` [n, V, A])."""
+def _classes(classes: np.ndarray) -> np.ndarray:
+    """A variant's class codes by column (a probe trained on no class predicts code 0)."""
+    return classes if len(classes) else np.zeros(1, np.int64)
+
+
+def _per_sample(into: np.ndarray, spec: StreamSpec, p: np.ndarray, classes: np.ndarray | None, truth: np.ndarray,
+                samples: np.ndarray) -> None:
+    """Add one variant's predictions ``p`` [m, c, A] of units (true codes ``truth``, each unit's
+    sample) to its per-sample column ``into`` [n, A]; see :class:`Scores`. A token regression
+    has no per-sample number: nothing is added. O(units) per block, never O(samples)."""
+    if classes is None:
+        if spec.level == "sample":   # one unit per sample: its predicted value
+            into[samples] = p[:, 0, :]
+        return
+    pred = _classes(classes)[p.argmax(1)]                                  # [m, A] class codes
+    if spec.count_class is None and spec.level == "sample":
+        into[samples] = pred
+        return
+    hit = pred == (spec.count_class if spec.count_class is not None else truth[:, None])
+    np.add.at(into, samples, hit.astype(np.float64))
+
+
+def _exact_counts(into: np.ndarray, solve_: Solve, P: np.ndarray, codes: np.ndarray, samples: np.ndarray,
+                  cls: int) -> None:
+    """Add, per variant and alpha, the samples among ``samples`` whose units predicted ``cls``
+    number as many as their labels ``cls``. The units given hold every test unit of their
+    samples (a scored block reads whole samples; a dual solve scores all its rows at once)."""
+    local, at = np.unique(samples, return_inverse=True)
     for v, var in enumerate(solve_.variants):
         if var.classes is None or not len(var.classes):
             continue
-        hit = var.classes[P[:, var.start : var.stop].argmax(1)] == cls      # [m, A]
-        np.add.at(into[:, v, :], sample, hit.astype(np.float64))            # O(units), not O(samples), per block
+        hit = var.classes[P[:, var.start : var.stop].argmax(1)] == cls     # [m, A]
+        n_h = np.zeros((len(local), hit.shape[1]))
+        np.add.at(n_h, at, hit.astype(np.float64))
+        n_g = np.bincount(at, weights=(codes[:, v] == cls).astype(np.float64), minlength=len(local))
+        into[v] += (n_h == n_g[:, None]).sum(0)
 
 
 def solved_scores(sol: Solution) -> Scores:
@@ -676,7 +751,7 @@ def solved_scores(sol: Solution) -> Scores:
 
 
 def add_scores(a: Scores, b: Scores) -> Scores:
-    for f in ("hits", "count", "sse", "sy", "syy", "per_sample"):
+    for f in ("hits", "count", "sse", "sy", "syy", "per_sample", "exact"):
         for x, y in zip(getattr(a, f), getattr(b, f), strict=False):
             x += y
     a.flops += b.flops

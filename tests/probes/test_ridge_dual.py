@@ -119,6 +119,8 @@ def test_streamed_dual_equals_streamed_primal_on_the_same_split(tmp_path, precis
         assert np.abs(dual[0].gcv[s] - ref[0].gcv[s]).max() < 1e-6 * np.abs(ref[0].gcv[s]).max()
         for f in ("hits", "count", "sse", "sy", "syy"):
             assert np.allclose(getattr(dual[1], f)[s], getattr(ref[1], f)[s], rtol=1e-9, atol=1e-9), f
+        # Per sample (values, class codes, and the controls' on the real test units): as the weights agree.
+        assert dual[1].per_sample[s].any() and np.allclose(dual[1].per_sample[s], ref[1].per_sample[s], atol=1e-5)
     assert dual[0].flops == sum(dual_flops(n, D, 12, 3) for n in dual[0].n_train) < ref[0].flops   # no XᵀX counted
     # One read of each selected byte: the dual maps keep the test rows too, and the solve scores them.
     stored = len(job.rows) * T * D * 2   # float16 tokens
