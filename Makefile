@@ -135,7 +135,7 @@ demo: setup ## the whole pipeline on the committed toy model: stimuli, extractio
 	$(PY) -m queries.report --data $(DATA) --out $(REPORT)
 	@echo
 	@echo "Done: $(DATA) holds every run, $(REPORT)/index.html the report. Three things to try next:"
-	@echo "  $(PY) -m queries lost --data $(DATA) --param run=toy-counter-go --param target=truth:count --param \"group_by=truth->>'regime'\""
+	@echo "  $(PY) -m queries lost --data $(DATA) --param run=toy-counter-go --param target=truth:count% --param \"group_by=truth->>'regime'\""
 	@echo "  $(PY) -m queries --data $(DATA) --sql \"SELECT run, family, avg(correct::INT) AS accuracy FROM v_samples GROUP BY ALL\""
 	@echo "  $(PY) -m queries probe_leaderboard --data $(DATA)"
 
