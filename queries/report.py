@@ -1,16 +1,21 @@
 """``python -m queries.report``: one static HTML file of a workspace, one page per study.
 
 Each study page (counting-bottleneck, g2m, counting-tricks, images-as-text) opens with the figure
-that answers its question; a study the workspace holds no run of says what to run. Every figure
-is a PNG with a caption and the CSV of the numbers drawn, so a reader can re-plot or cite them.
-Everything comes from the store on read-only connections; the page needs no network.
+that answers its question; a study the workspace holds no run of says what to run, and a run whose
+answers are not usable (queries.figures.MIN_USABLE_SHARE) is named in one line instead of drawn.
+Every figure is a PNG with a caption naming its n and the CSV of the numbers drawn, so a reader can
+re-plot or cite them. The report opens with its provenance: the commit of the code that wrote it,
+the runs and models it shows, their samples, and when it was written. Everything comes from the
+store on read-only connections; the page needs no network.
 """
 
 from __future__ import annotations
 
 import argparse
 import html
+import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,10 +40,12 @@ def build_sections(ws: Workspace, out: Path) -> list[Page]:
                       [probes] if probes else [], empty="no probes in the workspace: run python -m probes PLAN"))
     runs = ws.query("SELECT run, model, status, n_samples, arrays, bytes FROM v_runs ORDER BY run")
     pages.append(Page("workspace", "Workspace", "What the workspace holds, and accuracy per run and family.", [
-        Section("Runs", tables=[("runs", runs)]),
+        Section("Runs", tables=[("runs", runs)], titles={"runs": "Runs: model, status, samples and arrays stored"}),
         Section("Accuracy", "Per run and stimulus family; a failed parse counts as wrong.",
-                tables=[("accuracy", run_named(ws, "accuracy"))]),
-        Section("Storage", tables=[("storage", run_named(ws, "storage"))])]))
+                tables=[("accuracy", run_named(ws, "accuracy"))],
+                titles={"accuracy": "Accuracy, parse rate and mean score per run and family (accuracy)"}),
+        Section("Storage", tables=[("storage", run_named(ws, "storage"))],
+                titles={"storage": "Bytes stored per run and tap (storage)"})]))
     return pages
 
 
@@ -48,7 +55,8 @@ STYLE = (
     "nav a{margin-right:1.2em}section.page{border-top:3px solid #446;margin-top:2em}"
     "table{border-collapse:collapse;font-size:12px;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 6px}"
     "figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}figcaption,.note{color:#555;font-size:13px}"
-    ".empty{background:#fff6e0;padding:.5em}"
+    ".empty,.unusable{background:#fff6e0;padding:.5em}h4{margin:1em 0 .2em;font-size:14px}"
+    "header.provenance{background:#f4f6fa;padding:.5em 1em;font-size:13px}"
 )
 # The page checks itself: a test (or a reader) sees data-images-ok / data-errors on <body>.
 SELF_CHECK = (
@@ -60,11 +68,46 @@ SELF_CHECK = (
 )
 
 
+def commit() -> str:
+    """The git commit of the checkout this package runs from (short hash, '+ uncommitted changes'
+    when its files differ from it), or 'unknown' outside a git checkout or without git."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0 or not head.stdout.strip():
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
+def provenance(ws: Workspace) -> str:
+    """What the report was written from: the code's commit, the workspace, its runs with their
+    models and samples, and the date; so a reader can tell which evidence a page shows."""
+    runs = ws.rows("SELECT run, model, status, n_samples, intervention FROM v_runs ORDER BY run")
+    stimuli = ws.rows("SELECT count(DISTINCT stimulus) FROM v_samples")[0][0]
+    written = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    rows = "".join(f"<tr><td>{html.escape(str(run))}</td><td>{html.escape(str(model))}</td>"
+                   f"<td>{html.escape(str(status))}</td><td>{n or 0}</td>"
+                   f"<td>{html.escape(format_cell(intervention) or 'none')}</td></tr>"
+                   for run, model, status, n, intervention in runs)
+    models = sorted({str(r[1]) for r in runs})
+    table = ("<table><tr><th>run</th><th>model</th><th>status</th><th>samples</th><th>intervention</th></tr>"
+             f"{rows}</table>") if runs else ""
+    return (f"<header class='provenance'><p>Written {written} by agnosia at commit"
+            f" <code>{html.escape(commit())}</code> from the workspace <code>{html.escape(str(ws.path))}</code>:"
+            f" {len(runs)} run{'s' if len(runs) != 1 else ''} of {len(models)} model{'s' if len(models) != 1 else ''},"
+            f" {sum(r[3] or 0 for r in runs)} samples over {stimuli} stimuli.</p>{table}</header>")
+
+
 def render_html(ws: Workspace, pages: list[Page], out: Path) -> Path:
     nav = "".join(f"<a href='#{p.slug}'>{p.slug}</a>" for p in pages)
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>agnosia report</title>",
              f"<style>{STYLE}</style>", SELF_CHECK, "</head><body>", f"<nav>{nav}</nav>",
-             f"<h1>agnosia report</h1><p class='note'>workspace <code>{html.escape(str(ws.path))}</code></p>"]
+             "<h1>agnosia report</h1>", provenance(ws)]
     for page in pages:
         figures = sum(len(s.figures) for s in page.sections)
         parts.append(f"<section class='page' id='{page.slug}' data-figures='{figures}'>"
@@ -81,15 +124,17 @@ def render_html(ws: Workspace, pages: list[Page], out: Path) -> Path:
 
 def _render_section(sec: Section, out: Path) -> str:
     parts = [f"<h3>{html.escape(sec.title)}</h3>"]
-    if sec.note:
-        parts.append(f"<p class='note'>{html.escape(sec.note)}</p>")
-    tables = [(table, save_table(out, name, table)) for name, table in sec.tables]  # first: figures count their rows
+    if sec.note:  # one line per note: a run whose answers are not drawn gets its own
+        parts.append("<p class='note'>" + "<br>".join(html.escape(line) for line in sec.note.splitlines()) + "</p>")
+    # tables first: a figure may count its rows from a section table's CSV
+    tables = [(sec.title_of(name), table, save_table(out, name, table)) for name, table in sec.tables]
     for fig in sec.figures:
         rows = _csv_rows(out / fig.csv) if fig.csv else 0
         link = f" CSV: <a href='{fig.csv}'>{fig.csv}</a>" if fig.csv else ""
         parts.append(f"<figure data-rows='{rows}'><img src='{fig.png}' alt='{html.escape(fig.caption)}'>"
                      f"<figcaption>{html.escape(fig.caption)}{link}</figcaption></figure>")
-    parts += [_html_table(table) + f"<p class='note'><a href='{csv}'>{csv}</a></p>" for table, csv in tables]
+    parts += [f"<h4>{html.escape(title)}</h4>{_html_table(table)}<p class='note'>CSV: <a href='{csv}'>{csv}</a></p>"
+              for title, table, csv in tables]
     return "\n".join(parts)
 
 

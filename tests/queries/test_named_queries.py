@@ -76,7 +76,8 @@ def test_word_empty_and_runaway_answers_are_their_own_outcomes(mixed_ws):
     assert rates == {"number": 0.25, "runaway": 0.25, "word": 0.25, "empty": 0.25}
     # the error is the number answers' (49 for 52 boards), never the cut runaway's digits joined
     assert (ve["mean_abs_error"], ve["mean_digits"], ve["stop_unknown"]) == (3.0, 2.0, 0)
-    rows = {r["kind"]: r for r in table(mixed_ws, "attractors")}
+    assert table(mixed_ws, "attractors") == []  # four groups at 0.25 each: an even spread (lift 1), no attractor
+    rows = {r["kind"]: r for r in table(mixed_ws, "attractors", min_lift=1)}
     assert set(rows) == {"word", "empty", "runaway", "boundary"}
     assert (rows["word"]["answer"], rows["word"]["prediction"], rows["word"]["n"]) == ("False", None, 2)
     assert rows["runaway"]["prediction"] is None and rows["runaway"]["max_new_tokens"] == "10"

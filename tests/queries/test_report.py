@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import html
 import os
 import re
 import shutil
@@ -12,6 +14,9 @@ import numpy as np
 import pytest
 
 from extract.scoring import score_answer
+from queries.figures import Answers, bootstrap_ci, n_range, wilson
+from queries.named import run as run_named
+from queries.pages import depth_third
 from queries.report import modality_attention_share, write_report
 from stimuli import get_family
 from stimuli.io import read_set, write_set
@@ -108,6 +113,31 @@ def test_modality_attention_share_of_known_attention(workspace):
     mas = modality_attention_share(workspace, "always49").to_pylist()
     assert [r["layer"] for r in mas] == [0, 1]
     assert mas[0]["mas"] == pytest.approx(1.0, abs=1e-3) and mas[1]["mas"] == pytest.approx(0.5, abs=1e-3)
+    assert [r["third"] for r in mas] == ["early", "late"]  # two layers: the last is late, not middle
+    # every sample attends alike: the bootstrap interval is the mean; 4 of 10 keys are image keys
+    assert mas[1]["mas_lo"] == pytest.approx(0.5, abs=1e-3) and mas[1]["mas_hi"] == pytest.approx(0.5, abs=1e-3)
+    assert mas[0]["uniform"] == pytest.approx(IMAGE_COUNT / SEQ)
+
+
+def test_depth_thirds_end_late():
+    assert [depth_third(i, 1) for i in range(1)] == ["late"]
+    assert [depth_third(i, 2) for i in range(2)] == ["early", "late"]
+    assert [depth_third(i, 3) for i in range(3)] == ["early", "middle", "late"]
+    assert [depth_third(i, 4) for i in range(4)] == ["early", "middle", "middle", "late"]
+    assert [depth_third(i, 6) for i in range(6)] == ["early", "early", "middle", "middle", "late", "late"]
+
+
+def test_intervals_and_the_usable_rule():
+    assert wilson(0, 10)[0] == 0.0 and 0.0 < wilson(0, 10)[1] < 0.35  # all wrong still has an interval
+    lo, hi = wilson(5, 10)
+    assert lo == pytest.approx(0.2366, abs=1e-3) and hi == pytest.approx(0.7634, abs=1e-3)
+    lo, hi = bootstrap_ci([0.0, 1.0] * 50)
+    assert 0.38 < lo < 0.5 < hi < 0.62 and bootstrap_ci([0.3]) == (0.3, 0.3)
+    assert n_range([4, 8, 6], "scenes per case") == "n = 4–8 scenes per case" and n_range([3, 3], "grids") == "n = 3 grids"
+    two_of_ten = Answers("r", "counting", None, n=10, parsed=2, top_unparsed="False")
+    assert two_of_ten.usable and not Answers("r", "counting", None, n=10, parsed=1, top_unparsed="False").usable
+    assert Answers("r", "counting", None, n=128, parsed=4, top_unparsed="False").note("its accuracy per case") == (
+        "r: 124 of 128 answers are no count (answer 'False'), so its accuracy per case is not drawn.")
 
 
 @pytest.mark.slow
@@ -133,12 +163,99 @@ def test_every_study_page_opens_with_a_figure_with_data(report):
     assert '"grids",2,"model",1,2' in g2m and '"grids",3,"probe vision.0/resid_post",0.8,2' in g2m
     mas = (out / "mas.csv").read_text()
     assert '"tricks",0,0.4,true,2' in mas and '"tricks",0,0.4,false,2' in mas  # 4 of 10 keys are image keys
-    detect = (out / "detect_ap.csv").read_text().splitlines()
-    assert [line.split(",")[2] for line in detect[1:]] == ['"vision"', '"llm"']  # along depth
+    detect = list(csv.DictReader((out / "detect_ap.csv").open()))
+    assert [r["tap"] for r in detect] == ["vision", "llm"]  # along depth
+    assert {r["probe"] for r in detect} == {"counting.boxes (detect, image tokens)"}  # a label, not the series hash
     cases = (out / "counting_cases.csv").read_text()
     assert '"tricks","1A",2,1,' in cases and '"tricks","2A",2,0,' in cases
     spatial = (out / "spatial_accuracy.csv").read_text()
     assert '"scenes","above",2,1,0.25' in spatial and '"scenes","left",2,0.5,0.25' in spatial
+
+
+def _page(index: str, slug: str) -> str:
+    section = index[index.index(f"id='{slug}'"):]
+    return section[:section.index("</section>")]
+
+
+#: The pages built by queries/pages.py and queries/pages_spatial.py, whose captions all name n (the
+#: counting-bottleneck page, queries/pages_counting.py, joins this list when its captions do too).
+CAPTIONED = ("g2m", "counting-tricks", "images-as-text", "probes")
+NAMES_N = re.compile(r"\bn(_seeds)?\s*=\s*\d")
+
+
+@pytest.mark.slow
+def test_every_figure_caption_names_its_n(report):
+    index = report.read_text()
+    for slug in CAPTIONED:
+        figures = re.findall(r"<figure[^>]*>.*?</figure>", _page(index, slug), re.S)
+        assert figures, slug
+        for fig in figures:
+            caption = re.search(r"<figcaption>(.*?)</figcaption>", fig, re.S)
+            assert caption and NAMES_N.search(caption.group(1)), f"{slug}: a caption without its n: {fig[:300]}"
+
+
+@pytest.mark.slow
+def test_the_report_opens_with_its_provenance_and_titles_every_table(report, workspace):
+    index = report.read_text()
+    header = index[index.index("<header class='provenance'>"):index.index("</header>")]
+    commit = re.search(r"at commit <code>([^<]+)</code>", header)
+    assert commit and re.fullmatch(r"[0-9a-f]{7,}( \+ uncommitted changes)?|unknown", commit.group(1))
+    runs = [r[0] for r in workspace.rows("SELECT run FROM runs ORDER BY run")]
+    assert all(f"<td>{run}</td>" in header for run in runs) and f"{len(runs)} runs of 1 model" in header
+    samples = workspace.rows("SELECT sum(n_samples) FROM v_runs")[0][0]
+    assert f"{samples} samples" in header and re.search(r"Written \d{4}-\d\d-\d\d \d\d:\d\d UTC", header)
+    body = index[index.index("</header>"):]
+    assert body.count("<table>") == len(re.findall(r"<h4>[^<]+</h4><table>", body))  # every table has a title
+    for (series,) in workspace.rows("SELECT DISTINCT series FROM probes WHERE series IS NOT NULL"):
+        assert series[:8] not in index  # a legend or table names target, kind and tokens, never the hash
+
+
+@pytest.fixture(scope="module")
+def mute(tmp_path_factory) -> tuple[Workspace, str]:
+    """Runs whose model answers 'False' to every CountingTricks and spatial scene, and a G2M run
+    that transcribes N = 2 grids and gives no grid at N = 3; and the report of them."""
+    root = tmp_path_factory.mktemp("mute")
+    ws = Workspace.open(root / "data")
+    scenes = [{"id": f"c{i}", "family": "counting", "truth": {"case": case, "count": 3}}
+              for i, case in enumerate(("10A", "2A", "1A") * 2)]
+    pairs = [{"id": f"s{i}", "family": "spatial", "truth": {"relation": "left", "options": ["a", "b", "c", "d"]}}
+             for i in range(4)]
+    false = Generation(text="False", prediction=None, parse_ok=False, correct=False)
+    for run, stimuli, dataset in (("mute-count", scenes, "counting"), ("mute-choice", pairs, "spatial")):
+        with ws.writer(RunInfo(run=run, model="hand-built")) as w:
+            w.set_samples(w.register_stimuli(stimuli, dataset=dataset))
+            w.record_generations(0, [false] * len(stimuli))
+    grids = [{"id": f"g{n}-{i}", "family": "g2m", "params": {"grid_size": n, "image_size": 8 * n, "num_colors": 3},
+              "truth": {"matrix": np.eye(n, dtype=int).tolist()}} for n in (2, 3) for i in range(2)]
+    with ws.writer(RunInfo(run="half-grids", model="hand-built")) as w:
+        w.set_samples(w.register_stimuli(grids, dataset="g2m"))
+        w.record_generations(0, [Generation(text="x", prediction=g["truth"]["matrix"], parse_ok=True, correct=True)
+                                 if g["params"]["grid_size"] == 2 else false for g in grids])
+    ro = Workspace.open(root / "data", readonly=True)
+    return ro, write_report(ro.path, root / "report").read_text()
+
+
+@pytest.mark.slow
+def test_a_run_without_usable_answers_gets_one_line_not_a_figure(mute):
+    ws, index = mute
+    for slug, line in (("counting-tricks", "mute-count: 6 of 6 answers are no count (answer 'False'), so its accuracy"
+                                           " per case is not drawn."),
+                       ("images-as-text", "mute-choice: 4 of 4 answers are no choice (answer 'False'), so its spatial"
+                                          " accuracy is not drawn.")):
+        page = _page(index, slug)
+        assert "data-figures='0'" in index[index.index(f"id='{slug}'"):][:80] and "<figure" not in page, slug
+        assert html.escape(line) in page and page.count(html.escape(line)) == 1
+    # the numbers stay in the table, cases in natural order
+    assert [r["case_id"] for r in run_named(ws, "counting_cases").to_pylist()] == ["1A", "2A", "10A"]
+
+
+@pytest.mark.slow
+def test_a_g2m_curve_draws_unparsed_sizes_as_zero_and_says_how_many(mute):
+    _, index = mute
+    page = _page(index, "g2m")
+    (caption,) = [c for c in re.findall(r"<figcaption>(.*?)</figcaption>", page, re.S) if "Cell accuracy per grid" in c]
+    assert "answers that did not parse count as 0 (half-grids: N = 3 (2 of 2))" in caption
+    assert "dotted grey: chance 1/C" in caption and "n = 2 grids per N" in caption
 
 
 def test_an_empty_workspace_gets_one_line_per_study(tmp_path):
@@ -180,11 +297,29 @@ def test_report_loads_in_headless_chromium(report, tmp_path):
         section = re.search(rf'<section class="page" id="{slug}" data-figures="(\d+)">(.*?)</section>', dom, re.S)
         assert section and int(section.group(1)) > 0, slug
         assert re.search(r'<figure data-rows="[1-9]\d*"><img src="[^"]+\.png"', section.group(2)), slug
-    # kept as a CI artifact: what a reader sees, from this demo-like workspace
-    shot = Path(__file__).resolve().parents[2] / "report" / "screenshot.png"
-    shot.parent.mkdir(exist_ok=True)
-    subprocess.run(
-        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
-         f"--user-data-dir={tmp_path / 'chrome-shot'}", "--window-size=1200,6000", "--virtual-time-budget=5000",
-         f"--screenshot={shot}", index.as_uri()], capture_output=True, text=True, timeout=120)
-    assert shot.stat().st_size > 10_000
+    # kept as CI artifacts: what a reader sees of every page, from this demo-like workspace
+    shots = Path(__file__).resolve().parents[2] / "report"
+    shots.mkdir(exist_ok=True)
+    for slug in re.findall(r"<section class='page' id='([^']+)'", index.read_text()):
+        shot = screenshot_page(index, slug, shots / f"screenshot-{slug}.png", tmp_path / f"chrome-{slug}")
+        assert shot.stat().st_size > 10_000, f"{slug}: {shot} is {shot.stat().st_size} bytes, not a drawn page"
+
+
+def screenshot_page(index: Path, slug: str, shot: Path, profile: Path) -> Path:
+    """One page of the report as a PNG of its full height: a copy of index.html beside it that shows
+    only that page (headless Chromium draws nothing when told to scroll to an anchor)."""
+    text = index.read_text()
+    page = text[text.index(f"id='{slug}'"):]
+    page = page[:page.index("</section>")]
+    # tall enough for the page: its figures, table rows and lines of text
+    height = min(16_000, 500 + 950 * page.count("<img") + 22 * page.count("<tr>") + 20 * page.count("<p"))
+    alone = index.with_name(f"_screenshot-{slug}.html")
+    alone.write_text(text.replace("</head>", f"<style>section.page{{display:none}}#{slug}{{display:block}}</style></head>"))
+    try:
+        subprocess.run(
+            [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
+             f"--user-data-dir={profile}", f"--window-size=1200,{height}", "--virtual-time-budget=5000",
+             f"--screenshot={shot}", alone.as_uri()], capture_output=True, text=True, timeout=120)
+    finally:
+        alone.unlink()
+    return shot
