@@ -340,13 +340,25 @@ def _outcome(job: GroupJob, task: Any, spec: subsample.IterSpec, fit: subsample.
                "subsample": {"rows": int(solve.pick.sum()), "of": solve.candidates, "max_train_rows": solve.cap,
                              "seed": solve.seed, "draw": "uniform over labelled training units, without replacement"}}
     pred = fit.pred[s]
+    control = _control_column(solve, c)
     if pred is not None:
         preds = per_sample(te, pred[c][te], y_te[:, 0], 1, target.classes)
+        if control is not None:   # its predicted classes, scored against the real labels
+            ctl = per_sample(te, pred[control][te], y_te[:, 0], 1, target.classes)
+            preds.control_prediction, preds.control_score = ctl.prediction, ctl.score
     else:
         with np.errstate(invalid="ignore", divide="ignore"):
             preds = PerSample(te, None, None, fit.hits[s][c][te] / fit.count[s][c][te])
+            if control is not None:   # its hits on the probe's labelled units, over their count
+                preds.control_score = fit.real_hits[s][control][te] / fit.count[s][c][te]
     return Outcome("accuracy", score, ctrl, int((target.labelled() & fold.train).sum()),
                    int((target.labelled() & fold.test).sum()), metrics, probe, flops, predictions=preds)
+
+
+def _control_column(solve: subsample.IterSolve, c: int) -> int | None:
+    """The column of the shuffled-label control of column ``c``'s probe (None: no control)."""
+    job = solve.columns[c].job
+    return next((k for k, o in enumerate(solve.columns) if o.job == job and o.control), None)
 
 
 def _sample_outcome(job: GroupJob, task: Any, spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int,
@@ -357,8 +369,11 @@ def _sample_outcome(job: GroupJob, task: Any, spec: subsample.IterSpec, fit: sub
     col = solve.columns[c]
     target, fold = job.targets[task.target], job.folds[task.fold_id]
     probe, score, metrics, preds = _scored(spec, fit, s, c)
-    ctrl = next((_control_score(spec, fit, s, k) for k, o in enumerate(solve.columns)
-                 if o.job == col.job and o.control), None)
+    control = _control_column(solve, c)
+    ctrl = None if control is None else _control_score(spec, fit, s, control)
+    if control is not None:   # the control on the probe's test samples, scored against their real labels
+        _, _, _, ctl = _scored(spec, fit, s, control, against=c)
+        preds.control_prediction, preds.control_score = ctl.prediction, ctl.score
     at = np.flatnonzero(solve.pick)
     metrics.update({"n_train_samples": int(subsample.labelled_of(col)[at].sum()),
                     "n_test_samples": len(preds.positions), "streamed": True,
@@ -376,10 +391,12 @@ def _control_score(spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c:
     return _scored(spec, fit, s, c)[1]
 
 
-def _scored(spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int
+def _scored(spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int, against: int | None = None
             ) -> tuple[Any, float, dict[str, Any], PerSample]:
+    """Column ``c``'s probe scored on the test samples column ``against`` (default: ``c``) has
+    labels for, against those labels."""
     solve = spec.solves[s]
-    col = solve.columns[c]
+    col = solve.columns[c if against is None else against]
     probe = spec.kind(random_state=solve.seed, **solve.params)
     probe.load_state(*fit.states[s][c])
     te = np.flatnonzero(solve.test & subsample.labelled_of(col))
@@ -388,6 +405,9 @@ def _scored(spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int
     blocks = fit.tested[s][c]
     # conv_spatial predicts a grid array per block, detect a list of (boxes, scores) per sample
     pred: Any = np.concatenate(blocks) if isinstance(blocks[0], np.ndarray) else [p for b in blocks for p in b]
+    # The column was predicted on more samples than these where it is a control (subsample.predicted).
+    keep = subsample.labelled_of(col)[np.flatnonzero(solve.test & subsample.predicted(solve, c))]
+    pred = pred[keep] if isinstance(pred, np.ndarray) else [p for p, k in zip(pred, keep, strict=True) if k]
     y = col.labels[te]
     score, metrics, (p, truth, per) = probe.scored(pred, y if y.dtype == object else y.astype(np.int64))
     return probe, score, metrics, PerSample(te, p, truth, per)

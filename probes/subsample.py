@@ -57,6 +57,14 @@ class IterSolve:
     cap: int | None              # max_train_rows in force (None: every unit)
     seed: int                    # the draw's seed (the fold's)
 
+    def real_column(self, c: int) -> int:
+        """The column of column ``c``'s probe (``c`` itself unless ``c`` is a control): a control's
+        per-sample output is scored against its probe's real labels."""
+        col = self.columns[c]
+        if not col.control:
+            return c
+        return next((k for k, o in enumerate(self.columns) if o.job == col.job and not o.control), c)
+
 
 @dataclass
 class IterSpec:
@@ -81,6 +89,9 @@ class LayerFit:
     scale: list[np.ndarray] = field(default_factory=list)
     weights: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = field(default_factory=list)  # coef, b, classes
     hits: list[np.ndarray] = field(default_factory=list)      # [C, n]
+    #: [C, n]: hits against the column's probe's real labels (a control's per-sample score; the
+    #: real column's own hits again, so one index serves both)
+    real_hits: list[np.ndarray] = field(default_factory=list)
     count: list[np.ndarray] = field(default_factory=list)     # [C, n]
     pred: list[np.ndarray | None] = field(default_factory=list)   # [C, n] codes when R = 1
     fitted_rows: list[np.ndarray] = field(default_factory=list)   # [C]: labelled rows each column trained on
@@ -258,6 +269,7 @@ def score_pass(spec: IterSpec, info: ArrayInfo, solved: list[Any], out: LayerFit
     for solve in spec.solves:
         C = len(solve.columns)
         out.hits.append(np.zeros((C, n), np.int64))
+        out.real_hits.append(np.zeros((C, n), np.int64))
         out.count.append(np.zeros((C, n), np.int64))
         out.pred.append(np.full((C, n), -1, np.int64) if R == 1 else None)
     for s, solve, idx, mask, U in _blocks(spec, info, [v.test for v in spec.solves], out):
@@ -272,6 +284,8 @@ def score_pass(spec: IterSpec, info: ArrayInfo, solved: list[Any], out: LayerFit
             ok = y >= 0
             out.hits[s][c, at] = ((p == y) & ok).sum(1)
             out.count[s][c, at] = ok.sum(1)
+            real = solve.columns[solve.real_column(c)].labels[at]
+            out.real_hits[s][c, at] = ((p == real) & (real >= 0)).sum(1)
             pred = out.pred[s]
             if pred is not None:
                 pred[c, at] = p[:, 0]
@@ -294,10 +308,17 @@ def fit_samples(spec: IterSpec, info: ArrayInfo, out: LayerFit) -> None:
         del sub
     out.tested = [[[] for _ in solve.columns] for solve in spec.solves]
     for s, solve, idx, mask, U in _blocks(spec, info, [v.test for v in spec.solves], out):
-        for c, col in enumerate(solve.columns):
-            sel = labelled_of(col)[idx][mask]
+        for c in range(len(solve.columns)):
+            sel = predicted(solve, c)[idx][mask]
             if sel.any():
                 out.tested[s][c].append(probes[s][c].predict(U[sel]))
+
+
+def predicted(solve: IterSolve, c: int) -> np.ndarray:
+    """bool [n]: the samples column ``c`` is predicted on (among the test split): those it has a
+    label for and, a control, those its probe has a label for (its per-sample output is scored
+    there, against the real labels). Predictions follow in ascending sample order."""
+    return labelled_of(solve.columns[c]) | labelled_of(solve.columns[solve.real_column(c)])
 
 
 def labelled_of(col: Column) -> np.ndarray:

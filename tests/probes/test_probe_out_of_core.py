@@ -43,9 +43,17 @@ def ws(tmp_path_factory) -> Workspace:
     return build_workspace(tmp_path_factory.mktemp("ooc") / "ws", n=96, families=("go", "spatial"))
 
 
+def _controls(ws: Workspace, key: str) -> np.ndarray:
+    """[m, 2]: the control's per-sample prediction and score (NaN: none) of a probe's test samples."""
+    rows = ws.rows("SELECT control_prediction, control_score FROM probe_predictions WHERE key = ? ORDER BY array_row",
+                   [key])
+    return np.array([[np.nan if v is None else v for v in r] for r in rows], dtype=np.float64).reshape(-1, 2)
+
+
 def test_out_of_core_equals_in_memory_when_the_subsample_holds_every_row(ws):
     run_plan(_plan("never"), ws.path, in_process=True, force=True, **QUIET)
     ref = _results(ws)
+    ref_controls = {key: _controls(ws, key) for key in ref}
     run_plan(_plan("always"), ws.path, in_process=True, force=True, block_rows=7, **QUIET)   # 7-sample blocks
     got = _results(ws)
     assert set(got) == set(ref) and len(got) == 8
@@ -61,6 +69,13 @@ def test_out_of_core_equals_in_memory_when_the_subsample_holds_every_row(ws):
         for name in ("mean", "scale"):                     # streamed moments = the in-memory rows' statistics
             assert np.abs(mine.state_[name] - theirs.state_[name]).max() < 1e-4, name
         assert np.abs(mine.state_["coef"] - theirs.state_["coef"]).max() < 0.05 * np.abs(theirs.state_["coef"]).max()
+        # The control's per-sample output, scored against the real labels, as in memory.
+        ctl, want = _controls(ws, key), ref_controls[key]
+        assert ctl.shape == want.shape and not np.isnan(ctl[:, 1]).any()
+        assert np.abs(ctl[:, 1] - want[:, 1]).mean() < 0.05, key
+        assert (np.isnan(ctl[:, 0]) == np.isnan(want[:, 0])).all()    # a number only where the classes are numbers
+        numbers = ~np.isnan(want[:, 0])
+        assert not numbers.any() or (ctl[numbers, 0] == want[numbers, 0]).mean() > 0.9
     n_test_rows = [m["n_test_rows"] for *_, m in got.values()]
     assert sorted(set(n_test_rows)) == [22, 2400]          # every test unit scored: 24 boards x 100, 22 samples
 

@@ -43,8 +43,8 @@ def _results(ws: Workspace, kind: str) -> dict[str, tuple]:
 
 
 def _predictions(ws: Workspace, key: str) -> list[tuple]:
-    return ws.rows("SELECT array_row, prediction, truth, round(score, 9) FROM probe_predictions WHERE key = ?"
-                   " ORDER BY array_row", [key])
+    return ws.rows("SELECT array_row, prediction, truth, round(score, 9), round(control_score, 9) FROM probe_predictions"
+                   " WHERE key = ? ORDER BY array_row", [key])
 
 
 def _job(ws: Workspace, plan, run: str):
@@ -72,7 +72,12 @@ def _same_as_in_memory(ws: Workspace, entry: dict) -> dict[str, tuple]:
         assert metrics["n_train_samples"] == n_train and metrics["n_test_samples"] == n_test   # whole test split
         sub = metrics["subsample"]
         assert sub["rows"] == sub["of"] == n_train and sub["max_train_rows"] is None
-        assert len(_predictions(ws, key)) == len(ref_preds[key]) == n_test
+        mine_preds = _predictions(ws, key)
+        assert len(mine_preds) == len(ref_preds[key]) == n_test
+        # The control's per-sample score on the same test samples, against the real target, as in memory.
+        assert [r[0] for r in mine_preds] == [r[0] for r in ref_preds[key]]
+        assert all(r[4] is not None for r in mine_preds + ref_preds[key])
+        assert abs(np.mean([r[4] for r in mine_preds]) - np.mean([r[4] for r in ref_preds[key]])) < 0.02
         mine, theirs = Probe.load(ws.path / artifact), Probe.load(ws.path / r[4])
         for name in ("mean", "scale"):     # moments streamed over every training token = the rows' statistics
             assert np.abs(mine.state_[name] - theirs.state_[name]).max() < 1e-4, name
