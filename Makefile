@@ -124,7 +124,8 @@ demo: setup ## the whole pipeline on the committed toy model: stimuli, extractio
 	$(PY) -m stimuli go --preset small --variation mild --n 4 --seed 1 --out $(STIMULI)/go-toy --overwrite
 	$(G2M_SETS)
 	$(TRICKS_SETS)
-	$(PY) -m extract manifests/demo.yaml $(VARIANT_MANIFESTS) manifests/demo-g2m.yaml $(TRICKS_MANIFESTS) \
+	$(PY) -m extract manifests/demo.yaml manifests/demo-contrastive.yaml $(VARIANT_MANIFESTS) manifests/demo-g2m.yaml \
+	  $(TRICKS_MANIFESTS) \
 	  --data $(DATA) --stimuli-root $(STIMULI)
 	$(PY) -m probes manifests/probes-demo.yaml manifests/probes-demo-g2m.yaml manifests/probes-demo-counting-tricks.yaml \
 	  --data $(DATA) --no-progress

@@ -26,6 +26,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.csv as pacsv  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from queries.intervals import mean_interval  # noqa: E402
 from store import Workspace  # noqa: E402
 
 
@@ -182,18 +183,11 @@ def lines(ax: Any, table: pa.Table, x: str, y: str, xlabel: str, ylabel: str,
 # intervals, baselines, captions
 
 
-def bootstrap_ci(values: Sequence[float], level: float = 0.95, draws: int = 2000,
-                 seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of ``values`` (resampled with replacement); a fixed
-    seed, so the report is the same every time it is written. One value: no spread to resample."""
-    x = np.asarray(values, dtype=np.float64)
-    if x.size < 2:
-        v = float(x[0]) if x.size else float("nan")
-        return v, v
-    means = x[np.random.default_rng(seed).integers(0, x.size, (draws, x.size))].mean(1)
-    tail = (1 - level) / 2 * 100
-    lo, hi = np.percentile(means, [tail, 100 - tail])
-    return float(lo), float(hi)
+def bootstrap_ci(values: Sequence[float]) -> tuple[float, float]:
+    """The 95 % bootstrap interval of the mean of ``values``: queries/intervals.py's, the one every
+    interval agnosia prints comes from (fixed seed: the report is the same every time it is written)."""
+    iv = mean_interval(np.asarray(values, dtype=np.float64)[None])
+    return (float("nan"), float("nan")) if iv is None else (iv.low, iv.high)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -205,6 +199,17 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def wilson_yerr(counts: Sequence[tuple[int, int]]) -> list[list[float]]:
+    """Matplotlib's yerr (below, above) for shares right / n with their Wilson intervals."""
+    below, above = [], []
+    for right, n in counts:
+        share = right / n if n else 0.0
+        lo, hi = wilson(right, n)
+        below.append(max(share - lo, 0.0))   # rounding can put a bound a hair past the share
+        above.append(max(hi - share, 0.0))
+    return [below, above]
 
 
 def n_range(ns: Iterable[int | None], unit: str, name: str = "n") -> str:

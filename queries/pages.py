@@ -29,6 +29,7 @@ from queries.figures import (
     wilson,
 )
 from queries.named import run as run_named
+from queries.pages_variants import variants_section
 from store import Workspace
 
 # --------------------------------------------------------------------------------------------
@@ -220,6 +221,9 @@ def tricks_page(ws: Workspace, out: Path) -> Page:
                 " AP boxes reach by chance), one panel per run, y from 0 to 1. " + seeds_caption(rows, "images")
                 + hidden_lines(rows, [r["run"] for r in rows])))]))
     page.sections += mas_sections(ws, out)
+    variants = variants_section(ws, out, "counting-tricks")   # the MAS fine-tune
+    if variants:
+        page.sections.append(variants)
     return page
 
 

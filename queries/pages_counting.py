@@ -6,6 +6,7 @@ Every builder takes a read-only workspace and the output folder; figures come fr
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from queries import evidence
-from queries.figures import Page, Section, figure, lines, panels, stage_bands
+from queries.figures import Figure, Page, Section, chance_line, figure, n_range, panels, stage_bands, wilson, wilson_yerr
 from queries.gap import GapError
 from queries.named import run as run_named
 from queries.verdicts import verdicts_table, where_lost
@@ -42,6 +43,9 @@ def counting_page(ws: Workspace, out: Path) -> Page:
     if not family_runs(ws, "go"):
         return page
     page.sections.append(answers_section(ws, out))
+    contrastive = contrastive_section(ws, out)
+    if contrastive:
+        page.sections.append(contrastive)
     page.sections += intervention_sections(ws, out)
     return page
 
@@ -99,7 +103,7 @@ def _three_curves(out: Path, run: str, target: str, found: list[evidence.Curve],
                          for c in found if c.group == group for p in c.points])
         ax.legend(fontsize=6, loc="upper left")
 
-    ns = ", ".join(f"{g} {max(p.value.n for c in found if c.group == g for p in c.points)}" for g in groups)
+    ns = ", ".join(f"{max(p.value.n for c in found if c.group == g for p in c.points)} {g}" for g in groups)
     seeds = max((p.value.n_seeds for c in found for p in c.points), default=1)
     fig = panels(out, name, groups, draw, table=table, cols=1, size=(7.0, 3.0), caption=(
         f"{run}, {target}: the count read-out (ridge on the mean image token) along depth, one panel per regime,"
@@ -107,7 +111,7 @@ def _three_curves(out: Path, run: str, target: str, found: list[evidence.Curve],
         f" shuffled-label control (grey, dotted); purple: trained on in-range boards (≤ 49 stones) and tested on"
         f" the held-out boards of every regime; black dashed: the model's own answers (mean absolute error over the"
         f" answers that are numbers). Bands: 95 % bootstrap intervals over boards and seeds. n = {ns} boards,"
-        f" {seeds} seed(s). Command: python -m queries curves --param run={run} --param target={target}%"
+        f" n_seeds = {seeds}. Command: python -m queries curves --param run={run} --param target={target}%"
         " --param group_by=\"truth->>'regime'\"."))
     verdicts = where_lost(found)
     return Section(
@@ -128,8 +132,7 @@ def _expressed_text(e: evidence.Expressed | None) -> str:
 
 
 def _band(ax: Any, points: list[evidence.Point], colour: str, label: str, control: bool = False) -> None:
-    pts = [(p.depth, p.control if control else p.value) for p in points]
-    pts = [(d, iv) for d, iv in pts if iv is not None]
+    pts = [(p.depth, iv) for p in points if (iv := p.control if control else p.value) is not None]
     if not pts:
         return
     xs = [d for d, _ in pts]
@@ -170,7 +173,7 @@ def _hidden_number(ws: Workspace, out: Path, run: str, found: list[evidence.Curv
         ax.set_ylabel("stones")
         ax.legend(fontsize=6, loc="upper left")
 
-    ns = ", ".join(f"{g} {max(p.value.n for c in found if c.group == g for p in c.points)}" for g in groups)
+    ns = ", ".join(f"{max(p.value.n for c in found if c.group == g for p in c.points)} {g}" for g in groups)
     fig = panels(out, name, groups, draw, table=table, cols=1, size=(7.0, 2.8), caption=(
         f"{run}: the study's hidden number N_H (tokens a black/white/empty probe trained on in-range boards calls"
         " black) at every depth, one panel per regime: Vision Gap |N_H − N_G| (blue, against the shuffled-label"
@@ -184,73 +187,150 @@ def _hidden_number(ws: Workspace, out: Path, run: str, found: list[evidence.Curv
 
 
 def answers_section(ws: Workspace, out: Path) -> Section:
-    """What the model answers past the training edge, and accuracy per count of each run (facets:
-    the visual run beside its text twin and variants)."""
-    answers = ws.query(
-        # a runaway answer's digits were cut at the cap, not answered: it goes to the no-number bar
-        "SELECT g.run, st.truth->>'regime' AS regime, CASE WHEN g.answer_kind = 'digits'"
-        " THEN TRY_CAST(g.prediction AS BIGINT) END AS prediction, count(*) AS n"
-        " FROM generations g JOIN stimuli st USING (stimulus) WHERE st.family = 'go'"
-        " AND st.truth->>'regime' IN ('VE', 'FE') GROUP BY ALL ORDER BY 1, 2, 3")
-    per_count = ws.query(
-        "SELECT g.run, (st.truth->>'count')::INTEGER AS count, avg(g.correct::INTEGER) AS accuracy, count(*) AS n"
-        " FROM generations g JOIN stimuli st USING (stimulus) WHERE st.family = 'go' GROUP BY ALL ORDER BY 1, 2")
-    runs = sorted(set(answers.column("run").to_pylist())) or ["(none)"]
-    sec = Section("Counting lab: answers past the training edge",
-                  "ID 0–49 (seen in vision training), VE 50–99 (text only), FE 100–120 (never seen).",
+    """What the model answers per regime (right, a wrong number, a word, nothing, a runaway string),
+    and accuracy along the count: the visual run and its text twin on one axis (the study's paradox),
+    the variant runs beside the plain one."""
+    kinds = ws.query(
+        "SELECT s.run, s.truth->>'regime' AS regime, CASE WHEN s.correct THEN 'right'"
+        " WHEN s.answer_kind = 'digits' THEN 'wrong number' ELSE coalesce(s.answer_kind, 'unknown') END AS answer,"
+        " count(*) AS n FROM v_samples s JOIN runs r USING (run) WHERE s.family = 'go' AND s.generated IS NOT NULL"
+        " AND NOT ends_with(coalesce(r.config->'stimuli'->0->>'task', ''), '_tf') GROUP BY ALL ORDER BY 1, 2, 3")
+    per_bin = ws.query(
+        "SELECT s.run, coalesce(r.intervention->>'kind', 'none') AS intervention, r.config->'stimuli'->0->>'task' AS task,"
+        f" (floor((s.truth->>'count')::INTEGER / {COUNT_BIN}) * {COUNT_BIN})::INTEGER AS bin,"
+        " count(*) FILTER (WHERE s.correct) AS right, count(*) AS n FROM v_samples s JOIN runs r USING (run)"
+        " WHERE s.family = 'go' AND s.generated IS NOT NULL AND NOT ends_with(coalesce(r.config->'stimuli'->0->>'task', ''), '_tf')"
+        " GROUP BY ALL ORDER BY 1, 4")
+    sec = Section("Counting lab: what the model answers",
+                  "ID 0–49 (seen in vision training), VE 50–99 (text only), FE 100–120 (never seen). A runaway"
+                  " answer is a string of digits still running at the generation cap: wrong, and no number.",
                   tables=[("counting_regimes", run_named(ws, "counting_regimes")),
-                          ("attractors", run_named(ws, "attractors"))])
-    sec.figures.append(panels(out, "counting_answers", runs[:6], lambda ax, r: _answer_histogram(ax, answers, r),
-                              table=answers, cols=2, sharex=False, caption=(
-                                  "Histogram of the answered count on boards past the training edge (VE orange, FE"
-                                  " red), one panel per run; the dashed line is the training edge (49 stones).")))
-    count_runs = sorted(set(per_count.column("run").to_pylist()))
-    sec.figures.append(panels(out, "counting_accuracy", count_runs[:8], lambda ax, r: lines(
-        ax, per_count.filter(pa.compute.equal(per_count["run"], r)), "count", "accuracy", "stones", "accuracy",
-        spans=((TRAINING_EDGE, "training edge"),)), table=per_count, cols=2, caption=(
-        "Accuracy per number of black stones, one panel per run: the visual run beside its text twin"
-        " (the same boards as strings) and the variant runs.")))
+                          ("attractors", run_named(ws, "attractors"))],
+                  titles={"counting_regimes": "Accuracy and answer kinds per regime (counting_regimes)",
+                          "attractors": "Wrong answers that draw far more than chance (attractors: share and lift)"})
+    runs = sorted(set(kinds.column("run").to_pylist()))
+    if runs:
+        ns = [r["n"] for r in _regime_totals(kinds)]
+        sec.figures.append(panels(out, "counting_answers", runs[:8], partial(_answer_bars, table=kinds),
+                                  table=kinds, cols=2, sharex=False, size=(6.4, 2.6), caption=(
+            "What each run answers per regime, as shares of its boards: right, a wrong number, a word (e.g. False),"
+            " nothing, or a runaway string of digits cut at the generation cap; one panel per run, one 0–1 axis."
+            f" {n_range(ns, 'boards per bar')}.")))
+        sec.figures.append(_accuracy_along_count(out, per_bin))
     gaps = run_named(ws, "counting_gaps")
     if gaps.num_rows:
         sec.tables.append(("counting_gaps", gaps))
+        sec.titles["counting_gaps"] = "The study's Vision and Language Gaps per depth and regime (counting_gaps)"
     return sec
 
 
-ANSWER_CAP = 130  # answers above the largest count (e.g. "910") share one bar
+def contrastive_section(ws: Workspace, out: Path) -> Section | None:
+    """The study's contrastive question (task *_tf: is the string's count the board's?) per regime,
+    split by pair kind: a model that answers False to everything scores 1/2 overall and 0 on the
+    equal pairs, which one overall accuracy hides."""
+    table = ws.query(
+        "SELECT s.run, r.config->'stimuli'->0->>'task' AS task, s.truth->>'regime' AS regime,"
+        " CASE WHEN s.truth->>'tf_pair' = 'eq' THEN 'equal counts' ELSE 'unequal counts' END AS pair,"
+        " count(*) AS n, count(*) FILTER (WHERE s.correct) AS right, mode(trim(s.generated)) AS top_answer"
+        " FROM v_samples s JOIN runs r USING (run) WHERE s.family = 'go' AND s.generated IS NOT NULL"
+        " AND r.config->'stimuli'->0->>'task' LIKE '%_tf' GROUP BY ALL ORDER BY 1, 3, 4")
+    if not table.num_rows:
+        return None
+    rows = table.to_pylist()
+    runs = sorted({r["run"] for r in rows})
+
+    def draw(ax: Any, run: str) -> None:
+        mine = [r for r in rows if r["run"] == run]
+        regimes = [g for g in REGIMES if any(r["regime"] == g for r in mine)]
+        for offset, pair, colour in ((-0.2, "equal counts", "tab:green"), (0.2, "unequal counts", "tab:orange")):
+            pts = [(i, r) for i, g in enumerate(regimes) for r in mine if r["regime"] == g and r["pair"] == pair]
+            ax.bar([i + offset for i, _ in pts], [r["right"] / r["n"] for _, r in pts], width=0.38, color=colour,
+                   label=pair, capsize=3, yerr=wilson_yerr([(r["right"], r["n"]) for _, r in pts]))
+        chance_line(ax, 0.5, "chance (1/2)")
+        ax.set_xticks(range(len(regimes)), regimes)
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("accuracy")
+        ax.set_title(run, fontsize=8)
+        ax.legend(fontsize=6, loc="lower left")
+
+    return Section(
+        "Contrastive counting: is the string's count the board's?",
+        "The study's true/false task: the board beside a string of c letters whose count is equal (even boards)"
+        " or not (odd boards).",
+        figures=[panels(out, "contrastive", runs[:4], draw, table=table, cols=1, size=(6.4, 2.8), caption=(
+            "Accuracy per regime on equal-count and unequal-count pairs with 95 % Wilson intervals, chance 1/2"
+            f" dotted, one panel per run. {n_range([r['n'] for r in rows], 'boards per bar')}."))],
+        tables=[("contrastive", table)], titles={"contrastive": "Contrastive accuracy per regime and pair kind"})
 
 
-def _answer_histogram(ax: Any, table: pa.Table, run: str) -> None:
+#: Boards per accuracy point along the count: bins of this many stones (4 boards a count on the demo).
+COUNT_BIN = 10
+ANSWER_KINDS = {"right": "tab:green", "wrong number": "tab:orange", "word": "tab:purple", "empty": "tab:grey",
+                "runaway": "tab:red", "unknown": "black"}
+
+
+def _regime_totals(table: pa.Table) -> list[dict[str, Any]]:
+    totals: dict[tuple[str, str], int] = {}
+    for r in table.to_pylist():
+        totals[(r["run"], r["regime"])] = totals.get((r["run"], r["regime"]), 0) + r["n"]
+    return [{"run": k[0], "regime": k[1], "n": n} for k, n in totals.items()]
+
+
+def _answer_bars(ax: Any, run: str, table: pa.Table) -> None:
     rows = [r for r in table.to_pylist() if r["run"] == run]
-    for regime in ("VE", "FE"):
-        bins: dict[int, int] = {}
-        for r in rows:
-            if r["regime"] == regime:
-                x = -1 if r["prediction"] is None else min(r["prediction"], ANSWER_CAP)
-                bins[x] = bins.get(x, 0) + r["n"]
-        if bins:
-            ax.bar(list(bins), list(bins.values()), width=1.0, color=REGIME_COLOURS[regime], alpha=0.6,
-                   label=f"{regime} answers")
-    ax.axvline(TRAINING_EDGE, color="grey", ls="--", lw=1)
-    ax.set_xlim(-3, ANSWER_CAP + 3)
+    regimes = [g for g in REGIMES if any(r["regime"] == g for r in rows)]
+    totals = {g: sum(r["n"] for r in rows if r["regime"] == g) for g in regimes}
+    bottom = [0.0] * len(regimes)
+    for kind, colour in ANSWER_KINDS.items():
+        share = [sum(r["n"] for r in rows if r["regime"] == g and r["answer"] == kind) / totals[g] for g in regimes]
+        if any(share):
+            ax.bar(range(len(regimes)), share, bottom=bottom, color=colour, label=kind, width=0.6)
+            bottom = [b + v for b, v in zip(bottom, share, strict=True)]
+    ax.set_xticks(range(len(regimes)), [f"{g}\nn={totals[g]}" for g in regimes], fontsize=7)
+    ax.set_ylim(0, 1.0)
+    ax.set_ylabel("share of boards")
     ax.set_title(run, fontsize=8)
-    ax.set_xlabel(f"answered count (-1: no number; {ANSWER_CAP}: larger)", fontsize=7)
-    ax.set_ylabel("answers")
-    if rows:
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+
+
+def _accuracy_along_count(out: Path, table: pa.Table) -> Figure:
+    """Two panels on one 0-1 axis: the plain visual run beside its text twin, then every variant run
+    beside the plain visual run; Wilson intervals per bin of COUNT_BIN stones."""
+    rows = table.to_pylist()
+    plain = sorted({r["run"] for r in rows if r["intervention"] == "none"})
+    visual = [r for r in plain if any(x["run"] == r and not (x["task"] or "").startswith("text") for x in rows)]
+    variants = sorted({r["run"] for r in rows if r["intervention"] != "none"})
+    keys = ["visual beside its text twin"] + (["variants beside the plain visual run"] if variants else [])
+
+    def draw(ax: Any, key: str) -> None:
+        shown = plain if key == keys[0] else visual[:1] + variants
+        for run in shown:
+            pts = sorted((r["bin"], r["right"], r["n"]) for r in rows if r["run"] == run)
+            xs = [b + COUNT_BIN / 2 for b, _, _ in pts]
+            lows, highs = zip(*(wilson(k, n) for _, k, n in pts), strict=True)
+            task = next(r["task"] or "" for r in rows if r["run"] == run)
+            line, = ax.plot(xs, [k / n for _, k, n in pts], marker="o", ms=3,
+                            label=f"{run} ({'text' if task.startswith('text') else 'image'})")
+            ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15, lw=0)
+        ax.axvline(TRAINING_EDGE, color="grey", ls="--", lw=1)
+        ax.text(TRAINING_EDGE, 1.02, " training edge", fontsize=7, color="grey")
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel(f"black stones (bins of {COUNT_BIN})")
+        ax.set_ylabel("accuracy")
+        ax.set_title(key, fontsize=8)
         ax.legend(fontsize=6)
+
+    ns = [r["n"] for r in rows]
+    return panels(out, "counting_accuracy", keys, draw, table=table, cols=1, size=(6.4, 2.8), caption=(
+        f"Accuracy per bin of {COUNT_BIN} black stones with 95 % Wilson intervals, on one 0–1 axis: the visual run"
+        " beside its text twin (the same boards as strings: the study's paradox), then the variant runs beside the"
+        f" plain visual run. {n_range(ns, 'boards per bin')}."))
 
 
 def intervention_sections(ws: Workspace, out: Path) -> list[Section]:
-    """Variant runs beside the plain ones: accuracy and retained ratio per run, critical heads and
-    the critical-head overlap of every two head-ablation runs over the same stimuli."""
+    """The head-ablation runs: critical heads per run and the critical-head overlap of every two runs
+    over the same stimuli (the other variant runs are on their studies' pages, queries/pages_variants.py)."""
     sections = []
-    variants = run_named(ws, "interventions", {})
-    if any(v != "none" for v in variants.column("intervention").to_pylist()):
-        sections.append(Section(
-            "Interventions: variant runs", figures=[figure(out, "interventions", lambda ax: _variant_bars(
-                ax, variants), csv="interventions.csv", caption=(
-                "Accuracy of each run beside its intervention (none = a plain run); token compression also"
-                " gives the share of image tokens it kept."))],
-            tables=[("interventions", variants)]))
     heads = run_named(ws, "critical_heads", {})
     if heads.num_rows:
         runs = sorted(set(heads.column("run").to_pylist()))
@@ -268,24 +348,9 @@ def intervention_sections(ws: Workspace, out: Path) -> list[Section]:
                 ax, heads), csv="critical_heads.csv", caption=(
                 "Share of stimuli whose teacher-forced answer flips when one head is zeroed, per run; overlap"
                 " (table): how often two runs over the same stimuli (the visual and the text count) need the"
-                " same heads."))],
+                f" same heads. {n_range(heads.column('stimuli').to_pylist(), 'stimuli per run')}."))],
             tables=tables))
     return sections
-
-
-def _variant_bars(ax: Any, table: pa.Table) -> None:
-    rows = table.to_pylist()
-    if any(r["regime"] == "ID" for r in rows):  # one regime, so every bar is over comparable boards
-        rows = [r for r in rows if r["regime"] == "ID"]
-        ax.set_title("Go boards in the training range (ID)", fontsize=9)
-    labels = [f"{r['run']}\n({r['intervention']})" for r in rows]
-    bars = ax.bar(range(len(rows)), [r["accuracy"] or 0.0 for r in rows], color="tab:blue", alpha=0.7)
-    for bar, r in zip(bars, rows, strict=False):
-        if r["retained_ratio"] is not None:
-            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"kept {r['retained_ratio']:.0%}",
-                    ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(rows)), labels, fontsize=6)
-    ax.set_ylabel("accuracy")
 
 
 def _head_bars(ax: Any, table: pa.Table) -> None:

@@ -33,6 +33,7 @@ from queries.figures import (
 )
 from queries.g2m import alignment_table, bias_table, cell_errors, error_maps
 from queries.named import run as run_named
+from queries.pages_variants import variants_section
 from queries.scene import object_patches, objects_in
 from store import StoreError, Workspace
 
@@ -296,6 +297,9 @@ def images_page(ws: Workspace, out: Path) -> Page:
         page.sections.append(spatial_section(ws, out, spatial))
     page.sections += lens_sections(ws, out)
     page.sections += object_attention_sections(ws, out)
+    variants = variants_section(ws, out, "images-as-text")   # RoPE scaling, token compression
+    if variants:
+        page.sections.append(variants)
     return page
 
 

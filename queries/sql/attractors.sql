@@ -20,6 +20,7 @@ WITH wrong AS (
            r.config->'generation'->>'max_new_tokens' AS max_new_tokens
     FROM generations g JOIN stimuli st USING (stimulus) LEFT JOIN runs r USING (run)
     WHERE st.family IN ('go', 'counting') AND g.run LIKE $run AND NOT coalesce(g.correct, FALSE)
+          AND NOT ends_with(coalesce(r.config->'stimuli'->0->>'task', ''), '_tf')   -- true/false answers are no counts
 ),
 counted AS (
     SELECT run, regime, answer_kind, prediction, answer, any_value(max_new_tokens) AS max_new_tokens,

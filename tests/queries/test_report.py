@@ -146,7 +146,7 @@ def test_report_tables_show_the_boundary_attractor(report):
     attractors = (out / "attractors.csv").read_text()
     assert '"always49","VE",49,11,1,1,"boundary"' in attractors
     assert "counting_accuracy.png" in index.read_text() and "mas.png" in index.read_text()
-    assert "interventions.png" in index.read_text() and "critical_heads.png" in index.read_text()
+    assert "critical_heads.png" in index.read_text()  # head ablations: counting-bottleneck's own variant
     overlap = (out / "head_overlap.csv").read_text().splitlines()
     assert overlap[1].startswith('"heads-text","heads-visual",21,0,1,0.5')  # every board differs at head 1
 
@@ -179,7 +179,7 @@ def _page(index: str, slug: str) -> str:
 
 #: The pages built by queries/pages.py and queries/pages_spatial.py, whose captions all name n (the
 #: counting-bottleneck page, queries/pages_counting.py, joins this list when its captions do too).
-CAPTIONED = ("g2m", "counting-tricks", "images-as-text", "probes")
+CAPTIONED = ("counting-bottleneck", "g2m", "counting-tricks", "images-as-text", "probes")
 NAMES_N = re.compile(r"\bn(_seeds)?\s*=\s*\d")
 
 
