@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from queries.gap import GapError, bind
+from queries.gap import GapError, bind, explain_empty
 from queries.intervals import Interval, mean_interval
 from store import StoreError, Workspace
 
@@ -124,7 +124,7 @@ def curves(ws: Workspace, params: dict[str, str] | None = None) -> list[Curve]:
         raise GapError(f"curves on {ws.path}: {err} (group_by and where are SQL over v_samples, e.g."
                        " group_by=\"truth->>'regime'\")") from err
     if not table.num_rows:
-        _explain_empty(ws, bound)
+        explain_empty(ws, bound)
     cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
     by: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i in range(table.num_rows):
@@ -175,23 +175,6 @@ def _interval(cols: dict[str, np.ndarray], at: np.ndarray, number: str, score: s
     E = np.full((len(seeds), len(samples)), np.nan)
     E[seed_pos, sample_pos] = values
     return mean_interval(E)
-
-
-def _explain_empty(ws: Workspace, bound: dict[str, str]) -> None:
-    """No rows: say whether no probe matched, or matching probes stored no per-sample predictions."""
-    probes = ws.rows("SELECT kind, count(*), count(pp.key) FROM probes p LEFT JOIN (SELECT DISTINCT key FROM"
-                     " probe_predictions) pp USING (key) WHERE p.run LIKE $run AND p.target LIKE $target AND"
-                     " p.kind LIKE $kind AND p.tokens LIKE $tokens GROUP BY kind ORDER BY kind", bound)
-    if not probes:
-        raise GapError(f"no probe in {ws.path} matches run={bound['run']} target={bound['target']} kind={bound['kind']}"
-                       f" tokens={bound['tokens']}: train one first (python -m probes PLAN), or widen the parameters"
-                       " (python -m queries probe_leaderboard lists what is stored)")
-    bare = [f"{kind} ({n} probes)" for kind, n, with_rows in probes if with_rows == 0]
-    if bare:
-        raise GapError(f"the matching probes of kind {', '.join(bare)} stored no per-sample test predictions, so there"
-                       " is nothing to compute a curve from: retrain them with this version (python -m probes PLAN"
-                       " --force) or choose another kind")
-    raise GapError("the matching probes' test samples fall outside where= or their arrays have no depth: widen where")
 
 
 def curves_table(found: list[Curve]) -> pa.Table:

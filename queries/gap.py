@@ -23,10 +23,11 @@ test samples beside what the model itself answers on the same samples, and their
   the control and 0 (predicting the mean): a shuffled ridge's R^2 can fall to -30 on held-out
   samples, which would make any probe look selective.
 
-:func:`where_lost` reduces that table to one row per probe series and group: the depth where
-decodability falls the most from one stored depth to the next (MAE rises most, or accuracy
-drops most), with the values before and after; a step below 0.05 accuracy, or below a tenth of
-the group's spread of true values in MAE, is noise and the group reads "not lost".
+Where a target is lost is not read off this table: one read-out's largest step cannot tell a loss
+from a re-encoding, nor either from noise. ``python -m queries lost`` (queries/verdicts.py) decides
+that from two probe series and their controls with bootstrap intervals (docs/verdicts.md).
+A selection with no per-sample predictions to compute from is an error that says why
+(:func:`explain_empty`), never an empty table that reads as an answer.
 
 Two named queries are instances of ``gap`` (:data:`INSTANCES`: fixed parameters, then a ``SELECT``
 over its rows that names the columns as the study does): ``counting_gaps`` (counting-bottleneck's
@@ -38,8 +39,6 @@ regime) and ``g2m_gap`` (G2M's curve: the ``conv_spatial`` probe's cell accuracy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
-from typing import Any
 
 import pyarrow as pa
 
@@ -143,12 +142,33 @@ def gap_sql(p: dict[str, str], inline: tuple[str, ...] = ()) -> str:
 def gap(ws: Workspace, params: dict[str, str] | None = None) -> pa.Table:
     """Probe decodability per depth and group beside the model's accuracy (module docstring)."""
     p = bind(params)
+    bound = {k: p[k] for k in _BOUND}
     try:
-        return ws.query(gap_sql(p), {k: p[k] for k in _BOUND})
+        table = ws.query(gap_sql(p), bound)
     except StoreError as err:
         raise GapError(f"gap on {ws.path}: {err} (group_by and where are SQL over v_samples, as are model_score and"
                        " answer, e.g. group_by=\"truth->>'regime'\"; list its columns with python -m queries --schema)"
                        ) from err
+    if not table.num_rows:
+        explain_empty(ws, bound)   # an empty table would read as an answer: say why there is none
+    return table
+
+
+def explain_empty(ws: Workspace, bound: dict[str, str]) -> None:
+    """No rows: say whether no probe matched, or matching probes stored no per-sample predictions."""
+    probes = ws.rows("SELECT kind, count(*), count(pp.key) FROM probes p LEFT JOIN (SELECT DISTINCT key FROM"
+                     " probe_predictions) pp USING (key) WHERE p.run LIKE $run AND p.target LIKE $target AND"
+                     " p.kind LIKE $kind AND p.tokens LIKE $tokens GROUP BY kind ORDER BY kind", bound)
+    if not probes:
+        raise GapError(f"no probe in {ws.path} matches run={bound['run']} target={bound['target']} kind={bound['kind']}"
+                       f" tokens={bound['tokens']}: train one first (python -m probes PLAN), or widen the parameters"
+                       " (python -m queries probe_leaderboard lists what is stored)")
+    bare = [f"{kind} ({n} probes)" for kind, n, with_rows in probes if with_rows == 0]
+    if bare:
+        raise GapError(f"the matching probes of kind {', '.join(bare)} stored no per-sample test predictions, so there"
+                       " is nothing to compute a curve from: retrain them with this version (python -m probes PLAN"
+                       " --force) or choose another kind")
+    raise GapError("the matching probes' test samples fall outside where= or their arrays have no depth: widen where")
 
 
 @dataclass(frozen=True)
@@ -192,47 +212,3 @@ INSTANCES = (
         "       depth, target\n"
         "FROM gap ORDER BY run, depth NULLS LAST, tap, layer, site, target, grid_size"),
 )
-
-
-def where_lost(table: pa.Table) -> pa.Table:
-    """Per (run, target, kind, series, group): the depth with the largest step loss (see module)."""
-    by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for row in table.to_pylist():
-        if row["depth"] is not None:
-            by.setdefault((row["run"], row["target"], row["kind"], row["series"], row["group"]), []).append(row)
-    out = []
-    for (run, target, kind, _, group), rows in by.items():
-        rows.sort(key=lambda r: r["depth"])
-        regress = all(r["probe_mae"] is not None for r in rows)
-        value = "probe_mae" if regress else "probe_accuracy"
-        sign = 1.0 if regress else -1.0  # a loss raises the error, or lowers the accuracy
-        steps = [(sign * (b[value] - a[value]), a, b) for a, b in pairwise(rows)
-                 if a[value] is not None and b[value] is not None]
-        best = max(steps, key=lambda s: s[0], default=None)
-        lost = best is not None and best[0] > _min_loss(rows, regress)
-        at = best[2] if lost and best else None
-        out.append({
-            "run": run, "target": target, "kind": kind, "group": group, "n": rows[0]["n"], "measure": value,
-            "first": f"{rows[0]['tap']}.{rows[0]['layer']}", "first_value": rows[0][value],
-            "lost_at_depth": at["depth"] if at else None,
-            "lost_at": f"{at['stage']}: {at['tap']}.{at['layer']}/{at['site']}" if at else "not lost",
-            "before": best[1][value] if lost and best else None, "after": at[value] if at else None,
-            "last": f"{rows[-1]['tap']}.{rows[-1]['layer']}", "last_value": rows[-1][value],
-            "last_mean_prediction": rows[-1]["mean_prediction"],
-            "model_accuracy": rows[-1]["model_accuracy"], "model_mae": rows[-1]["model_mae"],
-        })
-    return pa.Table.from_pylist(out) if out else pa.table({"run": pa.array([], pa.string())})
-
-
-def _min_loss(rows: list[dict[str, Any]], regress: bool) -> float:
-    """The smallest step that counts as a loss: accuracy down by ``LOSS_ACCURACY``, or MAE up by
-    ``LOSS_SD`` of the group's true values (a read-out's noise is no loss)."""
-    if not regress:
-        return LOSS_ACCURACY
-    sds = [r["truth_sd"] for r in rows if r["truth_sd"]]
-    return LOSS_SD * max(sds) if sds else 0.0
-
-
-#: Steps smaller than these are noise, not a loss (where_lost).
-LOSS_ACCURACY = 0.05
-LOSS_SD = 0.1

@@ -199,8 +199,8 @@ def answers_section(ws: Workspace, out: Path) -> Section:
         "SELECT s.run, coalesce(r.intervention->>'kind', 'none') AS intervention, r.config->'stimuli'->0->>'task' AS task,"
         f" (floor((s.truth->>'count')::INTEGER / {COUNT_BIN}) * {COUNT_BIN})::INTEGER AS bin,"
         " count(*) FILTER (WHERE s.correct) AS right, count(*) AS n FROM v_samples s JOIN runs r USING (run)"
-        " WHERE s.family = 'go' AND s.generated IS NOT NULL AND NOT ends_with(coalesce(r.config->'stimuli'->0->>'task', ''), '_tf')"
-        " GROUP BY ALL ORDER BY 1, 4")
+        " WHERE s.family = 'go' AND s.generated IS NOT NULL"
+        " AND NOT ends_with(coalesce(r.config->'stimuli'->0->>'task', ''), '_tf') GROUP BY ALL ORDER BY 1, 4")
     sec = Section("Counting lab: what the model answers",
                   "ID 0–49 (seen in vision training), VE 50–99 (text only), FE 100–120 (never seen). A runaway"
                   " answer is a string of digits still running at the generation cap: wrong, and no number.",

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from queries.__main__ import main as cli
-from queries.gap import GapError, gap, where_lost
+from queries.gap import GapError, gap
 from store import ArraySpec, Generation, ProbeResult, RunInfo, TokenSpans, Workspace
 
 # (tap, layer, site) in data-path order: depths 0, 1, 3, 4, 5, 6, 7 (2 is the absent pre_merger)
@@ -47,7 +47,7 @@ def ws(tmp_path):
     return ws
 
 
-def test_gap_returns_the_depth_where_the_count_is_lost(ws):
+def test_gap_returns_the_read_out_per_depth_and_group(ws):
     table = gap(ws, {"group_by": "truth->>'regime'", "target": "truth:count"})
     rows = table.to_pylist()
     ve = [r for r in rows if r["group"] == "VE"]
@@ -56,10 +56,21 @@ def test_gap_returns_the_depth_where_the_count_is_lost(ws):
     assert ve[-1]["mean_prediction"] == 49.0 and ve[0]["n_seeds"] == 2
     assert ve[0]["model_accuracy"] == 0.0 and ve[0]["model_mae"] == 26.0 and ve[0]["gap_mae"] == 25.8
     assert ve[0]["selectivity"] == pytest.approx(0.5)  # R^2 minus max(control R^2, 0): a control at -0.1 is chance
-    lost = {r["group"]: r for r in where_lost(table).to_pylist()}
-    assert lost["VE"]["lost_at_depth"] == 6 and lost["VE"]["lost_at"] == "llm: llm.1/resid_post"
-    assert lost["FE"]["lost_at_depth"] == 6 and lost["FE"]["after"] == 66.0
-    assert lost["ID"]["lost_at"] == "not lost"  # in-range counts survive to the last layer
+    fe = [r for r in rows if r["group"] == "FE"]
+    assert [r["probe_mae"] for r in fe][-2:] == [66.0, 66.0]  # the read-out saturates at the edge in the LLM
+
+
+def test_gap_and_lost_without_per_sample_predictions_are_an_error_that_says_why(ws, capsys):
+    """Probes that stored no per-sample test predictions (kind ridge before this version) leave the
+    queries nothing to compute from: an error naming the kind, never an empty table and exit 0."""
+    ws.record_probes([ProbeResult(run="r", tap="vision", layer=0, target="truth:n", kind="ridge", score=0.9,
+                                  metric="r2")])
+    for name in ("gap", "lost", "curves"):
+        assert cli([name, "--data", str(ws.path), "--param", "target=truth:n"]) == 2
+        err = capsys.readouterr().err
+        assert "kind ridge (1 probes) stored no per-sample test predictions" in err, err
+    assert cli(["lost", "--data", str(ws.path), "--param", "target=truth:nothing"]) == 2
+    assert "no probe in" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -10,13 +10,16 @@ today's step-size threshold calls the within-noise step of (d) a loss.
 
 from __future__ import annotations
 
+from itertools import pairwise
+from typing import Any
+
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from probes import parse_plan, run_plan
 from queries.__main__ import main as cli
 from queries.evidence import curves, curves_table, expressed, truths_of
-from queries.gap import where_lost as old_where_lost
 from queries.intervals import mean_interval
 from queries.verdicts import LOST, REENCODED, TRANSFERABLE_VERDICT, UNDECIDED, verdicts_table, where_lost
 from store import ArraySpec, Generation, RunInfo, TokenSpans, Workspace
@@ -166,3 +169,50 @@ def test_mean_interval_bootstraps_samples_and_seeds():
     # A sample a seed did not test is left out of that seed's mean, not counted as zero.
     gappy = np.array([[1.0, np.nan, 1.0], [1.0, 1.0, np.nan]])
     assert mean_interval(gappy).mean == 1.0 and mean_interval(gappy) == mean_interval(gappy)  # seeded: repeatable
+
+
+# ------------------------------------------------------------------ the old rule, for comparison
+
+def old_where_lost(table: pa.Table) -> pa.Table:
+    """The rule `lost` followed before the verdicts: per series and group, the largest step from one
+    depth to the next, a loss when above LOSS_ACCURACY or LOSS_SD of the truth's spread."""
+    by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in table.to_pylist():
+        if row["depth"] is not None:
+            by.setdefault((row["run"], row["target"], row["kind"], row["series"], row["group"]), []).append(row)
+    out = []
+    for (run, target, kind, _, group), rows in by.items():
+        rows.sort(key=lambda r: r["depth"])
+        regress = all(r["probe_mae"] is not None for r in rows)
+        value = "probe_mae" if regress else "probe_accuracy"
+        sign = 1.0 if regress else -1.0  # a loss raises the error, or lowers the accuracy
+        steps = [(sign * (b[value] - a[value]), a, b) for a, b in pairwise(rows)
+                 if a[value] is not None and b[value] is not None]
+        best = max(steps, key=lambda s: s[0], default=None)
+        lost = best is not None and best[0] > _min_loss(rows, regress)
+        at = best[2] if lost and best else None
+        out.append({
+            "run": run, "target": target, "kind": kind, "group": group, "n": rows[0]["n"], "measure": value,
+            "first": f"{rows[0]['tap']}.{rows[0]['layer']}", "first_value": rows[0][value],
+            "lost_at_depth": at["depth"] if at else None,
+            "lost_at": f"{at['stage']}: {at['tap']}.{at['layer']}/{at['site']}" if at else "not lost",
+            "before": best[1][value] if lost and best else None, "after": at[value] if at else None,
+            "last": f"{rows[-1]['tap']}.{rows[-1]['layer']}", "last_value": rows[-1][value],
+            "last_mean_prediction": rows[-1]["mean_prediction"],
+            "model_accuracy": rows[-1]["model_accuracy"], "model_mae": rows[-1]["model_mae"],
+        })
+    return pa.Table.from_pylist(out) if out else pa.table({"run": pa.array([], pa.string())})
+
+
+def _min_loss(rows: list[dict[str, Any]], regress: bool) -> float:
+    """The smallest step that counts as a loss: accuracy down by ``LOSS_ACCURACY``, or MAE up by
+    ``LOSS_SD`` of the group's true values (a read-out's noise is no loss)."""
+    if not regress:
+        return LOSS_ACCURACY
+    sds = [r["truth_sd"] for r in rows if r["truth_sd"]]
+    return LOSS_SD * max(sds) if sds else 0.0
+
+
+#: Steps smaller than these are noise, not a loss (where_lost).
+LOSS_ACCURACY = 0.05
+LOSS_SD = 0.1
