@@ -32,7 +32,7 @@ from store import ArrayInfo, ProbeResult
 from store.heap import tune_malloc
 from store.location import ArrayRoot
 from store.maintenance import PREDICTION_COLUMNS
-from store.schema import series_of
+from store.schema import series_of, series_rule
 
 
 @dataclass
@@ -172,15 +172,9 @@ def _record(job: GroupJob, task: ProbeTask, out: Outcome, seconds: float, worker
         key=task.key, kind_params=task.params, split=rule, train_where=task.train_where,
         test_fraction=task.test_fraction if task.split in ("hash", "kfold") else None, fold=task.fold,
         series=series_of(task.tokens, task.record_target, task.kind, task.params, task.where, task.train_where,
-                         _series_rule(fold.rule), task.control),
+                         series_rule(fold.rule), task.control),
         predictions=_predictions(job.rows, out.predictions),
     )
-
-
-def _series_rule(rule: dict[str, Any]) -> str:
-    """The split rule as the series sees it: every seed, and the k folds of a kfold seed, are one
-    curve, whose seeds the queries average (a series per seed never averaged)."""
-    return json.dumps({k: v for k, v in rule.items() if k not in ("fold", "seed")}, sort_keys=True)
 
 
 def _predictions(rows: np.ndarray, got: PerSample | tuple[Any, Any] | None) -> dict[str, list[Any]] | None:

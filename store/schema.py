@@ -426,6 +426,12 @@ def series_of(*identity: Any) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def series_rule(rule: dict[str, Any]) -> str:
+    """The split rule as a series sees it: every seed, and the k folds of a kfold seed, are one
+    curve, whose seeds the queries average (a series per seed never averaged)."""
+    return json.dumps({k: v for k, v in rule.items() if k not in ("fold", "seed")}, sort_keys=True)
+
+
 def _v6_probes(con: duckdb.DuckDBPyConnection) -> None:
     from store.depth import assign_depths
 
@@ -512,6 +518,17 @@ QUALIFY row_number() OVER (
 
 def _v8_folds_controls(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(_V8_FOLDS_CONTROLS)
+    # The farm's probes of earlier versions: one series per seed. Recompute their series so the
+    # seeds of one probe definition are one curve (hand-recorded probes keep the series they were given).
+    rows = con.execute("SELECT key, tokens, target, kind, kind_params::VARCHAR, params::VARCHAR, train_where, split"
+                       " FROM probes WHERE params->>'plan' IS NOT NULL AND split IS NOT NULL").fetchall()
+    updates = []
+    for key, tokens, target, kind, kind_params, params, train_where, split in rows:
+        p = json.loads(params) if params else {}
+        updates.append((series_of(tokens, target, kind, json.loads(kind_params) if kind_params else None, p.get("where"),
+                                  train_where, series_rule(json.loads(split)), p.get("control")), key))
+    if updates:
+        con.executemany("UPDATE probes SET series = ? WHERE key = ?", updates)
 
 
 @dataclass(frozen=True)
