@@ -21,7 +21,7 @@ Everything here is plain numpy/scipy on one BLAS thread; the client builds the :
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any, Literal
 
@@ -669,20 +669,26 @@ def _score_units(out: Scores, spec: StreamSpec, s: int, sol: Solution, X: np.nda
     P = _predict(sol, s, X, slice(None))
     out.flops += 2.0 * X.shape[0] * X.shape[1] * P.shape[1] * A
     solve_ = spec.solves[s]
-    _tally(out, s, solve_, P, Y, codes)
+    pred = [_predicted(P, var) for var in solve_.variants]
+    _tally(out, s, solve_, P, pred, Y, codes)
+    local, at = np.unique(samples, return_inverse=True)
+    units = _Units(samples, local, at)
     for v, var in enumerate(solve_.variants):
         if not var.control:
-            _per_sample(out.per_sample[s][:, v], spec, P[:, var.start : var.stop], var.classes, codes[:, v], samples)
+            _per_sample(out.per_sample[s][:, v], spec, P[:, var.start], pred[v], codes[:, v], units)
     for v, cs, cv in paired:
         cvar = spec.solves[cs].variants[cv]
         if sol.W[cs] is None:
             continue
-        cols = slice(cvar.start, cvar.stop)
-        Pc = P[:, cols] if cs == s else _predict(sol, cs, X, cols)
-        out.flops += 0.0 if cs == s else 2.0 * X.shape[0] * X.shape[1] * Pc.shape[1] * A
-        _per_sample(out.per_sample[cs][:, cv], spec, Pc, cvar.classes, codes[:, v], samples)
+        if cs == s:
+            value, cpred = P[:, cvar.start], pred[cv]
+        else:   # the control's weights on its probe's test units
+            Pc = _predict(sol, cs, X, slice(cvar.start, cvar.stop))
+            out.flops += 2.0 * X.shape[0] * X.shape[1] * Pc.shape[1] * A
+            value, cpred = Pc[:, 0], _predicted(Pc, replace(cvar, start=0, stop=Pc.shape[1]))
+        _per_sample(out.per_sample[cs][:, cv], spec, value, cpred, codes[:, v], units)
     if spec.count_class is not None:
-        _exact_counts(out.exact[s], solve_, P, codes, samples, spec.count_class)
+        _exact_counts(out.exact[s], pred, codes, units, spec.count_class)
 
 
 def _predict(sol: Solution, s: int, X: np.ndarray, cols: slice) -> np.ndarray:
@@ -693,11 +699,21 @@ def _predict(sol: Solution, s: int, X: np.ndarray, cols: slice) -> np.ndarray:
     return (X @ W.reshape(W.shape[0], -1)).reshape(len(X), W.shape[1], W.shape[2]) + b[None]
 
 
-def _tally(out: Scores, s: int, solve_: Solve, P: np.ndarray, Y: np.ndarray, codes: np.ndarray) -> None:
+def _predicted(P: np.ndarray, var: Variant) -> np.ndarray | None:
+    """[m, A]: a classifying variant's predicted class codes (None: a regression); once per
+    variant, for the sums and the per-sample columns alike."""
+    if var.classes is None:
+        return None
+    known = var.classes if len(var.classes) else np.zeros(1, np.int64)   # trained on no class: code 0
+    return known[P[:, var.start : var.stop].argmax(1)]
+
+
+def _tally(out: Scores, s: int, solve_: Solve, P: np.ndarray, pred: list[np.ndarray | None], Y: np.ndarray,
+           codes: np.ndarray) -> None:
     for v, var in enumerate(solve_.variants):
-        p, y = P[:, var.start : var.stop], Y[:, var.start : var.stop]
-        if var.classes is not None:
-            out.hits[s][v] += (_classes(var.classes)[p.argmax(1)] == codes[:, v, None]).sum(0)
+        p, y, got = P[:, var.start : var.stop], Y[:, var.start : var.stop], pred[v]
+        if got is not None:
+            out.hits[s][v] += (got == codes[:, v, None]).sum(0)
             out.count[s][v] += len(y)
         else:
             out.sse[s][v] += ((p[:, 0] - y[:, 0:1]) ** 2).sum(0)
@@ -706,42 +722,48 @@ def _tally(out: Scores, s: int, solve_: Solve, P: np.ndarray, Y: np.ndarray, cod
             out.count[s][v] += len(y)
 
 
-def _classes(classes: np.ndarray) -> np.ndarray:
-    """A variant's class codes by column (a probe trained on no class predicts code 0)."""
-    return classes if len(classes) else np.zeros(1, np.int64)
+@dataclass
+class _Units:
+    """Scored units' samples: each unit's position in the selection, the distinct ones (``local``)
+    and each unit's index among them (``at``): per-sample sums are bincounts of the units, not
+    np.add.at (several times slower)."""
+
+    samples: np.ndarray
+    local: np.ndarray
+    at: np.ndarray
+
+    def sums(self, values: np.ndarray) -> np.ndarray:
+        """[len(local), A]: ``values`` [m, A] summed over each sample's units."""
+        return np.stack([np.bincount(self.at, weights=values[:, a], minlength=len(self.local))
+                         for a in range(values.shape[1])], 1)
 
 
-def _per_sample(into: np.ndarray, spec: StreamSpec, p: np.ndarray, classes: np.ndarray | None, truth: np.ndarray,
-                samples: np.ndarray) -> None:
-    """Add one variant's predictions ``p`` [m, c, A] of units (true codes ``truth``, each unit's
-    sample) to its per-sample column ``into`` [n, A]; see :class:`Scores`. A token regression
-    has no per-sample number: nothing is added. O(units) per block, never O(samples)."""
-    if classes is None:
+def _per_sample(into: np.ndarray, spec: StreamSpec, value: np.ndarray, pred: np.ndarray | None, truth: np.ndarray,
+                units: _Units) -> None:
+    """Add one variant's output on some units (``value`` [m, A]: a regression's predictions;
+    ``pred`` [m, A]: a classifier's codes; ``truth``: the real codes) to its per-sample column
+    ``into`` [n, A]; see :class:`Scores`. A token regression has no per-sample number: nothing
+    is added. O(units) per block, never O(samples)."""
+    if pred is None:
         if spec.level == "sample":   # one unit per sample: its predicted value
-            into[samples] = p[:, 0, :]
+            into[units.samples] = value
         return
-    pred = _classes(classes)[p.argmax(1)]                                  # [m, A] class codes
     if spec.count_class is None and spec.level == "sample":
-        into[samples] = pred
+        into[units.samples] = pred
         return
     hit = pred == (spec.count_class if spec.count_class is not None else truth[:, None])
-    np.add.at(into, samples, hit.astype(np.float64))
+    into[units.local] += units.sums(hit.astype(np.float64))
 
 
-def _exact_counts(into: np.ndarray, solve_: Solve, P: np.ndarray, codes: np.ndarray, samples: np.ndarray,
-                  cls: int) -> None:
-    """Add, per variant and alpha, the samples among ``samples`` whose units predicted ``cls``
+def _exact_counts(into: np.ndarray, pred: list[np.ndarray | None], codes: np.ndarray, units: _Units, cls: int) -> None:
+    """Add, per variant and alpha, the samples among the units' whose units predicted ``cls``
     number as many as their labels ``cls``. The units given hold every test unit of their
     samples (a scored block reads whole samples; a dual solve scores all its rows at once)."""
-    local, at = np.unique(samples, return_inverse=True)
-    for v, var in enumerate(solve_.variants):
-        if var.classes is None or not len(var.classes):
-            continue
-        hit = var.classes[P[:, var.start : var.stop].argmax(1)] == cls     # [m, A]
-        n_h = np.zeros((len(local), hit.shape[1]))
-        np.add.at(n_h, at, hit.astype(np.float64))
-        n_g = np.bincount(at, weights=(codes[:, v] == cls).astype(np.float64), minlength=len(local))
-        into[v] += (n_h == n_g[:, None]).sum(0)
+    for v, got in enumerate(pred):
+        if got is not None:
+            n_h = units.sums((got == cls).astype(np.float64))
+            n_g = units.sums((codes[:, v : v + 1] == cls).astype(np.float64))
+            into[v] += (n_h == n_g).sum(0)
 
 
 def solved_scores(sol: Solution) -> Scores:
