@@ -18,8 +18,9 @@ The third curve, ``expressed``, is what the model itself answers on the same sam
 mean absolute error over the answers that are numbers, and the share of runaway answers.
 
 The measure of a series is the mean absolute error of its per-sample numbers (``prediction`` vs
-``truth``: a count read-out, N_H) where it stores them, else the mean per-sample score in the
-probe's metric (accuracy, token or cell accuracy, AP). The control's value on a sample is the
+``truth``) for a probe whose metric is a regression's or a count's (``NUMBER_METRICS``: a count
+read-out, N_H), else the mean per-sample score in the probe's metric (accuracy, token or cell
+accuracy, AP@50). The control's value on a sample is the
 control probe's output on that sample scored against the sample's *real* target: what a probe
 that learned no link between features and labels gets on the group.
 """
@@ -39,13 +40,17 @@ from queries.intervals import Interval, mean_interval
 from store import StoreError, Workspace
 
 PRESENT, TRANSFERABLE = "present", "transferable"
+#: Probe metrics whose per-sample numbers are the quantity itself (a regressed count, N_H): their
+#: curves measure the mean absolute error; every other metric's (accuracy, cell accuracy, AP@50)
+#: the mean per-sample score, even where a kind also stores a number (detect: boxes found).
+NUMBER_METRICS = ("r2", "exact_match")
 
 _ROWS = """
 WITH s AS (
     SELECT run, array_row, CAST(({group_by}) AS VARCHAR) AS grp FROM v_samples WHERE run LIKE $run AND ({where})
 )
 SELECT p.run, split_part(p.target, '#', 1) AS target, p.target AS probe_target, p.kind, p.tokens, p.series,
-       p.kind_params::VARCHAR AS kind_params, p.train_where, p.seed,
+       p.kind_params::VARCHAR AS kind_params, p.train_where, p.seed, p.metric,
        a.depth, a.stage, p.tap, p.layer, p.site, pp.array_row, pp.prediction, pp.truth, pp.score,
        pp.control_prediction, pp.control_score, s.grp
 FROM probes p
@@ -135,7 +140,8 @@ def curves(ws: Workspace, params: dict[str, str] | None = None) -> list[Curve]:
         rows = np.asarray(idx)
         first = rows[0]
         kind_params = json.loads(cols["kind_params"][first]) if cols["kind_params"][first] else {}
-        numbers = not _has_null(cols["prediction"][rows]) and not _has_null(cols["truth"][rows])
+        numbers = (cols["metric"][first] in NUMBER_METRICS and not _has_null(cols["prediction"][rows])
+                   and not _has_null(cols["truth"][rows]))
         curve = Curve(Unit(run, target, kind, tokens), role(kind_params, cols["train_where"][first]), series,
                       cols["probe_target"][first], str(group), "mean absolute error" if numbers else "mean score",
                       lower_is_better=numbers)
