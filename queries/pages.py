@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from queries import evidence
 from queries.figures import (
     Page,
     Section,
@@ -28,8 +29,10 @@ from queries.figures import (
     series_points,
     wilson,
 )
+from queries.gap import GapError
 from queries.named import run as run_named
 from queries.pages_variants import variants_section
+from queries.verdicts import verdicts_table, where_lost
 from store import Workspace
 
 # --------------------------------------------------------------------------------------------
@@ -216,10 +219,13 @@ def tricks_page(ws: Workspace, out: Path) -> Page:
 
         page.sections.append(Section("Can the objects be found along depth?", figures=[panels(
             out, "detect_ap", runs, draw, table=detect.drop_columns(["series", "kind_params"]), caption=(
-                "Detection probe AP@50 on test images per depth along the data path (the study's shape: high in"
-                " the vision encoder, lower in the LLM), the shuffled-box control dotted in the same colour (the"
-                " AP boxes reach by chance), one panel per run, y from 0 to 1. " + seeds_caption(rows, "images")
-                + hidden_lines(rows, [r["run"] for r in rows])))]))
+                "Detection probe AP@50 on test images per depth along the data path (the study reports it high in"
+                " the vision encoder and lower in the LLM; the verdicts below say whether this run shows a step),"
+                " the shuffled-box control dotted in the same colour (the AP boxes reach by chance), one panel per"
+                " run, y from 0 to 1. " + seeds_caption(rows, "images")
+                + hidden_lines(rows, [r["run"] for r in rows])))],
+            tables=_detect_verdicts(ws), titles={"detect_verdicts": "Verdicts along depth (python -m queries lost"
+                                                                    " --param kind=detect), 95 % bootstrap intervals"}))
     page.sections += mas_sections(ws, out)
     variants = variants_section(ws, out, "counting-tricks")   # the MAS fine-tune
     if variants:
@@ -256,6 +262,15 @@ def _case_bars(ax: Any, table: pa.Table, run: str) -> None:
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("accuracy")
     ax.set_title(run, fontsize=8)
+
+
+def _detect_verdicts(ws: Workspace) -> list[tuple[str, pa.Table]]:
+    """The detection probes' verdicts along depth (queries/verdicts.py), where they stored per-image AP."""
+    try:
+        found = evidence.curves(ws, {"kind": "detect"})
+    except GapError:
+        return []   # probes recorded without per-image scores: the figure alone
+    return [("detect_verdicts", verdicts_table(where_lost(found)))]
 
 
 def mas_sections(ws: Workspace, out: Path) -> list[Section]:

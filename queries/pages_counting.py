@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from queries import evidence
 from queries.figures import Figure, Page, Section, chance_line, figure, n_range, panels, stage_bands, wilson, wilson_yerr
