@@ -113,12 +113,24 @@ def load_plan_checked(path: str, args: argparse.Namespace) -> tuple[Plan, set[st
 
 def _train(plan: Plan, keys: set[str], args: argparse.Namespace) -> int:
     """Train one plan, print its summary; the number of probes that failed."""
-    from probes.farm import run_plan
+    from contextlib import ExitStack
+
+    from probes.farm import open_workspace, plan_tasks, run_plan
+    from store.lock import RunLock, check_writable
 
     started = time.perf_counter()
-    report = run_plan(plan, args.data, scheduler=args.scheduler, workers=args.workers, in_process=args.in_process,
-                      force=args.force, progress=not args.no_progress, memory_limit=args.memory_limit,
-                      block_rows=args.block_rows)
+    ws = open_workspace(args.data)
+    # Every probe's row and weights are written at the end of its training: a workspace that
+    # cannot take them is refused now, not after the whole plan has trained.
+    check_writable(ws.path, "a probe plan records its probes' rows and weights")
+    with ExitStack() as held:
+        # Held while the plan reads its runs: a drop-run of one of them waits or refuses, instead
+        # of deleting arrays under the plan (whose reads then said "missing on disk ... re-extract").
+        for run in sorted({t.run for t in plan_tasks(plan, ws)}):
+            held.enter_context(RunLock(ws.path, run))
+        report = run_plan(plan, args.data, scheduler=args.scheduler, workers=args.workers, in_process=args.in_process,
+                          force=args.force, progress=not args.no_progress, memory_limit=args.memory_limit,
+                          block_rows=args.block_rows)
     _summary(report, args.data, keys, time.perf_counter() - started)
     return int(report.failed)
 

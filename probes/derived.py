@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ from probes.features import read_features
 from probes.pooling import pool
 from store import ArrayInfo, StoreError, Workspace
 from store import derived as store_derived
+from store.lock import RunLock, WriterLock, check_writable
+from store.workspace import resolve_path
 
 POOLS = ("mean", "max", "first", "last")
 #: The kinds whose features are ``pool(X, params.pool)`` and nothing else before training.
@@ -97,26 +100,51 @@ def group_status(ws: Workspace, sources: list[ArrayInfo], tasks: list[Any], auto
     how = pooling_of(tasks) if tasks else None
     if how is None or not all(poolable(s) for s in sources):
         return GroupDerived()
-    out, todo, stale = [], [], None
+    out, todo, stale, damaged = [], [], None, None
     for source in sources:
         got = store_derived.find(ws, source, op_name(how))
         if got is not None and store_derived.is_fresh(ws, got, source):
-            out.append(got.array_info())
-            continue
-        if got is not None and stale is None:
+            problems = _damage(ws, got)
+            if not problems:
+                out.append(got.array_info())
+                continue
+            damaged = damaged or f"derived array {got.zarr_path}: {problems[0]}"
+        elif got is not None and stale is None:
             stale = (got, source)
         todo.append(source)
         out.append(store_derived.planned(source, op_name(how), _pooled_shape(source)).array_info())
     if not todo:
         return GroupDerived(how, "fresh", out)
     if auto:
-        return GroupDerived(how, "to refresh" if stale else "to derive", out, todo=todo)
+        return GroupDerived(how, "to refresh" if stale or damaged else "to derive", out, todo=todo)
+    if damaged is not None:  # never read as data: the tokens are still there to pool
+        return GroupDerived(how, "stale", None,
+                            f"{damaged}: pooling on the fly instead of reading it; derive it again with python -m"
+                            f" probes derive --run {sources[0].run} --pool {how}")
     if stale is None:
         return GroupDerived(how)
     return GroupDerived(how, "stale", None,
                         f"derived array {stale[0].zarr_path} is stale (its source {stale[1].key()} was re-extracted"
                         f" since): pooling on the fly; refresh it with python -m probes derive --run {stale[1].run}"
                         f" --pool {how}, or leave the plan's derive: auto (the default) to refresh it")
+
+
+# What each derived array's chunks looked like when this process last checked them, per workspace
+# object (a plan opens its own): a plan of many groups over one array reads its bytes once.
+_CHECKED: weakref.WeakKeyDictionary[Workspace, dict[tuple[str, tuple[int, ...] | None], list[str]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _damage(ws: Workspace, info: store_derived.DerivedInfo) -> list[str]:
+    """Why ``info``'s bytes cannot be read as data (store.derived.damaged_chunks), checked once per plan."""
+    seen = _CHECKED.setdefault(ws, {})
+    key = (info.zarr_path, info.chunk_crc32c)
+    if key not in seen:
+        try:
+            seen[key] = store_derived.damaged_chunks(ws, info)
+        except Exception as err:  # noqa: BLE001 - unreadable is damaged: pool the tokens instead
+            seen[key] = [f"unreadable ({type(err).__name__}: {err})"]
+    return seen[key]
 
 
 def for_group(ws: Workspace, sources: list[ArrayInfo], tasks: list[Any]) -> tuple[list[ArrayInfo] | None, str | None]:
@@ -137,15 +165,30 @@ def derive_for_plan(ws: Workspace, groups: list[tuple[list[ArrayInfo], list[Any]
         got = group_status(ws, sources, tasks, auto=True)
         for s in got.todo:
             wanted.setdefault((s.zarr_path, str(got.how)), (s, str(got.how)))
+    if not wanted:
+        return 0
+    lock = WriterLock(ws.path / "writer.lock", run="probes derive")
+    try:
+        lock.acquire()  # derived rows and files change under the same lock as a run's (drop-run waits)
+    except (StoreError, OSError) as err:
+        log(f"derive: auto: not deriving now ({err}); pooling on the fly")
+        return 0
+    try:
+        return _derive_wanted(ws, list(wanted.values()), log)
+    finally:
+        lock.release()
+
+
+def _derive_wanted(ws: Workspace, wanted: list[tuple[ArrayInfo, str]], log: Callable[[str], None]) -> int:
     made = 0
-    for source, how in wanted.values():
+    for source, how in wanted:
         old = store_derived.find(ws, source, op_name(how))
-        if old is not None and store_derived.is_fresh(ws, old, source):
+        if old is not None and store_derived.is_fresh(ws, old, source) and not _damage(ws, old):
             continue
         try:
             info = derive(ws, source, how)
-        except (ProbeError, StoreError) as err:
-            log(f"derive: auto: {err}; pooling on the fly")
+        except (ProbeError, StoreError, OSError) as err:
+            log(f"derive: auto: {_one_line(err)}; pooling on the fly")
             continue
         made += 1
         why = "refreshed (its source was re-extracted)" if old is not None else "derived"
@@ -167,16 +210,34 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", default=None, help="only this token kind (image, answer, ...)")
     args = p.parse_args(argv)
     try:
-        ws = Workspace.open(args.data)
-        sources = [a for a in ws.arrays(args.run) if _wanted(a, args)]
-        if not sources:
-            raise ProbeError(f"run {args.run} has no token array matching --tap/--layer/--site/--tokens in {ws.path}:"
-                             f" list them with python -m store query \"SELECT * FROM v_arrays WHERE run = '{args.run}'\"")
-        failed = sum(not _derive_one(ws, source, args.pool) for source in sources)
-    except (ProbeError, StoreError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        path = resolve_path(args.data).absolute()
+        if not (path / "manifest.duckdb").is_file():
+            Workspace.open(path, readonly=True)  # its error names the missing workspace; derive creates none
+        check_writable(path, "probes derive writes derived arrays and their rows")  # before any token is read
+        ws = Workspace.open(path)  # read-write: migrates an older manifest
+        # The writer lock: a drop-run or an extraction never interleaves with the rows and files
+        # written here (a dropped run's derived rows used to outlive it); the run's readers' lock
+        # as a plan takes it, so the run cannot be dropped between listing and reading it.
+        with WriterLock(ws.path / "writer.lock", run=f"probes derive {args.run}"), RunLock(ws.path, args.run):
+            sources = [a for a in ws.arrays(args.run) if _wanted(a, args)]
+            if not sources:
+                raise ProbeError(f"run {args.run} has no token array matching --tap/--layer/--site/--tokens in"
+                                 f" {ws.path}: list them with python -m store query"
+                                 f" \"SELECT * FROM v_arrays WHERE run = '{args.run}'\"")
+            failed = sum(not _derive_one(ws, source, args.pool) for source in sources)
+    except (ProbeError, StoreError, OSError) as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
     return 2 if failed else 0
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as the one line a user reads; an OSError names its file and what to do."""
+    if not isinstance(err, OSError):
+        return str(err)
+    what = f"{err.filename}: " if err.filename else ""
+    return (f"{what}{err.strerror or err} while deriving: fix that (space, permissions, the path), then run the same"
+            " command again (a derived array is registered only once whole, so nothing half-written is read)")
 
 
 def _derive_one(ws: Workspace, source: ArrayInfo, how: str) -> bool:
@@ -184,14 +245,17 @@ def _derive_one(ws: Workspace, source: ArrayInfo, how: str) -> bool:
     and the others still get theirs."""
     try:
         old = store_derived.find(ws, source, op_name(how))
-        if old is not None and store_derived.is_fresh(ws, old, source):
+        fresh = old is not None and store_derived.is_fresh(ws, old, source)
+        damage = _damage(ws, old) if old is not None and fresh else []
+        if old is not None and fresh and not damage:
             print(f"{old.zarr_path}: up to date")
             return True
         got = derive(ws, source, how)
     except (ProbeError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return False
-    why = "recomputed: its source was re-extracted" if old is not None else "derived"
+    why = ("recomputed: its source was re-extracted" if not fresh else f"recomputed: {damage[0]}") \
+        if old is not None else "derived"
     print(f"{got.zarr_path}: {why} ({got.shape[0]} x {got.shape[1]} float32 from {source.key()})")
     return True
 

@@ -5,23 +5,28 @@ was computed from, so later readers reuse it without reading the source's token 
 The store knows nothing of the function (probes/ computes it); it keeps the bytes, their
 provenance, and whether they still match their source: ``source_digest`` hashes the source's
 committed chunk rows (crc32c, n_rows, committed_at), so a re-extracted or re-committed chunk makes
-the derived array stale, never silently reused.
+the derived array stale, never silently reused. Each derived chunk's CRC-32C is recorded
+(``chunk_crc32c``, schema v9) as the main arrays' chunks record theirs: ``verify`` checks it, and
+:func:`damaged_chunks` lets a reader refuse bytes that changed after they were written.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import duckdb
 import numpy as np
 
 from store import arrays as layout
 from store import db, location
-from store.errors import StoreError
+from store.checksum import crc32c
+from store.errors import StoreError, disk_full_error, is_disk_full
 from store.records import ArrayInfo
 
 if TYPE_CHECKING:
@@ -29,7 +34,7 @@ if TYPE_CHECKING:
 
 DTYPE = "float32"
 COLUMNS = ("zarr_path, run, tap, layer, site, tokens, source_zarr_path, op, shape, dtype, chunk_samples, n_chunks,"
-            " source_digest, code, created_at")
+            " source_digest, code, created_at, chunk_crc32c")
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class DerivedInfo:
     n_chunks: int
     source_digest: str
     code: str
+    chunk_crc32c: tuple[int, ...] | None = None   # None: derived before schema v9 (unchecked)
 
     def array_info(self) -> ArrayInfo:
         """The derived array as the store's readers take it (dense, float32, no codec)."""
@@ -85,7 +91,8 @@ def from_row(r: tuple[Any, ...]) -> DerivedInfo:
     """A ``SELECT {COLUMNS} FROM derived_arrays`` row as a DerivedInfo."""
     return DerivedInfo(zarr_path=r[0], run=r[1], tap=r[2], layer=int(r[3]), site=r[4], tokens=r[5],
                        source_zarr_path=r[6], op=r[7], shape=tuple(int(x) for x in r[8]), chunk_samples=int(r[10]),
-                       n_chunks=int(r[11]), source_digest=r[12], code=r[13])
+                       n_chunks=int(r[11]), source_digest=r[12], code=r[13],
+                       chunk_crc32c=None if r[15] is None else tuple(int(c) for c in r[15]))
 
 
 def is_fresh(ws: Workspace, derived: DerivedInfo, source: ArrayInfo) -> bool:
@@ -114,7 +121,8 @@ def write(ws: Workspace, source: ArrayInfo, op: str, code: str,
                          " extraction before deriving from it")
     digest = source_digest(ws, source)
     path = derived_path(source, op)
-    shape, files = _write_chunks(ws, source, path, op, code, compute)
+    with _disk_full_names(ws.root.where(path)):
+        shape, files, crcs = _write_chunks(ws, source, path, op, code, compute)
     if ws.root.remote:
         # An object shows only once whole: every chunk and the metadata up, then the row.
         try:
@@ -122,27 +130,62 @@ def write(ws: Workspace, source: ArrayInfo, op: str, code: str,
             ws.root.upload_meta(path)
         except OSError as err:
             raise location.describe_remote_error(str(ws.root.url), err) from err
-    info = replace(planned(source, op, shape), source_digest=digest, code=code)
-    with db.connect(ws.manifest_path, read_only=False, timeout=ws.timeout) as con:
+    info = replace(planned(source, op, shape), source_digest=digest, code=code, chunk_crc32c=tuple(crcs))
+    with _disk_full_names(ws.manifest_path), db.connect(ws.manifest_path, read_only=False, timeout=ws.timeout) as con:
         con.execute("BEGIN TRANSACTION")
-        con.execute("DELETE FROM derived_arrays WHERE zarr_path = ?", [path])
-        con.execute(f"INSERT INTO derived_arrays ({COLUMNS}) VALUES ({', '.join('?' * 15)})",
-                    [path, info.run, info.tap, info.layer, info.site, info.tokens, info.source_zarr_path, op,
-                     list(info.shape), DTYPE, info.chunk_samples, info.n_chunks, digest, code,
-                     datetime.now(UTC).replace(tzinfo=None)])
-        con.execute("COMMIT")
+        try:
+            con.execute("DELETE FROM derived_arrays WHERE zarr_path = ?", [path])
+            con.execute(f"INSERT INTO derived_arrays ({COLUMNS}) VALUES ({', '.join('?' * 16)})",
+                        [path, info.run, info.tap, info.layer, info.site, info.tokens, info.source_zarr_path, op,
+                         list(info.shape), DTYPE, info.chunk_samples, info.n_chunks, digest, code,
+                         datetime.now(UTC).replace(tzinfo=None), crcs])
+            con.execute("COMMIT")
+        except BaseException:
+            db.rollback(con)
+            raise
     if ws.root.remote:
         for f in files:
             f.unlink(missing_ok=True)
     return info
 
 
+def damaged_chunks(ws: Workspace, info: DerivedInfo) -> list[str]:
+    """What is wrong with ``info``'s chunks as they are now: a missing file, a checksum that no longer
+    matches the one recorded at derive time (empty: every chunk reads back as written). An array
+    derived before checksums (schema < 9) is checked for presence only."""
+    problems = []
+    node: Any = ws.root.open(layout.check_zarr_path(info.zarr_path))
+    for k in range(info.n_chunks):
+        name = layout.chunk_file_key(len(info.shape), k)
+        lo, hi = k * info.chunk_samples, min((k + 1) * info.chunk_samples, info.shape[0])
+        if ws.root.size(info.zarr_path, name) is None:  # zarr would read a missing chunk as zeros
+            problems.append(f"chunk {k} (rows {lo}-{hi - 1}) is missing ({ws.root.where(info.zarr_path, name)})")
+            continue
+        if info.chunk_crc32c is not None and crc32c(np.asarray(node[lo:hi])) != info.chunk_crc32c[k]:
+            problems.append(f"chunk {k} (rows {lo}-{hi - 1}) checksum mismatch: its bytes changed after it was derived"
+                            f" ({ws.root.where(info.zarr_path, name)})")
+    return problems
+
+
+@contextmanager
+def _disk_full_names(where: object) -> Iterator[None]:
+    """A full disk met while deriving becomes one DiskFullError naming the file (a StoreError the
+    command line prints as one line); the derived array is only registered once whole, so nothing is lost."""
+    try:
+        yield
+    except (OSError, duckdb.Error) as err:
+        if is_disk_full(err):
+            raise disk_full_error(getattr(err, "filename", None) or where, err) from err
+        raise
+
+
 def _write_chunks(ws: Workspace, source: ArrayInfo, path: str, op: str, code: str,
-                  compute: Callable[[int, range], np.ndarray]) -> tuple[tuple[int, ...], list[Path]]:
-    """Every chunk computed and written (fsynced) under the workspace's ``arrays/``: (shape, chunk files)."""
+                  compute: Callable[[int, range], np.ndarray]) -> tuple[tuple[int, ...], list[Path], list[int]]:
+    """Every chunk computed and written (fsynced) under the workspace's ``arrays/``: (shape, chunk
+    files, each chunk's CRC-32C)."""
     root = layout.open_root(ws.path, read_only=False)
     arr: Any = None
-    files = []
+    files, crcs = [], []
     for k in range(source.n_chunks):
         rows = source.chunk_rows(k)
         values = np.ascontiguousarray(compute(k, rows), dtype=np.float32)
@@ -153,9 +196,10 @@ def _write_chunks(ws: Workspace, source: ArrayInfo, path: str, op: str, code: st
                 source.n_samples, values.shape[1:], source.chunk_samples, DTYPE, layout.parse_codec("none", DTYPE),
                 ("feature",) * (values.ndim - 1), {"source": source.zarr_path, "op": op, "code": code}))
         arr[rows.start:rows.stop] = values
+        crcs.append(crc32c(values))
         files.append(layout.dense_chunk_file(ws.path, path, values.ndim, k))
         layout.fsync_path(files[-1])
     if arr is None:
         raise StoreError(f"{source.key()} has no rows to derive from")
     layout.fsync_node_chain(ws.path, path)
-    return tuple(arr.shape), files
+    return tuple(arr.shape), files, crcs

@@ -14,6 +14,7 @@ file systems, so two hosts must not write one workspace over NFS.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -116,7 +117,7 @@ class WriterLock:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(10):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -144,6 +145,19 @@ class WriterLock:
             self._fd = fd
             return self
         raise WriterLockError(f"could not lock {self.path}: it kept being replaced; is another agnosia cleaning it?")
+
+    def _open(self) -> int:
+        # O_NOFOLLOW: the holder's name is written with a truncate, and a symlink planted as
+        # writer.lock would aim that truncate at a file outside the workspace.
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+        raise WriterLockError(
+            f"the lock file {self.path} is a symbolic link (to {os.readlink(self.path)!r}); agnosia never writes"
+            f" through one, so the target was not touched: remove the link (rm {self.path}) and run again"
+        )
 
     def _busy(self) -> WriterLockError:
         holder = read_holder(self.path)
@@ -201,3 +215,93 @@ class WriterLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def run_lock_path(workspace: Path, run: str) -> Path:
+    return workspace / "locks" / f"{run}.readers.lock"
+
+
+class RunLock:
+    """A run's readers against its removal: a probe plan (or ``probes derive``) holds
+    ``locks/<run>.readers.lock`` shared while it reads the run, ``drop-run`` holds it exclusive
+    while it deletes. Without it a drop in the middle of a plan made the plan's reads fail as if
+    the user's data were damaged ("missing on disk ... re-extract the run").
+
+    Non-blocking both ways: the caller decides whether to retry (drop-run's ``--wait``) or say so.
+    The file is never unlinked (a tiny file per run ever read), so no inode race needs handling.
+    """
+
+    def __init__(self, workspace: Path, run: str, *, exclusive: bool = False) -> None:
+        self.workspace = workspace
+        self.run = run
+        self.exclusive = exclusive
+        self.path = run_lock_path(workspace, run)
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        if self._fd is not None:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = WriterLock(self.path)._open()  # the same refusal of a planted symlink
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._busy() from None
+        self._fd = fd
+        return self
+
+    def _busy(self) -> WriterLockError:
+        if self.exclusive:
+            return WriterLockError(
+                f"run {self.run} is being read by a probe plan or `python -m probes derive` on {self.workspace}:"
+                f" wait for it to finish (or stop it), then drop the run again (--wait SECONDS waits for it)"
+            )
+        return WriterLockError(
+            f"run {self.run} is being dropped (python -m store drop-run) from {self.workspace}: once that ends the"
+            " run is gone; re-extract it first if the plan still needs it"
+        )
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def acquire_within(lock: WriterLock | RunLock, timeout: float) -> None:
+    """Take ``lock``, retrying every 0.1 s for up to ``timeout`` seconds; then its refusal."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            lock.acquire()
+            return
+        except WriterLockError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def check_writable(workspace: Path, doing: str) -> None:
+    """Refuse, before any work, a workspace this process cannot write: ``doing`` (e.g. "a probe
+    plan records its rows and weights") would otherwise compute everything and fail at its first
+    write. Root passes ``os.access``, so a read-only mount is judged by the mount's flag."""
+    if os.statvfs(workspace).f_flag & os.ST_RDONLY:
+        raise WriterLockError(f"the workspace {workspace} is on a read-only file system, and {doing} there: remount it"
+                              " read-write, or copy the workspace to a writable folder and pass --data")
+    for p in (workspace, workspace / "manifest.duckdb", workspace / "probes", workspace / "locks"):
+        if p.exists() and not os.access(p, os.W_OK):
+            raise WriterLockError(f"the workspace {workspace}: {p} is not writable by this user, and {doing} there:"
+                                  f" fix its permissions (chmod u+w {p}) or copy the workspace and pass --data")

@@ -20,7 +20,7 @@ from store import arrays as layout
 from store import db, location
 from store.errors import StoreError
 from store.location import ArrayRoot
-from store.lock import WriterLock
+from store.lock import RunLock, WriterLock, acquire_within
 from store.records import ProbeResult, check_name, to_json
 
 
@@ -126,23 +126,20 @@ class WorkspaceWrites:
     def drop_run(self, run: str, *, timeout: float = 0.0) -> dict[str, int]:
         """Remove a run, its arrays and every manifest row of it, atomically for readers.
 
-        Takes the writer lock. One transaction deletes the run's rows first (readers then see no
-        run); only after that commit is its Zarr folder renamed into ``.trash`` and deleted. A kill
-        between the two leaves an orphan folder that no row points at (verify warns; the next
-        writer of that run id, or drop-run again, removes it), never rows pointing at deleted arrays.
+        Takes the writer lock, then the run's readers' lock (store.lock.RunLock): a probe plan
+        reading the run makes it wait up to ``timeout`` seconds, then refuse. One transaction
+        deletes the run's rows first (readers then see no run); only after that commit is its Zarr
+        folder renamed into ``.trash`` and deleted. A kill between the two leaves an orphan folder
+        that no row points at (verify warns; the next writer of that run id, or drop-run again,
+        removes it), never rows pointing at deleted arrays.
         """
         check_name("run", run)  # the run id names a folder under arrays/: "../x" must not reach outside
+        started = time.monotonic()
         lock = WriterLock(self.path / "writer.lock", run=f"drop-run {run}")
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                lock.acquire()
-                break
-            except StoreError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        acquire_within(lock, timeout)
+        readers = RunLock(self.path, run, exclusive=True)  # a plan reading the run finishes first
         try:
+            acquire_within(readers, max(timeout - (time.monotonic() - started), 0.0))
             known = self.rows("SELECT count(*) FROM runs WHERE run = ?", [run])[0][0]
             remote = self.root.remote and run in self.root.children()
             if not known and not (self.zarr_path / run).exists() and not remote:
@@ -150,6 +147,7 @@ class WorkspaceWrites:
             counts = self._delete_run_rows(run)
             self.remove_run_folder(run)
         finally:
+            readers.release()
             lock.release()
         return counts
 

@@ -531,6 +531,16 @@ def _v8_folds_controls(con: duckdb.DuckDBPyConnection) -> None:
         con.executemany("UPDATE probes SET series = ? WHERE key = ?", updates)
 
 
+# A derived chunk's CRC-32C, as the main arrays' chunks carry theirs: without it a flipped byte in a
+# pooled vector passed verify and plans trained on it. NULL for arrays derived before this step
+# (verify says they are unchecked; derive them again to checksum them).
+_V9_DERIVED_CRC = "ALTER TABLE derived_arrays ADD COLUMN chunk_crc32c BIGINT[];  -- CRC-32C of each chunk's float32 values"
+
+
+def _v9_derived_crc(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(_V9_DERIVED_CRC)
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: ``apply`` runs inside the migration's transaction."""
@@ -566,6 +576,7 @@ MIGRATIONS: list[Migration] = [
     Migration(7, "derived_arrays: pooled features computed once per chunk, with their source's identity", _v7_derived),
     Migration(8, "probes.fold (k-fold splits), per-sample control predictions, seeds' mean and spread in the views",
               _v8_folds_controls),
+    Migration(9, "derived_arrays.chunk_crc32c: a checksum of each derived chunk", _v9_derived_crc),
 ]
 
 

@@ -71,7 +71,7 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
     _check_tensors(ws, [t for t in m.tensors if not run or t[0] == run], checksums, rep)
     for row in m.derived:
         if not run or row[1] == run:
-            _check_derived(ws, row, rep)
+            _check_derived(ws, row, checksums, rep)
     if root_ok and run is None:
         _check_leftovers(ws, {r[0] for r in m.runs}, rep)
     rep.seconds = time.perf_counter() - started
@@ -154,10 +154,11 @@ def _check_tensors(ws: Workspace, tensors: list[tuple[Any, ...]], checksums: boo
             rep.problems.append(f"tensor {run_id}/{name} unreadable at {ws.root.where(path)}: {err}")
 
 
-def _check_derived(ws: Workspace, row: tuple[Any, ...], rep: VerifyReport) -> None:
-    """A derived array (store/derived.py): its node matches its row and every chunk is there and
-    reads back. No checksum is kept for derived chunks (they can be recomputed from their source);
-    a source re-extracted since makes it stale, which readers handle (they pool on the fly): a note."""
+def _check_derived(ws: Workspace, row: tuple[Any, ...], checksums: bool, rep: VerifyReport) -> None:
+    """A derived array (store/derived.py): its node matches its row and every chunk is there, reads
+    back and has the CRC-32C recorded when it was derived (schema v9; older ones: a warning that they
+    are unchecked). A source re-extracted since makes it stale, which readers handle (they pool on
+    the fly): a note."""
     info = store_derived.from_row(row)
     where = f"derived array {info.zarr_path}"
     rep.derived += 1
@@ -185,10 +186,17 @@ def _check_derived(ws: Workspace, row: tuple[Any, ...], rep: VerifyReport) -> No
             if size != expect:
                 raise StoreError(f"{ws.root.where(info.zarr_path, name)} is "
                                  + ("missing" if size is None else f"{size} bytes, expected {expect}"))
-            rep.bytes_checked += np.asarray(node[lo:hi]).nbytes
+            values = np.asarray(node[lo:hi])
+            rep.bytes_checked += values.nbytes
         except Exception as err:  # noqa: BLE001 - any failure to read is the finding
             rep.problems.append(f"{where}: chunk {k} (rows {lo}-{hi - 1}) unreadable: {err}; {fix}")
             return
+        if checksums and info.chunk_crc32c is not None and crc32c(values) != info.chunk_crc32c[k]:
+            rep.problems.append(f"{where}: chunk {k} (rows {lo}-{hi - 1}) checksum mismatch: its bytes changed after"
+                                f" it was derived ({ws.root.where(info.zarr_path, name)}); {fix}")
+    if info.chunk_crc32c is None:
+        rep.warnings.append(f"{where} was derived before derived chunks were checksummed (manifest schema < 9): its"
+                            f" values are checked for size only; {fix}")
     source = ws.rows("SELECT count(*) FROM activations WHERE run = ? AND zarr_path = ?",
                      [info.run, info.source_zarr_path])
     if source != [(1,)] or info.source_digest != store_derived.digest_of(ws, info.run, info.source_zarr_path):

@@ -1,0 +1,236 @@
+"""Faults of issue 40, each injected for real: a planted symlink as ``writer.lock``, a flipped byte
+in a derived chunk, a derive or a plan racing a drop-run, a read-only workspace, a full disk
+while deriving. Each asserts one specific error line or data equality, never only "no crash"."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from faultlib import REPO, env
+
+sys.path.insert(0, str(REPO / "tests" / "probes"))
+from probetest_lib import spatial_family, spatial_features, write_run  # noqa: E402
+
+from probes import parse_plan, run_plan  # noqa: E402
+from probes.cli import main as probes_cli  # noqa: E402
+from probes.derived import derive  # noqa: E402
+from probes.derived import main as derive_cli  # noqa: E402
+from probes.features import read_features  # noqa: E402
+from probes.pooling import pool  # noqa: E402
+from store import Workspace  # noqa: E402
+from store import arrays as layout  # noqa: E402
+from store import derived as store_derived  # noqa: E402
+from store.errors import WriterLockError  # noqa: E402
+from store.lock import RunLock, WriterLock  # noqa: E402
+
+N = 100
+QUIET = {"progress": False, "log": lambda s: None}
+PLAN = {"name": "contracts", "defaults": {"seeds": [0]},
+        "probes": [{"runs": ["spatial"], "layers": [1], "targets": ["spatial.relation"],
+                    "kinds": {"pooled": {"pool": "mean"}}}]}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ws = Workspace.open(tmp_path_factory.mktemp("contracts") / "ws")
+    rows, rel, latent = spatial_family(N)
+    write_run(ws, "spatial", rows, [spatial_features(rel, latent, layer) for layer in (0, 1)], (2, 2))
+    return ws.path
+
+
+@pytest.fixture
+def ws(base: Path, tmp_path: Path) -> Workspace:
+    shutil.copytree(base, tmp_path / "ws")
+    return Workspace.open(tmp_path / "ws")
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------- 1. symlinked lock
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_symlinked_writer_lock_is_refused_and_its_target_never_touched(ws, tmp_path, dangling):
+    """Injects: ``writer.lock`` replaced by a symlink to a file outside the workspace (or to a
+    path that does not exist). Asserts: taking the lock (a writer, drop-run) raises one error
+    naming the link and the fix; the target keeps its bytes (was: truncated to the lock's JSON),
+    a dangling link's target is never created."""
+    target = tmp_path / "precious.txt"
+    if not dangling:
+        target.write_text("a file outside the workspace\n")
+    lock = ws.path / "writer.lock"
+    lock.unlink(missing_ok=True)
+    lock.symlink_to(target)
+    with pytest.raises(WriterLockError) as err:
+        WriterLock(lock, run="toy").acquire()
+    assert f"the lock file {lock} is a symbolic link" in str(err.value) and f"rm {lock}" in str(err.value)
+    with pytest.raises(WriterLockError, match="is a symbolic link"):
+        ws.drop_run("spatial")
+    if dangling:
+        assert not target.exists()
+    else:
+        assert target.read_text() == "a file outside the workspace\n"
+    assert ws.rows("SELECT status FROM runs") == [("finished",)]
+
+
+# ----------------------------------------------------------------------------- 2. derived checksums
+
+def _flip_derived_byte(ws: Workspace, info: store_derived.DerivedInfo, chunk: int) -> Path:
+    f = ws.zarr_path / info.zarr_path / layout.chunk_file_key(len(info.shape), chunk)
+    data = bytearray(f.read_bytes())
+    data[40] ^= 0x10
+    f.write_bytes(bytes(data))
+    return f
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_a_derived_chunk_fails_verify_and_is_never_read_as_data(ws):
+    """Injects: one bit of derived chunk 2 flipped after `probes derive`. Asserts: each derived
+    chunk's CRC-32C is in its row; `verify` reports that chunk's checksum mismatch (was "ok": only
+    its size was checked); a plan (derive: auto) re-derives it and trains on values equal, to
+    the bit, to pooling the tokens (was: trained on the damaged vector)."""
+    source = ws.array_info("spatial", "vision", 1)
+    info = derive(ws, source, "mean")
+    assert info.chunk_crc32c is not None and len(info.chunk_crc32c) == info.n_chunks
+    assert store_derived.find(ws, source, "pool_mean") == info
+    assert ws.verify().ok
+    damaged = _flip_derived_byte(ws, info, 2)
+    rep = ws.verify()
+    assert [p for p in rep.problems if "derived array" in p] == [
+        f"derived array {info.zarr_path}: chunk 2 (rows 50-74) checksum mismatch: its bytes changed after it was"
+        f" derived ({damaged}); derive it again: python -m probes derive --run spatial --pool mean"], rep.problems
+    assert store_derived.damaged_chunks(ws, info) == [
+        f"chunk 2 (rows 50-74) checksum mismatch: its bytes changed after it was derived ({damaged})"]
+
+    logs: list[str] = []
+    run_plan(parse_plan(PLAN), ws.path, in_process=True, progress=False, log=logs.append)
+    assert any("refreshed" in line for line in logs), logs
+    fresh = store_derived.find(ws, source, "pool_mean")
+    assert fresh is not None and store_derived.damaged_chunks(ws, fresh) == []
+    rows = np.arange(N)
+    assert read_features(ws.root, fresh.array_info(), rows).tobytes() == pool(read_features(ws.root, source, rows),
+                                                                               "mean").tobytes()
+    assert ws.verify().ok
+
+
+def test_a_damaged_derived_array_under_derive_never_pools_on_the_fly_and_derive_repairs_it(ws, capsys):
+    """Injects: a flipped byte in a derived chunk, then a plan with `derive: never` and a second
+    `probes derive`. Asserts: `verify` names the chunk (was "ok"); the plan pools the tokens, saying why in one log line; `derive`
+    recomputes the damaged array (it said "up to date") and the array verifies again."""
+    source = ws.array_info("spatial", "vision", 1)
+    damaged = _flip_derived_byte(ws, derive(ws, source, "mean"), 0)
+    assert any(p.endswith(f"chunk 0 (rows 0-24) checksum mismatch: its bytes changed after it was derived ({damaged});"
+                          " derive it again: python -m probes derive --run spatial --pool mean")
+               for p in ws.verify().problems)
+    logs: list[str] = []
+    run_plan(parse_plan({**PLAN, "derive": "never"}), ws.path, in_process=True, progress=False, log=logs.append)
+    assert any("checksum mismatch" in line and "pooling on the fly" in line for line in logs), logs
+    assert derive_cli(["--data", str(ws.path), "--run", "spatial", "--layer", "1"]) == 0
+    assert "recomputed: chunk 0 (rows 0-24) checksum mismatch" in capsys.readouterr().out
+    assert ws.verify().ok
+
+
+# ----------------------------------------------------------------------------- 3. derive and drop-run
+
+def test_derive_takes_the_writer_lock(ws, capsys):
+    """Injects: a drop-run (or any writer) holding ``writer.lock`` while `probes derive` starts.
+    Asserts: derive exits 2 with the lock's one line naming the holder; no derived_arrays row and
+    no derived folder appear (was: it wrote beside the drop, leaving rows of a dropped run)."""
+    with WriterLock(ws.path / "writer.lock", run="drop-run spatial"):
+        assert derive_cli(["--data", str(ws.path), "--run", "spatial"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: the workspace {ws.path} is being written by pid {os.getpid()}")
+    assert "drop-run spatial" in err[0]
+    assert ws.rows("SELECT count(*) FROM derived_arrays") == [(0,)]
+    assert not (ws.zarr_path / "spatial" / "_derived").exists()
+
+
+def test_drop_run_waits_for_a_plan_reading_the_run_then_refuses(ws):
+    """Injects: a plan holding its run's readers' lock (as `python -m probes PLAN` does while it
+    trains) when `drop-run` starts. Asserts: drop-run waits its timeout, then refuses in one
+    line naming the run and the fix; every row and file of the run is still there."""
+    before = _files(ws.zarr_path)
+    with RunLock(ws.path, "spatial"):
+        with pytest.raises(WriterLockError) as err:
+            ws.drop_run("spatial", timeout=0.3)
+    assert str(err.value).startswith("run spatial is being read by a probe plan")
+    assert "then drop the run again" in str(err.value)
+    assert ws.rows("SELECT status FROM runs") == [("finished",)] and _files(ws.zarr_path) == before
+    ws.drop_run("spatial")  # the plan gone, the drop goes through
+    assert ws.rows("SELECT count(*) FROM runs") == [(0,)]
+
+
+def test_a_plan_on_a_run_being_dropped_refuses_in_one_line(ws, tmp_path, capsys):
+    """Injects: a drop-run of the plan's run in progress (its readers' lock held exclusive) when
+    `python -m probes PLAN` starts. Asserts: exit 2 and one line saying the run is being
+    dropped (was: reads failing mid-plan with "missing on disk ... re-extract the run"); no probe."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump(PLAN))
+    with RunLock(ws.path, "spatial", exclusive=True):
+        assert probes_cli([str(plan), "--data", str(ws.path), "--in-process", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: run spatial is being dropped (python -m store drop-run) from {ws.path}: once that ends the"
+                   " run is gone; re-extract it first if the plan still needs it"]
+    assert ws.rows("SELECT count(*) FROM probes") == [(0,)]
+
+
+# ----------------------------------------------------------------------------- 5. one line, not a traceback
+
+def _derive_with_file_limit(ws: Path, limit: int) -> subprocess.CompletedProcess[str]:
+    """`python -m probes derive` whose files may not grow past ``limit`` bytes: EFBIG, as a full disk's ENOSPC."""
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
+            f" resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}));"
+            "from probes.cli import main; sys.exit(main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, "derive", "--data", str(ws), "--run", "spatial"], cwd=REPO,
+                          env=env(), capture_output=True, text=True, timeout=120)
+
+
+def test_a_full_disk_while_deriving_is_one_line_and_registers_nothing(ws):
+    """Injects: a file-size limit below one derived chunk (EFBIG, as a full disk fails writes
+    with ENOSPC) for a real `python -m probes derive`. Asserts: exit 2, one `error: disk full …`
+    line naming the chunk file and the fix, no traceback (was a traceback), no derived_arrays row."""
+    got = _derive_with_file_limit(ws.path, 1024)
+    lines = got.stderr.strip().splitlines()
+    assert got.returncode == 2, got.stderr
+    assert "Traceback" not in got.stderr and all(line.startswith("error: disk full / file too large") for line in lines)
+    assert f"{ws.zarr_path}/spatial/_derived/" in lines[0] and "free space on that file system" in lines[0]
+    assert ws.rows("SELECT count(*) FROM derived_arrays") == [(0,)]
+
+
+def _can_mount() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_mount(), reason="needs a private mount namespace (unshare -m, CAP_SYS_ADMIN)")
+def test_a_read_only_workspace_is_refused_by_derive_and_by_a_plan_before_any_work(ws, tmp_path):
+    """Injects: the workspace on a read-only bind mount (EROFS, even for root), then a real
+    `python -m probes derive` and a real `python -m probes PLAN`. Asserts: each exits 2 with one
+    line saying the workspace is on a read-only file system and how to fix it, before training
+    (the plan used to train every probe, then fail every weight save); every file unchanged."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump(PLAN))
+    before = _files(ws.path)
+    data = ws.path
+    for args in (["derive", "--data", str(data), "--run", "spatial"],
+                 [str(plan), "--data", str(data), "--in-process", "--no-progress"]):
+        script = (f'mount --bind "{data}" "{data}" && mount -o remount,bind,ro "{data}" && touch "{data}/x" 2>/dev/null'
+                  f' && echo "mount is writable" && exit 9; exec "{sys.executable}" -m probes '
+                  + " ".join(f'"{a}"' for a in args))
+        got = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], cwd=REPO, env=env(),
+                             capture_output=True, text=True, timeout=120)
+        lines = got.stderr.strip().splitlines()
+        assert got.returncode == 2, got.stdout + got.stderr
+        assert len(lines) == 1 and lines[0].startswith(f"error: the workspace {data} is on a read-only file system")
+        assert "remount it read-write" in lines[0]
+    assert _files(ws.path) == before
