@@ -20,6 +20,7 @@ its filesystem client once, on first use.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -55,7 +56,44 @@ def check_url(url: str) -> str:
     path = m["path"].rstrip("/")
     if not path or any(seg in ("", ".", "..") for seg in path.split("/")):
         raise WorkspaceError(f"arrays URL {url!r}: the bucket/prefix part must be non-empty, without '.', '..' or '//'")
+    check_options(m["protocol"], storage_options())  # before a new workspace's manifest is written
     return f"{m['protocol']}://{path}"
+
+
+# fsspec's own keyword arguments, which every filesystem takes besides its own.
+_FSSPEC_OPTIONS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "asynchronous",
+                   "loop", "batch_size"}
+
+
+def _known_options(protocol: str) -> set[str] | None:
+    """The storage options ``protocol``'s filesystem takes, or None when we cannot tell (not installed,
+    or a filesystem we do not know): then its own error stands."""
+    if protocol not in ("s3", "s3a"):
+        return None
+    try:
+        import inspect
+
+        from aiobotocore.session import AioSession
+        from s3fs import S3FileSystem
+    except ImportError:
+        return None
+    # s3fs hands every key it does not name to aiobotocore's session, which raises a TypeError at
+    # the first request: long after a new workspace's manifest was written.
+    named = {*inspect.signature(S3FileSystem.__init__).parameters, *inspect.signature(AioSession.__init__).parameters}
+    return (named - {"self", "kwargs"}) | _FSSPEC_OPTIONS
+
+
+def check_options(protocol: str, options: dict[str, Any]) -> None:
+    """Refuse, naming it, a key of ``$AGNOSIA_STORAGE_OPTIONS`` that ``protocol``'s filesystem does not take."""
+    known = _known_options(protocol)
+    unknown = sorted(set(options) - known) if known is not None else []
+    if unknown:
+        close = {k: difflib.get_close_matches(k, sorted(known or ()), n=1) for k in unknown}
+        hints = ", ".join(f"{k!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for k, c in close.items())
+        raise WorkspaceError(
+            f"${OPTIONS_ENV} has key(s) the {protocol}:// filesystem does not take: {hints}. Remove or rename them;"
+            f" it takes {', '.join(sorted(known or ()))}"
+        )
 
 
 def storage_options() -> dict[str, Any]:
@@ -229,6 +267,7 @@ class ArrayRoot:
 
 
 def _options(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    check_options(url.split("://", 1)[0], options)
     if url.split("://", 1)[0] in ("s3", "s3a"):
         # Never answer "missing" from a listing made before a peer uploaded the object.
         return {"use_listings_cache": False, **options}

@@ -234,3 +234,19 @@ def test_a_read_only_workspace_is_refused_by_derive_and_by_a_plan_before_any_wor
         assert len(lines) == 1 and lines[0].startswith(f"error: the workspace {data} is on a read-only file system")
         assert "remount it read-write" in lines[0]
     assert _files(ws.path) == before
+
+
+def test_an_unknown_storage_option_is_one_line_and_leaves_no_manifest(tmp_path, monkeypatch, capsys):
+    """Injects: `$AGNOSIA_STORAGE_OPTIONS` with a misspelt key (`endpoit_url`) for a new workspace
+    whose arrays go to s3://. Asserts: `python -m store init` exits 2 with one line naming the key,
+    its likely spelling and the fix, before anything is written: no manifest is left behind (was:
+    a TypeError from aiobotocore's session at the first request, and a manifest without arrays)."""
+    from store.cli import main as store_cli
+
+    monkeypatch.setenv("AGNOSIA_STORAGE_OPTIONS", '{"endpoit_url": "http://127.0.0.1:9"}')
+    data = tmp_path / "ws"
+    assert store_cli(["init", "--data", str(data), "--arrays", "s3://bucket/ws"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: $AGNOSIA_STORAGE_OPTIONS has key(s) the s3:// filesystem does"
+                                               " not take: 'endpoit_url' (did you mean 'endpoint_url'?)")
+    assert not (data / "manifest.duckdb").exists()
