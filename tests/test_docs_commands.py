@@ -1,9 +1,9 @@
 """Every fenced shell and python command of README.md and docs/ runs, as written, against a fresh
 demo workspace, so the docs cannot go stale again.
 
-The workspace is a reduced `make demo` (the same manifests over 31 Go boards, counts 0, 4, ..,
-120, instead of 484; of the variant runs only the two head ablations, and no G2M toy: no
-documented command reads the others), built once per session in a
+The workspace is a reduced `make demo` (the same manifests over 61 Go boards, counts 0, 2, ..,
+120, instead of 484: enough for the plans' 5 folds; of the variant runs only the two head
+ablations, and no G2M toy: no documented command reads the others), built once per session in a
 folder laid out like a checkout: `data/`, `sets/`, `manifests/` and `lab/` (linked to the
 repository's), `.venv/bin/python` and `python` on PATH (this interpreter). Commands run there in
 document order, each in its own process.
@@ -150,7 +150,7 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
         launcher.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("AGNOSIA_DATA", "DASK_SCHEDULER_ADDRESS")}
     env.update(PATH=f"{root / 'bin'}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(REPO), TQDM_DISABLE="1")
-    counts = ",".join(str(c) for c in range(0, 121, 4))
+    counts = ",".join(str(c) for c in range(0, 121, 2))
     steps = [
         "python -m stimuli all --out sets --seed 0",
         f"python -m stimuli go --preset small --variation mild --counts {counts} --n 1 --seed 1"
