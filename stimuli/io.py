@@ -16,6 +16,7 @@ replaced unless the caller asks for it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -239,4 +240,29 @@ def _read_truth(truth_file: Path) -> pa.Table:
         )
     if table.num_rows == 0:
         raise StimulusError(f"{truth_file} holds no stimuli (0 rows): {_REGENERATE} with --n of at least 1")
+    _check_values(truth_file, table)
     return table
+
+
+def _check_values(truth_file: Path, table: pa.Table) -> None:
+    """Values every reader takes as given: a null ``id`` or ``image``, or a seed that is not a whole
+    number (NaN, 1.5), were tracebacks deep in the extraction (a TypeError joining a path, a
+    ValueError converting NaN) after the model had loaded."""
+    ids = table.column("id").to_pylist()
+    for column in ("id", "image"):
+        nulls = [i for i, v in enumerate(table.column(column).to_pylist()) if v is None]
+        if nulls:
+            raise StimulusError(
+                f"{truth_file}: {len(nulls)} row(s) have no {column} (null), e.g. row {nulls[0]}"
+                + (f" (id {ids[nulls[0]]!r})" if column != "id" else "")
+                + f"; every stimulus has one: the file was edited or is damaged; {_REGENERATE}"
+            )
+    if "seed" in table.column_names:
+        for i, seed in enumerate(table.column("seed").to_pylist()):
+            whole = seed is None or (isinstance(seed, int) and not isinstance(seed, bool)) or (
+                isinstance(seed, float) and math.isfinite(seed) and seed.is_integer())
+            if not whole:
+                raise StimulusError(
+                    f"{truth_file}: row {i} (id {ids[i]!r}) has seed {seed!r}, not a whole number; a stimulus's seed"
+                    f" is an integer (or null when unknown): the file was edited or is damaged; {_REGENERATE}"
+                )

@@ -250,3 +250,43 @@ def test_an_unknown_storage_option_is_one_line_and_leaves_no_manifest(tmp_path, 
     assert len(err) == 1 and err[0].startswith("error: $AGNOSIA_STORAGE_OPTIONS has key(s) the s3:// filesystem does"
                                                " not take: 'endpoit_url' (did you mean 'endpoint_url'?)")
     assert not (data / "manifest.duckdb").exists()
+
+
+@pytest.fixture(scope="module")
+def go_boards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from faultlib import go_set
+
+    return go_set(tmp_path_factory.mktemp("sets") / "go-contracts", "0,1,2")
+
+
+@pytest.mark.parametrize(("column", "value", "expect"), [
+    ("seed", float("nan"), "row 1 (id {id!r}) has seed nan, not a whole number"),
+    ("image", None, "1 row(s) have no image (null), e.g. row 1 (id {id!r})"),
+])
+def test_a_damaged_truth_table_is_one_line_before_the_model_loads(go_boards, tmp_path, column, value, expect):
+    """Injects: truth.parquet rewritten with a NaN `seed` or a null `image` in row 1, then a real
+    `python -m extract MANIFEST --dry-run`. Asserts: exit 2 and one `error:` line naming the file,
+    the row, its id and the fix (was: a ValueError converting NaN to an int while registering, or
+    a TypeError joining None to the set's path, as tracebacks)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from faultlib import write_manifest
+
+    bad = tmp_path / "go-bad"
+    shutil.copytree(go_boards, bad)
+    table = pq.read_table(bad / "truth.parquet")
+    values = table.column(column).to_pylist()
+    if column == "seed":  # as a pandas round trip leaves it: float64 (seeds past 2**53 do not fit it)
+        values = [float(k) for k in range(len(values))]
+    values[1] = value
+    kind = pa.float64() if column == "seed" else table.schema.field(column).type
+    table = table.set_column(table.column_names.index(column), pa.field(column, kind), pa.array(values, kind))
+    pq.write_table(table, bad / "truth.parquet")
+    got = subprocess.run([sys.executable, "-m", "extract", str(write_manifest(tmp_path / "m.yaml", bad)), "--data",
+                          str(tmp_path / "ws"), "--dry-run"], cwd=REPO, env=env(), capture_output=True, text=True,
+                         timeout=300)
+    lines = [line for line in got.stderr.splitlines() if line.strip()]
+    assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: {bad / 'truth.parquet'}: "), lines
+    assert expect.format(id=table.column("id")[1].as_py()) in lines[0] and "regenerate the set" in lines[0]
+    assert not (tmp_path / "ws").exists()
