@@ -418,10 +418,11 @@ def token_map_figure(ws: Workspace, out: Path, runs: list[str]) -> Any:
                                   for layer, m in maps.items() for i, line in enumerate(m)
                                   for j, tok in enumerate(line)])
     return panels(out, "token_map", layers, lambda ax, layer: _token_grid(ax, maps[layer], picture, layer), table=cells,
-                  cols=min(2, len(layers)), sharex=False, size=(6.4, 6.0), caption=(
+                  cols=1, sharex=False, size=(7.0, 4.6), caption=(
                       f"Logit lens token map of {run}, sample {row} (n = 1 sample: an example, not a summary):"
-                      " each image token's top-1 vocabulary token, written on the patch of the image it covers, one"
-                      " panel per LLM layer."))
+                      " each image token's top-1 vocabulary token as a letter on the patch of the image it covers"
+                      " (the legend spells each letter's token and how many patches read as it), one panel per LLM"
+                      " layer."))
 
 
 def _load_image(set_path: str | None, image: str | None) -> np.ndarray | None:
@@ -436,17 +437,36 @@ def _load_image(set_path: str | None, image: str | None) -> np.ndarray | None:
         return None  # the set folder moved: the tokens are drawn on an empty grid
 
 
+#: Distinct tokens a token map names in its legend; the rest share one code.
+MAP_TOKENS = 12
+
+
 def _token_grid(ax: Any, tokens: list[list[str]], picture: np.ndarray | None, layer: int) -> None:
+    """Each patch's top-1 token as a short code on the image, the codes spelled out in a legend:
+    tokens such as <|assistant_end|> cut to fit a cell read alike and say nothing."""
     h, w = len(tokens), len(tokens[0]) if tokens else 0
     if picture is not None:
         ax.imshow(picture, extent=(0, w, h, 0), alpha=0.55)
+    counts: dict[str, int] = {}
+    for line in tokens:
+        for tok in line:
+            counts[tok] = counts.get(tok, 0) + 1
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))
+    codes = {tok: chr(ord("A") + k) for k, tok in enumerate(ranked[:MAP_TOKENS])}
     for i in range(h):
         for j in range(w):
-            ax.text(j + 0.5, i + 0.5, tokens[i][j][:6], ha="center", va="center", fontsize=5)
+            ax.text(j + 0.5, i + 0.5, codes.get(tokens[i][j], "·"), ha="center", va="center", fontsize=7,
+                    fontweight="bold", color="black")
+    for tok in ranked[:MAP_TOKENS]:
+        ax.plot([], [], " ", label=f"{codes[tok]}  {tok!r} ({counts[tok]})")
+    if len(ranked) > MAP_TOKENS:
+        ax.plot([], [], " ", label=f"·  {len(ranked) - MAP_TOKENS} other tokens")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), handlelength=0, frameon=False)
     ax.set_xlim(0, w)
     ax.set_ylim(h, 0)
     ax.set_xticks(range(w + 1), [""] * (w + 1))
     ax.set_yticks(range(h + 1), [""] * (h + 1))
+    ax.grid(color="white", lw=0.5)
     ax.set_title(f"LLM layer {layer}", fontsize=8)
 
 
