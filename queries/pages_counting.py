@@ -119,7 +119,9 @@ def _three_curves(out: Path, run: str, target: str, found: list[evidence.Curve],
         f" --param target={target}% --param group_by=\"truth->>'regime'\"): present = the read-out trained on every"
         " count beats its shuffled-label control; re-encoded = it does, while the in-range read-out steps down.",
         figures=[fig],
-        tables=[(f"{name}_verdicts", verdicts_table(verdicts)), (f"{name}_expressed", evidence.expressed_table(said))])
+        tables=[(f"{name}_verdicts", verdicts_table(verdicts)), (f"{name}_expressed", evidence.expressed_table(said))],
+        titles={f"{name}_verdicts": "Verdicts per regime, every number with its 95 % interval and n (lost)",
+                f"{name}_expressed": "What the model answers per regime, with 95 % intervals (expressed)"})
 
 
 def _expressed_text(e: evidence.Expressed | None) -> str:
@@ -182,7 +184,9 @@ def _hidden_number(ws: Workspace, out: Path, run: str, found: list[evidence.Curv
     return Section(f"The hidden number N_H along depth: {run}",
                    "counting-bottleneck's own estimator, which extrapolates because it counts tokens: where N_H"
                    " leaves the true count (Vision Gap), the tokens themselves stop saying black.",
-                   figures=[fig], tables=[(f"{name}_verdicts", verdicts_table(where_lost(found)))])
+                   figures=[fig], tables=[(f"{name}_verdicts", verdicts_table(where_lost(found)))],
+                   titles={f"{name}_verdicts": "N_H's verdicts per regime (an in-range estimator: it cannot tell a"
+                                               " loss from a re-encoding alone)"})
 
 
 def answers_section(ws: Workspace, out: Path) -> Section:
