@@ -143,8 +143,8 @@ def _record(job: GroupJob, task: ProbeTask, out: Outcome, seconds: float, worker
     if _nan(out.score):
         if not out.n_test:
             raise ProbeError(f"{task.kind} on {task.target} scored NaN: no labelled test rows; select more rows")
-        fold = f" (fold {task.fold} of {task.folds}: lower folds:)" if task.split == "kfold" else ""
-        raise ProbeError(f"{task.kind} on {task.target} scored NaN on its {out.n_test} labelled test row(s){fold}: a"
+        which = f" (fold {task.fold} of {task.folds}: lower folds:)" if task.split == "kfold" else ""
+        raise ProbeError(f"{task.kind} on {task.target} scored NaN on its {out.n_test} labelled test row(s){which}: a"
                          f" metric such as R² needs at least 2 with different values; select more rows")
     artifact = None
     if job.save and out.probe is not None:
