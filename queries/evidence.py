@@ -176,9 +176,15 @@ def _interval(cols: dict[str, np.ndarray], at: np.ndarray, number: str, score: s
         values = np.asarray([np.nan if v is None else v for v in cols[score][at]], dtype=np.float64)
         if np.isnan(values).all():
             return None
-    seeds, seed_pos = np.unique(cols["seed"][at], return_inverse=True)
-    samples, sample_pos = np.unique(cols["array_row"][at], return_inverse=True)
-    E = np.full((len(seeds), len(samples)), np.nan)
+    return seeds_samples_interval(cols["seed"][at], cols["array_row"][at], values)
+
+
+def seeds_samples_interval(seeds: Any, samples: Any, values: Any) -> Interval | None:
+    """Per-(seed, sample) values as the [seed, sample] matrix mean_interval bootstraps (NaN where a
+    seed did not test a sample), and its interval."""
+    seed_ids, seed_pos = np.unique(np.asarray(seeds), return_inverse=True)
+    sample_ids, sample_pos = np.unique(np.asarray(samples), return_inverse=True)
+    E = np.full((len(seed_ids), len(sample_ids)), np.nan)
     E[seed_pos, sample_pos] = values
     return mean_interval(E)
 
@@ -292,11 +298,7 @@ def answer_gaps(ws: Workspace, params: dict[str, str] | None = None) -> dict[tup
         by[(str(r["grp"]), int(r["depth"]))].append(r)
     out = {}
     for key, got in by.items():
-        seeds, seed_pos = np.unique([r["seed"] for r in got], return_inverse=True)
-        samples, sample_pos = np.unique([r["array_row"] for r in got], return_inverse=True)
-        E = np.full((len(seeds), len(samples)), np.nan)
-        E[seed_pos, sample_pos] = [r["gap"] for r in got]
-        iv = mean_interval(E)
+        iv = seeds_samples_interval([r["seed"] for r in got], [r["array_row"] for r in got], [r["gap"] for r in got])
         if iv is not None:
             out[key] = iv
     return out
