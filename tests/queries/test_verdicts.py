@@ -19,7 +19,7 @@ import pytest
 
 from probes import parse_plan, run_plan
 from queries.__main__ import main as cli
-from queries.evidence import curves, curves_table, expressed, truths_of
+from queries.evidence import answer_gaps, curves, curves_table, expressed, truths_of
 from queries.intervals import mean_interval
 from queries.verdicts import LOST, REENCODED, TRANSFERABLE_VERDICT, UNDECIDED, verdicts_table, where_lost
 from store import ArraySpec, Generation, RunInfo, TokenSpans, Workspace
@@ -157,6 +157,12 @@ def test_curves_and_expressed_carry_n_intervals_and_controls(tmp_path):
     assert said["ID"].accuracy.mean == 1.0 and said["VE"].accuracy.mean == 0.0
     assert said["VE"].mae.mean == pytest.approx(np.mean(COUNTS[(COUNTS > 49) & (COUNTS <= 99)] - 49))
     assert said["FE"].n == said["FE"].n_numbers == 42
+    # The Language Gap |prediction - the model's number| of the read-out trained on every count: the
+    # model says 49 past the edge, the read-out the count, so on VE it is about the distance to 49.
+    language = answer_gaps(ws, {**GROUP, "target": "truth:count#all-counts"})
+    ve_counts = COUNTS[(COUNTS > 49) & (COUNTS <= 99)]
+    assert language[("VE", 0)].mean == pytest.approx(np.mean(ve_counts - 49), abs=1.5)
+    assert language[("ID", 0)].mean < 2 and language[("VE", 0)].n == 100
 
 
 def test_mean_interval_bootstraps_samples_and_seeds():
