@@ -9,8 +9,11 @@ Policy (documented in docs/store.md):
   *overflow*. ``bf16="bits"`` stores the raw bf16 bits as uint16 (lossless, dtype recorded as
   ``bfloat16``); the reader turns them into float32.
 * Overflow (a finite source value that would become inf) follows the run's ``overflow`` policy:
-  ``error`` (default) raises :class:`DtypeOverflowError`; ``clip`` saturates to +-65504 and the
-  count of clipped values is recorded per chunk.
+  ``error`` (default) raises :class:`ArrayOverflowError` (a :class:`DtypeOverflowError` naming the
+  array); ``clip`` saturates to +-65504 and the count of clipped values is recorded per chunk.
+* An array may ask for its stored dtype (``ArraySpec.stored_dtype``): ``float32`` keeps float32
+  and bfloat16 sources exact, ``bfloat16`` keeps bfloat16 sources bit for bit (2 bytes a value,
+  like float16, with float32's range).
 * NaN/inf already present in the source are stored as they are and counted per chunk
   (``chunks.n_nonfinite``); ``verify`` and ``info`` report them. They are model behaviour worth
   keeping, not a storage failure.
@@ -138,8 +141,9 @@ class Cast:
     n_clipped: int
 
 
-def cast(src: np.ndarray, kind: str, stored: str, overflow: str, where: str) -> Cast:
-    """Cast ``src`` (source kind ``kind``) to the stored dtype under the overflow policy."""
+def cast(src: np.ndarray, kind: str, stored: str, overflow: str, where: str, array: str | None = None) -> Cast:
+    """Cast ``src`` (source kind ``kind``) to the stored dtype under the overflow policy; ``array``
+    (its zarr path) goes with an overflow error, so a caller can store that array wider."""
     if stored == "bfloat16":
         if kind != "bfloat16":
             raise StoreError(
@@ -152,7 +156,7 @@ def cast(src: np.ndarray, kind: str, stored: str, overflow: str, where: str) -> 
         return Cast(src, count_nonfinite(src, kind), 0)
     if (_halfcast is not None and stored == "float16" and kind in ("float32", "bfloat16")
             and src.flags.c_contiguous and src.flags.aligned):  # what the kernel reads; else numpy's passes
-        return _cast_kernel(src, kind, overflow, where)
+        return _cast_kernel(src, kind, overflow, where, array)
     wide = bf16_bits_to_float32(src) if kind == "bfloat16" else src
     with np.errstate(over="ignore"):  # overflow is detected and handled below
         out = wide.astype(target)
@@ -166,30 +170,45 @@ def cast(src: np.ndarray, kind: str, stored: str, overflow: str, where: str) -> 
         return Cast(out, n_nonfinite, 0)
     over = ~np.isfinite(out) & np.isfinite(wide)
     if overflow == "error":
-        raise _overflow_error(wide, over, kind, stored, where)
+        raise _overflow_error(wide, over, kind, stored, where, array)
     out[over] = np.copysign(float(np.finfo(target).max), wide[over]).astype(target)
     return Cast(out, n_nonfinite, int(np.count_nonzero(over)))
 
 
-def _cast_kernel(src: np.ndarray, kind: str, overflow: str, where: str) -> Cast:
+def _cast_kernel(src: np.ndarray, kind: str, overflow: str, where: str, array: str | None) -> Cast:
     """float32 / bfloat16 bits -> float16 in one pass (store/_halfcast.c), counted as it goes."""
     out = np.empty(src.shape, np.float16)
     n_nonfinite, n_over = _halfcast.to_half(src, 0 if kind == "float32" else 1, out.view(np.uint16),
                                             overflow == "clip")
     if n_over and overflow == "error":
         wide = bf16_bits_to_float32(src) if kind == "bfloat16" else src
-        raise _overflow_error(wide, np.isinf(out) & np.isfinite(wide), kind, "float16", where)
+        raise _overflow_error(wide, np.isinf(out) & np.isfinite(wide), kind, "float16", where, array)
     return Cast(out, n_nonfinite, n_over)
 
 
-def _overflow_error(wide: np.ndarray, over: np.ndarray, kind: str, stored: str, where: str) -> DtypeOverflowError:
+class ArrayOverflowError(DtypeOverflowError):
+    """An overflow in one array's values. ``problem`` says what overflowed, without the store's
+    ways out (an extraction names its manifest's keys instead); ``array`` is the array's zarr path
+    (None: not an array, e.g. a run tensor), so a caller can store that one array as float32."""
+
+    def __init__(self, problem: str, fix: str, array: str | None = None) -> None:
+        super().__init__(f"{problem}. {fix}")
+        self.problem = problem
+        self.array = array
+
+
+def _overflow_error(wide: np.ndarray, over: np.ndarray, kind: str, stored: str, where: str,
+                    array: str | None) -> ArrayOverflowError:
     """What an ``overflow='error'`` run raises: how many values, the largest, and the ways out."""
     limit = float(np.finfo(np.dtype(stored)).max)
     worst = float(np.max(np.abs(wide[over])))
-    return DtypeOverflowError(
+    lossless = "ArraySpec(stored_dtype='bfloat16') (bit-exact for bfloat16 values), " if kind == "bfloat16" else ""
+    return ArrayOverflowError(
         f"{where}: {int(np.count_nonzero(over))} finite {kind} value(s) exceed the {stored} range"
-        f" (max |x| = {worst:.6g}, limit {limit:.6g}). Re-run with the run's bf16='bits' (lossless bf16),"
-        " stored_dtype='float32', or overflow='clip' (saturate and count)"
+        f" (max |x| = {worst:.6g}, limit {limit:.6g})",
+        f"Store them with {lossless}ArraySpec(stored_dtype='float32') (exact), or RunInfo(overflow='clip')"
+        " (saturate to the limit and count the clipped values)",
+        array,
     )
 
 

@@ -213,7 +213,7 @@ class Pipeline(Committer):
             # No cast, so nothing can overflow: NaN/inf are counted off the writer thread.
             vals = np.ascontiguousarray(block)
         else:
-            c = cast(block, kind, info.stored_dtype, self.info.overflow, where)
+            c = cast(block, kind, info.stored_dtype, self.info.overflow, where, info.zarr_path)
             vals = np.ascontiguousarray(c.values)
             st.n_nonfinite += c.n_nonfinite
             st.n_clipped += c.n_clipped
@@ -258,7 +258,7 @@ class Pipeline(Committer):
         info = h.info
         where = f"{info.key()} chunk {k} (rows {rows.start}-{rows.stop - 1})"
         if info.layout == "dense":
-            c = cast(block, kind, info.stored_dtype, self.info.overflow, where)
+            c = cast(block, kind, info.stored_dtype, self.info.overflow, where, info.zarr_path)
             vals = np.ascontiguousarray(h.codec.prepare(c.values, info.stored_dtype))
             h.node[rows.start : rows.stop] = vals
             files = [layout.dense_chunk_file(self.ws.path, info.zarr_path, len(info.shape), k)]
@@ -273,7 +273,7 @@ class Pipeline(Committer):
                 if int(offsets[-1])
                 else np.empty((0, *info.item_shape), dtype=block[0].dtype)
             )
-            c = cast(flat, kind, info.stored_dtype, self.info.overflow, where)
+            c = cast(flat, kind, info.stored_dtype, self.info.overflow, where, info.zarr_path)
             vals = np.ascontiguousarray(h.codec.prepare(c.values, info.stored_dtype))
             files = layout.write_ragged_block(h.node, k, vals, offsets, h.codec, info.dims[1:])
             # The block's folder is new: its entry in the array's folder must be durable too.
