@@ -19,7 +19,7 @@ Answer tokens are what generation fed back: at most the batch's token budget min
 token is never fed back). Arrays that hold answer tokens are planned at that bound, and every
 array says whether its figure is exact, an upper bound or an estimate. Whether an array is dense or
 ragged is :func:`store.vocab.array_layout`, the rule the run stores by; values take the bytes of the
-store's dtype policy (:func:`store.dtypes.stored_bytes`: float16 for every model dtype by default),
+manifest's storage dtype (:func:`store.dtypes.stored_bytes`: float16 by default, `storage.dtype` otherwise),
 divided by the codec's measured ratio; dense arrays are chunked as the store chunks them, evened out
 so the last chunk pads at most a row per chunk (:func:`store.records.chunk_size`, docs/store.md).
 
@@ -50,14 +50,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from extract.manifest import HeadAblationSpec, Manifest, ManifestError, TokenCompressionSpec, expand_layers
+from extract.manifest import HeadAblationSpec, Manifest, ManifestError, TokenCompressionSpec, expand_layers, store_policy
 from extract.models import TapSpec, adapter_class, prepare_batch
 from extract.models.capture import hook_module
 from extract.models.layout import ImageGeometry, SampleLayout, extent
 from extract.models.loading import LoadedModel, load_config, load_processor, resolve_source
 from extract.run import collect_samples, tap_request
-from store import RunInfo
-from store.dtypes import default_stored, stored_bytes, tensor_stored
+from store.dtypes import stored_bytes, tensor_stored
 from store.records import chunk_size
 from store.sizing import CODEC_RATIO, array_bytes, human
 from store.vocab import HEAD_TAPS, array_layout
@@ -571,7 +570,9 @@ def estimate_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[DrySampl
     n = len(samples)
     cs = chunk_size(n, manifest.chunk_samples, manifest.batch_size)  # as the run's store chooses it
     dtype = manifest.model.dtype
-    stored = default_stored(dtype, RunInfo.bf16)  # the run's arrays take the store's policy for its dtype
+    stored = manifest.storage.dtype  # what the run declares every array with (extract/run.py stored_as)
+    bf16, _ = store_policy(manifest.storage)
+    lens_stored = "float32" if stored == "float32" else tensor_stored(dtype, bf16)  # as write_lens stores them
     budgets = np.array([s.answer_budget for s in samples], dtype=np.int64)
     seqs = np.array([lay.length for lay in layouts], dtype=np.int64)
     arrays = array_estimates(lm, request, samples, layouts, answer_bounds(samples, manifest.batch_size), exact, cs,
@@ -587,12 +588,15 @@ def estimate_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[DrySampl
         stored_dtype=stored, exact_tokens=exact, token_source=source, first_seq=int(layouts[0].length),
         first_image_tokens=len(layouts[0].image_positions), max_answer=int(budgets.max()), params=params,
         arrays=arrays, lens_values=lens,
-        lens_bytes=lens * stored_bytes(dtype, stored=tensor_stored(dtype, RunInfo.bf16)),
+        lens_bytes=lens * stored_bytes(dtype, stored=lens_stored),
         kv_bytes=kv_cache_bytes(lm, int((seqs + budgets).max()), min(manifest.batch_size, n), dtype),
         hardware=hardware, time=TimeEstimate(0.0, 0, 0.0, 0.0, 0.0, ""),
     )
     est.time = estimate_time(lm, params, layouts, samples, manifest.batch_size, dtype, est.bytes + est.lens_bytes,
                               hardware)
+    if manifest.storage.overflow == "store_float32":
+        est.notes.append("storage.overflow is store_float32: an array that overflows float16 is stored as float32,"
+                         " twice its bytes here, and the run starts again once per such array")
     if dtype == "float32" and params.total > 1e9:
         est.notes.append(f"model.dtype is float32: {human(est.weight_bytes)} of weights and twice the decode time"
                           " of bfloat16 (set model.dtype: bfloat16 for a real model)")

@@ -15,6 +15,7 @@ taps:
 attention: {layers: [-1], queries: [last]}
 generation: {max_new_tokens: 16}
 batch_size: 8
+storage: {dtype: float16, overflow: refuse}   # the defaults; see StorageSpec
 ```
 
 Validation happens before any model loads; every message names the key, what was expected and
@@ -193,6 +194,46 @@ class TokenCompressionSpec(_Strict):
     decoder: str | None = None  # safetensors file holding "weight" [vocab, hidden]
 
 
+StorageDtype = Literal["float16", "bfloat16", "float32"]
+OverflowChoice = Literal["refuse", "clip", "store_float32"]
+
+
+class StorageSpec(_Strict):
+    """How the run's activations land on disk (docs/store.md, "The dtype policy").
+
+    ``dtype``: ``float16`` (2 bytes a value; exact for bfloat16 values within +-65504), ``bfloat16``
+    (2 bytes, bit for bit: a bfloat16 model only) or ``float32`` (4 bytes, exact for every model).
+    ``overflow``, for float16 only: a finite value beyond +-65504 is refused (``refuse``: the run
+    stops and says which keys to set), saturated and counted (``clip``), or its array is stored as
+    float32 instead (``store_float32``: the run starts again with that array wider, once per such array).
+    """
+
+    dtype: StorageDtype = "float16"
+    overflow: OverflowChoice = "refuse"
+
+    @model_validator(mode="after")
+    def _overflow_needs_float16(self) -> StorageSpec:
+        if self.overflow != "refuse" and self.dtype != "float16":
+            raise ValueError(
+                f"overflow: {self.overflow} is what float16 storage does with values beyond +-65504; {self.dtype}"
+                " holds them already: remove storage.overflow (or store float16)"
+            )
+        return self
+
+
+def store_policy(storage: StorageSpec) -> tuple[Literal["fp16", "bits"], Literal["error", "clip"]]:
+    """The store's run policies (``RunInfo.bf16``, ``RunInfo.overflow``) for ``storage``.
+
+    ``store_float32`` runs with the store's ``error``: the extraction catches the overflow and stores
+    that array as float32 (extract/run.py)."""
+    return ("bits" if storage.dtype == "bfloat16" else "fp16"), ("clip" if storage.overflow == "clip" else "error")
+
+
+def storage_yaml(storage: StorageSpec) -> str:
+    """``storage`` as the one-line YAML a manifest holds, defaults included."""
+    return f"storage: {{dtype: {storage.dtype}, overflow: {storage.overflow}}}"
+
+
 Intervention = Annotated[RopeScalingSpec | HeadAblationSpec | TokenCompressionSpec, Field(discriminator="kind")]
 
 
@@ -209,6 +250,7 @@ class Manifest(_Strict):
     logit_lens: bool = True
     shard: str | None = None  # "i/k": this process fills chunk i of every k (`--shard` overrides)
     intervention: Intervention | None = None  # a variant run: see extract/interventions/
+    storage: StorageSpec = StorageSpec()
 
     @field_validator("run")
     @classmethod
@@ -239,7 +281,22 @@ class Manifest(_Strict):
             )
         if kind in ("head_ablation", "token_compression") and self.shard:
             raise ValueError(f"a {kind} run is not sharded: remove shard")
+        self._check_storage()
         return self
+
+    def _check_storage(self) -> None:
+        if self.storage.dtype == "bfloat16" and self.model.dtype != "bfloat16":
+            raise ValueError(
+                f"storage.dtype: bfloat16 keeps a bfloat16 model's values bit for bit; model.dtype is"
+                f" {self.model.dtype}, whose values bfloat16 would round: store float32 (exact) or float16,"
+                " or run the model in bfloat16 (model.dtype: bfloat16)"
+            )
+        if self.storage.overflow == "store_float32" and self.shard:
+            # The run restarts without the overflowing array's float16 chunks, which a peer shard may be writing.
+            raise ValueError(
+                "storage.overflow: store_float32 starts the run again when an array overflows, which a sharded"
+                " run cannot do while other shards write it: use storage: {dtype: float32} or {overflow: clip}"
+            )
 
 
 def parse_manifest(data: Any, source: str = "manifest") -> Manifest:
@@ -271,14 +328,14 @@ def check_sets(manifest: Manifest, source: str = "manifest") -> None:
         )
 
 
-def check_codec(codec: str) -> None:
-    """Refuse an unknown ``--codec`` before anything loads or is written (extraction stores
-    float16, whose mantissa bounds bitround<k>)."""
+def check_codec(codec: str, stored: str = "float16") -> None:
+    """Refuse an unknown ``--codec`` before anything loads or is written (the storage dtype's
+    mantissa bounds bitround<k>)."""
     from store.arrays import parse_codec  # here: validating a manifest alone needs no Zarr import
     from store.errors import StoreError
 
     try:
-        parse_codec(codec, "float16")
+        parse_codec(codec, stored)
     except StoreError as err:
         raise ManifestError(f"--codec {codec}: {err}") from None
 

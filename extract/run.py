@@ -40,7 +40,16 @@ from PIL import Image
 from extract.interventions import INTERVENTION_FILE
 from extract.interventions import describe as describe_intervention
 from extract.interventions.rope import scaled_vision_rope
-from extract.manifest import Manifest, ManifestError, check_codec, check_sets, expand_layers
+from extract.manifest import (
+    Manifest,
+    ManifestError,
+    StorageSpec,
+    check_codec,
+    check_sets,
+    expand_layers,
+    storage_yaml,
+    store_policy,
+)
 from extract.models import (
     CaptureKey,
     CaptureResult,
@@ -65,6 +74,9 @@ from stimuli.io import read_set
 from stimuli.progress import progress_bar
 from store import ArrayHandle, ArraySpec, Generation, RunInfo, TokenSpans, Workspace, Writer
 from store.ahead import ManifestAhead
+from store.arrays import array_path
+from store.dtypes import ArrayOverflowError
+from store.errors import DtypeOverflowError, StoreError
 from store.heap import tune_malloc
 from store.vocab import IMAGE_ONLY_TAPS, array_layout, kinds_for
 from store.workspace import MANIFEST, resolve_path
@@ -362,7 +374,7 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
     queued to the writer then, or on CUDA after the next batch's forward (its host copy overlaps it)."""
     started = time.perf_counter()
     tune_malloc()  # the writer frees each batch's captures: keep glibc from trimming the heap between batches
-    check_codec(codec)
+    check_codec(codec, manifest.storage.dtype)
     check_sets(manifest)
     sets, samples = collect_samples(manifest)
     if not samples:
@@ -385,18 +397,103 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
         else:
             scaled = scaled_vision_rope(lm, manifest.intervention) if kind == "rope_scaling" else nullcontext()
             with scaled:
-                done = _extract(lm, manifest, sets, samples, where, progress, codec, on_batch, ahead)
+                done = _extract_stored(lm, manifest, sets, samples, where, progress, codec, on_batch, ahead)
     scored, correct = done.totals
     return RunSummary(run=manifest.run, workspace=done.ws.path, samples=len(samples), computed=done.computed,
                       seconds=time.perf_counter() - started, accuracy=correct / scored if scored else None,
                       arrays=done.arrays, new_accuracy=done.accuracy, scored=scored)
 
 
+def _extract_stored(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], samples: list[Sample],
+                    where: str | Path | None, progress: bool, codec: str, on_batch: Callable[[int], None] | None,
+                    ahead: ManifestAhead | None) -> Extracted:
+    """:func:`_extract` under the manifest's storage: an overflow is refused naming the manifest keys
+    that fix it, or (``overflow: store_float32``) the run is dropped and extracted again with the
+    overflowing array stored as float32 (a Zarr array has one dtype, so its float16 chunks cannot stay)."""
+    wider: set[str] = set()
+    while True:
+        try:
+            return _extract(lm, manifest, sets, samples, where, progress, codec, on_batch, ahead, wider)
+        except StoreError as err:  # the writer's failure (WriterError) chains the overflow
+            over = overflow_in(err)
+            if over is None:
+                raise
+            if manifest.storage.overflow != "store_float32":
+                raise DtypeOverflowError(overflow_fix(manifest, over, resolve_path(where))) from err
+            if over.array is None or over.array in wider:  # pragma: no cover - float32 holds every source value
+                raise
+            wider.add(over.array)
+            print(f"storage.overflow store_float32: {over.problem}; extracting run {manifest.run} again with"
+                  f" {over.array} stored as float32", file=sys.stderr)
+            Workspace.open(where).drop_run(manifest.run)
+            ahead = None  # the workspace exists now
+
+
+def overflow_in(err: BaseException) -> ArrayOverflowError | None:
+    """The store's overflow error behind ``err`` (the background writer's failure chains it), or None."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ArrayOverflowError):
+            return seen
+        seen = seen.__cause__
+    return None
+
+
+def overflow_fix(manifest: Manifest, over: ArrayOverflowError, where: Path) -> str:
+    """The overflow refusal of an extraction: what overflowed, and the manifest YAML that stores it."""
+    ways = []
+    if manifest.model.dtype == "bfloat16":
+        ways.append("storage: {dtype: bfloat16}           # bit for bit, 2 bytes a value")
+    ways += ["storage: {dtype: float32}            # exact, 4 bytes a value",
+             "storage: {overflow: store_float32}   # float32 for the arrays that overflow, float16 for the rest",
+             "storage: {overflow: clip}            # saturate to +-65504, counted in chunks.n_clipped"]
+    listed = "".join(f"\n    {w}" for w in ways)
+    return (f"{over.problem}. float16 cannot hold these values (storage.overflow: refuse). Add one of these to"
+            f" the manifest:{listed}\nthen remove what this run stored (`python -m store drop-run {manifest.run}"
+            f" --data {where} --yes`; a run resumes only with the storage it started with) or give it a new run"
+            " id, and run the manifest again")
+
+
+def stored_as(specs: dict[CaptureKey, ArraySpec], run: str, storage: StorageSpec,
+              wider: set[str]) -> dict[CaptureKey, ArraySpec]:
+    """The specs with the manifest's storage dtype; the arrays in ``wider`` (zarr paths) as float32."""
+    def dtype_of(spec: ArraySpec) -> str:
+        return "float32" if array_path(run, spec.tap, spec.layer, spec.site, spec.tokens) in wider else storage.dtype
+
+    return {key: dataclasses.replace(spec, stored_dtype=dtype_of(spec)) for key, spec in specs.items()}
+
+
+def widened(ws: Workspace, manifest: Manifest) -> set[str]:
+    """Zarr paths of this run's arrays already stored as float32 under ``overflow: store_float32``
+    (a resumed run declares them as they are)."""
+    if manifest.storage.overflow != "store_float32" or ws.created:
+        return set()
+    rows = ws.rows("SELECT zarr_path FROM activations WHERE run = ? AND stored_dtype = 'float32'", [manifest.run])
+    return {str(r[0]) for r in rows}
+
+
+def check_same_storage(manifest: Manifest, stored_config: dict[str, Any], where: Path) -> None:
+    """A resume keeps the storage its run started with: a stored array holds one dtype, and its
+    float16 chunks were written under the run's overflow choice. Runs stored before the manifest
+    had ``storage`` stored the defaults."""
+    stored = StorageSpec.model_validate(stored_config.get("storage") or {})
+    if stored != manifest.storage:
+        raise ManifestError(
+            f"run {manifest.run} was stored with {storage_yaml(stored)}; this manifest asks for"
+            f" {storage_yaml(manifest.storage)}. A run resumes only with the storage it started with (each"
+            f" array holds one dtype): set {storage_yaml(stored)} to resume it, or give the run a new id, or"
+            f" remove it (`python -m store drop-run {manifest.run} --data {where} --yes`) to extract it again"
+        )
+
+
 def run_info(lm: LoadedModel, manifest: Manifest, lens: Any, path: tuple[str, str] | None = None) -> RunInfo:
     """The run's provenance: model, adapter, dtype, versions, the manifest and its intervention
     (or the one a model folder made by an intervention records, e.g. MAS fine-tuning), and which
     capture ``path`` ran, with why (see :func:`capture_path`)."""
-    config = manifest.model_dump(exclude={"workspace", "shard"})  # shards of one run share its identity
+    # Shards of one run share its identity. The default storage is left out: runs stored before the
+    # manifest had the key resume as they are.
+    config = manifest.model_dump(exclude={"workspace", "shard"}
+                                 | ({"storage"} if manifest.storage == StorageSpec() else set()))
     if path is not None:
         config["capture"] = {"path": path[0], "why": path[1]}
     if lens is not None:
@@ -408,11 +505,12 @@ def run_info(lm: LoadedModel, manifest: Manifest, lens: Any, path: tuple[str, st
     if intervention is None and made_by.is_file():
         intervention = json.loads(made_by.read_text())
     describe = lm.describe()
+    bf16, overflow = store_policy(manifest.storage)
     return RunInfo(run=manifest.run, model=describe["model"], revision=manifest.model.revision,
                    adapter=describe["adapter"], dtype=describe["dtype"],
                    attn_implementation=describe["attn_implementation"], versions=describe["versions"],
                    config=config, chunk_samples=manifest.chunk_samples, intervention=intervention,
-                   batch_size=manifest.batch_size)
+                   batch_size=manifest.batch_size, bf16=bf16, overflow=overflow)
 
 
 @dataclass(frozen=True)
@@ -428,8 +526,10 @@ class Extracted:
 
 def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], samples: list[Sample],
              where: str | Path | None, progress: bool, codec: str,
-             on_batch: Callable[[int], None] | None, ahead: ManifestAhead | None = None) -> Extracted:
-    """The activation run proper (``ahead``: a new workspace's manifest, built while the model loaded)."""
+             on_batch: Callable[[int], None] | None, ahead: ManifestAhead | None = None,
+             wider: set[str] | None = None) -> Extracted:
+    """The activation run proper (``ahead``: a new workspace's manifest, built while the model loaded;
+    ``wider``: zarr paths of arrays stored as float32 after a float16 overflow)."""
     with_images = [s for s in samples if s.image is not None]
     request = tap_request(lm, manifest, with_images=bool(with_images))
     points = resolve_points(lm, request, ())  # once per run, not per batch
@@ -459,8 +559,11 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         early.clear()  # another process made it meanwhile: resume as it says
     # A manifest made just now holds no run: skip the query (its own DuckDB instance: ~12 ms).
     stored = [] if ws.created else ws.rows("SELECT config FROM runs WHERE run = ?", [manifest.run])
+    if stored:
+        check_same_storage(manifest, json.loads(stored[0][0] or "{}"), ws.path)
     if stored and "capture" not in json.loads(stored[0][0] or "{}"):
         route = None  # a run stored before capture paths were recorded ran generate: resume it as it was
+    specs = stored_as(specs, manifest.run, manifest.storage, set(wider or ()) | widened(ws, manifest))
     info = run_info(lm, manifest, lens, route)
     computed, correct, scored = 0, 0, 0
     with ws.writer(info, shard=manifest.shard) as w:
@@ -469,7 +572,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         w.set_samples([s.key for s in samples])
         handles = dict(zip(specs, w.arrays(list(specs.values())), strict=True))  # one manifest transaction
         if lens is not None and (w.shard is None or w.shard.index == 0):
-            write_lens(w, lm, lens, dtype)
+            write_lens(w, lm, lens, dtype, manifest.storage)
         todo = w.todo()
         total = sum(len(r) for r in todo)
         warning = one_chunk_warning(manifest, len(samples)) if total else None
@@ -524,14 +627,26 @@ def _run_totals(rows: Callable[..., list[tuple[Any, ...]]], run: str) -> tuple[i
     return int(scored), int(correct)
 
 
-def write_lens(w: Writer, lm: LoadedModel, lens: Any, dtype: str) -> None:
-    """The run tensors an offline logit lens needs (unembedding, final norm) and the vocabulary."""
+def write_lens(w: Writer, lm: LoadedModel, lens: Any, dtype: str, storage: StorageSpec | None = None) -> None:
+    """The run tensors an offline logit lens needs (unembedding, final norm) and the vocabulary.
+
+    They keep the store's rule (float32 stays float32, bfloat16 follows the run's bf16 policy);
+    ``storage.dtype: float32`` stores them float32 too, and under ``overflow: store_float32`` tensors
+    that overflow float16 are stored as float32."""
     tensors = {"lm_head.weight": (lens.unembed, lens.unembed_path), "lm_head.bias": (lens.unembed_bias, lens.unembed_path),
                "final_norm.weight": (lens.norm.weight, lens.norm.module_path),
                "final_norm.bias": (lens.norm.bias, lens.norm.module_path)}
     present = {name: t for name, t in tensors.items() if t[0] is not None}
-    w.write_tensors({name: v for name, (v, _) in present.items()}, dtype=dtype,
-                    modules={name: module for name, (_, module) in present.items()})
+    values = {name: v for name, (v, _) in present.items()}
+    modules = {name: module for name, (_, module) in present.items()}
+    storage = storage or StorageSpec()
+    stored = "float32" if storage.dtype == "float32" else None
+    try:
+        w.write_tensors(values, dtype=dtype, modules=modules, stored_dtype=stored)
+    except DtypeOverflowError:
+        if storage.overflow != "store_float32":
+            raise
+        w.write_tensors(values, dtype=dtype, modules=modules, stored_dtype="float32")
     w.record_vocab(vocabulary(lm, int(lens.unembed.shape[0])))
 
 
