@@ -15,8 +15,9 @@ import pyarrow as pa
 from queries import evidence
 from queries.figures import Figure, Page, Section, chance_line, figure, n_range, panels, stage_bands, wilson, wilson_yerr
 from queries.gap import GapError
+from queries.intervals import Interval
 from queries.named import run as run_named
-from queries.verdicts import verdicts_table, where_lost
+from queries.verdicts import Verdict, where_lost
 from store import Workspace
 
 #: Read-outs of a count: targets whose per-sample predictions are numbers of stones or objects.
@@ -80,7 +81,10 @@ def _three_curves(out: Path, run: str, target: str, found: list[evidence.Curve],
     groups = _ordered({c.group for c in found})
     model = {e.group: e for e in said if e.run == run}
     top = max((p.value.high for c in found for p in c.points), default=1.0)
-    top = max([top] + [p.control.high for c in found for p in c.points if p.control and c.role == "present"]) * 1.08
+    top = max([top] + [p.control.high for c in found for p in c.points if p.control and c.role == "present"]) * 1.5
+    lows = [p.value.low for c in found for p in c.points if p.value.low > 0]
+    lows += [e.mae.low for e in said if e.mae is not None and e.mae.low > 0]
+    bottom = max(min(lows, default=0.1) / 2, 1e-3)
     name = f"lost_{run}_{target}".replace(":", "_").replace(".", "_")
 
     def draw(ax: Any, group: str) -> None:
@@ -95,18 +99,20 @@ def _three_curves(out: Path, run: str, target: str, found: list[evidence.Curve],
             ax.axhline(e.mae.mean, ls="--", lw=1.2, color="black",
                        label=f"model's answers: MAE {e.mae.mean:.3g} over {e.n_numbers} number answers")
             ax.axhspan(e.mae.low, e.mae.high, color="black", alpha=0.08)
-        ax.set_ylim(0, top)
+        # Log scale: errors of 0.2 and 1 stone (in range, present) stay apart under a control at 35.
+        ax.set_yscale("log")
+        ax.set_ylim(bottom, top)
         ax.set_title(f"{group}: {_expressed_text(e)}", fontsize=8, pad=12)
         ax.set_ylabel("mean absolute error (stones)")
         stage_bands(ax, [{"depth": p.depth, "stage": p.stage, "tap": p.tap, "layer": p.layer, "site": p.site}
                          for c in found if c.group == group for p in c.points])
-        ax.legend(fontsize=6, loc="upper left")
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # beside the panel: no line under it
 
     ns = ", ".join(f"{max(p.value.n for c in found if c.group == g for p in c.points)} {g}" for g in groups)
     seeds = max((p.value.n_seeds for c in found for p in c.points), default=1)
-    fig = panels(out, name, groups, draw, table=table, cols=1, size=(7.0, 3.0), caption=(
+    fig = panels(out, name, groups, draw, table=table, cols=1, size=(9.0, 3.0), caption=(
         f"{run}, {target}: the count read-out (ridge on the mean image token) along depth, one panel per regime,"
-        f" one y-axis for all. Green: trained on every count and tested held out (5-fold by board), against its"
+        f" one log y-axis for all. Green: trained on every count and tested held out (5-fold by board), against its"
         f" shuffled-label control (grey, dotted); purple: trained on in-range boards (≤ 49 stones) and tested on"
         f" the held-out boards of every regime; black dashed: the model's own answers (mean absolute error over the"
         f" answers that are numbers). Bands: 95 % bootstrap intervals over boards and seeds. n = {ns} boards,"
@@ -116,12 +122,33 @@ def _three_curves(out: Path, run: str, target: str, found: list[evidence.Curve],
     return Section(
         f"Where is the count lost? {run}, {target}",
         "Verdicts by the stated test of docs/verdicts.md (python -m queries lost --param run=" + run +
-        f" --param target={target}% --param group_by=\"truth->>'regime'\"): present = the read-out trained on every"
-        " count beats its shuffled-label control; re-encoded = it does, while the in-range read-out steps down.",
+        f" --param target={target}% --param group_by=\"truth->>'regime'\" prints them with every number as a"
+        " column): present = the read-out trained on every count beats its shuffled-label control; re-encoded ="
+        " it does, while the in-range read-out steps down.\n" + _reasons(verdicts),
         figures=[fig],
-        tables=[(f"{name}_verdicts", verdicts_table(verdicts)), (f"{name}_expressed", evidence.expressed_table(said))],
+        tables=[(f"{name}_verdicts", verdicts_display(verdicts)), (f"{name}_expressed", evidence.expressed_table(said))],
         titles={f"{name}_verdicts": "Verdicts per regime, every number with its 95 % interval and n (lost)",
                 f"{name}_expressed": "What the model answers per regime, with 95 % intervals (expressed)"})
+
+
+def verdicts_display(verdicts: list[Verdict]) -> pa.Table:
+    """The verdicts as a reader scans them: one row per group, each number beside its interval (the
+    numeric columns and the reasons: python -m queries lost, and the section's note)."""
+    def cell(iv: Interval | None) -> str | None:
+        return None if iv is None else f"{iv.mean:.3g} [{iv.low:.3g}, {iv.high:.3g}]"
+
+    rows = []
+    for v in sorted(verdicts, key=lambda v: (REGIMES.index(v.group) if v.group in REGIMES else 9, v.group)):
+        p, t, b = v.point, v.transfer_point, v.transfer_before
+        rows.append({"group": v.group, "verdict": v.verdict, "at": v.at, "n": p.value.n if p else (t.value.n if t else None),
+                     "seeds": p.value.n_seeds if p else (t.value.n_seeds if t else None),
+                     "present": cell(p.value if p else None), "its control": cell(p.control if p else None),
+                     "in-range before": cell(b.value if b else None), "in-range": cell(t.value if t else None)})
+    return pa.Table.from_pylist(rows)
+
+
+def _reasons(verdicts: list[Verdict]) -> str:
+    return "\n".join(f"{v.group}: {v.reason.strip()}" for v in verdicts)
 
 
 def _expressed_text(e: evidence.Expressed | None) -> str:
@@ -181,10 +208,11 @@ def _hidden_number(ws: Workspace, out: Path, run: str, found: list[evidence.Curv
         " control's, grey) and Language Gap |N_H − N_P| over the boards whose answer is a number (red). Bands: 95 %"
         f" bootstrap intervals over boards. n = {ns} boards. Command: python -m queries curves --param run={run}"
         " --param kind=hidden_number --param group_by=\"truth->>'regime'\"."))
+    verdicts = where_lost(found)
     return Section(f"The hidden number N_H along depth: {run}",
                    "counting-bottleneck's own estimator, which extrapolates because it counts tokens: where N_H"
-                   " leaves the true count (Vision Gap), the tokens themselves stop saying black.",
-                   figures=[fig], tables=[(f"{name}_verdicts", verdicts_table(where_lost(found)))],
+                   " leaves the true count (Vision Gap), the tokens themselves stop saying black.\n" + _reasons(verdicts),
+                   figures=[fig], tables=[(f"{name}_verdicts", verdicts_display(verdicts))],
                    titles={f"{name}_verdicts": "N_H's verdicts per regime (an in-range estimator: it cannot tell a"
                                                " loss from a re-encoding alone)"})
 
