@@ -41,6 +41,7 @@ from extract.interventions import INTERVENTION_FILE
 from extract.interventions import describe as describe_intervention
 from extract.interventions.rope import scaled_vision_rope
 from extract.manifest import (
+    GenerationSpec,
     Manifest,
     ManifestError,
     StorageSpec,
@@ -486,6 +487,25 @@ def check_same_storage(manifest: Manifest, stored_config: dict[str, Any], where:
         )
 
 
+#: Manifest settings added after runs were already stored, at their defaults: a resumed run whose
+#: stored config lacks one ran as the default says (generation.path: the prompt-only shortcut stores
+#: the same values as generate, tests/extract/test_capture_path.py), so its absence is no change.
+ADDED_DEFAULTS: dict[str, Any] = {"generation": {"path": GenerationSpec().path}}
+
+
+def as_stored(config: dict[str, Any], stored: dict[str, Any], added: dict[str, Any]) -> dict[str, Any]:
+    """``config`` without the ``added`` settings that ``stored`` (the run's config as an older agnosia
+    wrote it) lacks and ``config`` holds at their default; nested sections alike."""
+    out = {}
+    for key, value in config.items():
+        if key not in stored and key in added and added[key] == value:
+            continue
+        if isinstance(value, dict) and isinstance(stored.get(key), dict) and isinstance(added.get(key), dict):
+            value = as_stored(value, stored[key], added[key])
+        out[key] = value
+    return out
+
+
 def run_info(lm: LoadedModel, manifest: Manifest, lens: Any, path: tuple[str, str] | None = None) -> RunInfo:
     """The run's provenance: model, adapter, dtype, versions, the manifest and its intervention
     (or the one a model folder made by an intervention records, e.g. MAS fine-tuning), and which
@@ -565,6 +585,9 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         route = None  # a run stored before capture paths were recorded ran generate: resume it as it was
     specs = stored_as(specs, manifest.run, manifest.storage, set(wider or ()) | widened(ws, manifest))
     info = run_info(lm, manifest, lens, route)
+    if stored:  # a run an older agnosia stored lacks the settings added since, at their defaults
+        info = dataclasses.replace(info, config=as_stored(dict(info.config), json.loads(stored[0][0] or "{}"),
+                                                          ADDED_DEFAULTS))
     computed, correct, scored = 0, 0, 0
     with ws.writer(info, shard=manifest.shard) as w:
         for path, dataset in sets:

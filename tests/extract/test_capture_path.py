@@ -125,8 +125,9 @@ def test_path_is_validated(tiny_dir, g2m_set):
 
 @pytest.mark.slow
 def test_a_run_stored_before_capture_paths_resumes_on_generate(tiny_dir, g2m_set, tmp_path):
-    """A run whose config predates the recorded capture path (it ran ``generate``) is resumed, not
-    refused as a settings change, and goes on as it was: on ``generate``, with no path recorded."""
+    """A run whose config predates the recorded capture path (it ran ``generate``) and the manifest's
+    generation.path setting is resumed, not refused over settings the user never wrote, and goes on
+    as it was: on ``generate``, with no path recorded."""
     import duckdb
 
     model = tiny_dir("qwen2_vl")
@@ -134,7 +135,8 @@ def test_a_run_stored_before_capture_paths_resumes_on_generate(tiny_dir, g2m_set
     run_extraction(manifest_for(model, g2m_set, "old"), workspace=data, progress=False)
     con = duckdb.connect(str(Workspace.open(data, readonly=True).manifest_path))
     # what an older agnosia left: no capture key, stopped after its first chunk (2 samples)
-    con.execute("""UPDATE runs SET config = json_merge_patch(config, '{"capture": null}'), status = 'failed'""")
+    con.execute("""UPDATE runs SET config = json_merge_patch(config, '{"capture": null, "generation": {"path": null}}'),"""
+                """ status = 'failed'""")
     con.execute("DELETE FROM chunks WHERE chunk > 0")
     con.close()
     summary = run_extraction(manifest_for(model, g2m_set, "old"), workspace=data, progress=False)
