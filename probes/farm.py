@@ -24,8 +24,11 @@ recorded.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -458,10 +461,28 @@ class _Collector:
         self.bar.update(len(res.records) + len(res.failures))
 
     def lost(self, job: GroupJob, err: BaseException) -> None:
-        msg = f"{type(err).__name__}: {err}"
+        msg = killed_worker_message(err, self.report.memory_limit) or f"{type(err).__name__}: {err}"
         self.report.failed += len(job.tasks)
         self.report.failures += [(t.key, msg) for t in job.tasks]
         self.bar.update(len(job.tasks))
+
+
+def killed_worker_message(err: BaseException, limit: int | None) -> str | None:
+    """Dask's KilledWorker, with its likely cause and the fix; None for any other error.
+
+    Dask says only that every worker that ran the task died. The usual cause here is a task past
+    its worker's memory limit (the nanny restarts a worker at 95 % of it), which its text never
+    names, so users read it as a crash of agnosia."""
+    if type(err).__name__ != "KilledWorker":
+        return None
+    cap = f"{limit >> 20} MiB per worker" if limit else "Dask's default share of the machine per worker"
+    more = f"e.g. --memory-limit {2 * limit >> 20}MiB" if limit else "e.g. --memory-limit 4GiB"
+    task = getattr(err, "task", None) or "a task"
+    tries = getattr(err, "allowed_failures", None)
+    died = f"{tries + 1} worker{'s' if tries else ''}" if isinstance(tries, int) else "its workers"
+    return (f"KilledWorker: {died} died running {task!r}, most likely past their memory limit ({cap}; Dask restarts a"
+            f" worker at 95% of it): raise the plan's memory_limit: or --memory-limit ({more}), or lower block_rows:"
+            " or layers_per_task:; if memory is not the cause, the workers' logs say what killed them")
 
 
 def _run_here(work: Work, report: FarmReport, sink: _Collector) -> None:
@@ -550,6 +571,25 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
     started = time.perf_counter()
     n_probes = sum(len(job.tasks) for job, _, _ in work)
     client, cluster = cluster_start(scheduler, workers, len(work), n_probes, memory_limit, report, log)
+    watch = _SchedulerWatch(client, report).start()
+    try:
+        _run_dask_with(client, work, report, take, lost, window, log, plugins, memory_limit, drain, started)
+    finally:
+        watch.stop()
+        if watch.lost:
+            # Closing cancels its reconnect, which it logs as a traceback: the one error line says it all.
+            logging.getLogger("distributed.client").setLevel(logging.CRITICAL)
+            client.close(timeout=2)  # else it waits out its whole connect timeout (30 s) for a dead scheduler
+        else:
+            client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _run_dask_with(client: Any, work: Work, report: FarmReport, take: Callable[[GroupResult], None],
+                   lost: Callable[[GroupJob, BaseException], None], window: int | None, log: Callable[[str], None],
+                   plugins: Sequence[str], memory_limit: int | None, drain: Callable[[], None] | None,
+                   started: float) -> None:
     report.dashboard = client.dashboard_link
     light = all(isinstance(specs, list) for _, specs, _ in work)  # streamed only: workers never import torch
     # Imports and first-call costs belong to start-up, not to the probes. Streamed-only plans warm
@@ -583,9 +623,74 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
             drain()
     finally:
         report.seconds = time.perf_counter() - t0
-        client.close()
-        if cluster is not None:
-            cluster.close()
+
+
+#: Seconds a client may go without its scheduler before the plan stops. Dask's client retries for
+#: its connect timeout (30 s), then closes itself and leaves every wait on its futures hanging: one
+#: killed scheduler kept a plan's client running for minutes after "closing client".
+SCHEDULER_GRACE_S = 10.0
+
+
+class SchedulerLostError(ProbeError):
+    """The Dask scheduler went away mid-plan; what was recorded before stays recorded."""
+
+
+class _SchedulerWatch:
+    """Watches ``client.status`` from a thread; once the scheduler has been unreachable for
+    :data:`SCHEDULER_GRACE_S` (or the client gave up on it), interrupts the plan in the main thread
+    with a :class:`SchedulerLostError`, wherever it waits (the farm's own loops, and the streamed
+    and out-of-core paths' gathers alike). A real signal, not a flag: it also wakes a thread blocked
+    in a lock wait. Off the main thread (a farm run from a thread) no signal can be handled, so
+    there is no watch: such a caller bounds its own waits."""
+
+    SIGNAL = signal.SIGUSR2
+
+    def __init__(self, client: Any, report: FarmReport, grace: float = SCHEDULER_GRACE_S) -> None:
+        self.client, self.report, self.grace = client, report, grace
+        self.lost: str | None = None
+        self._active = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._previous: Any = None
+
+    def start(self) -> _SchedulerWatch:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._previous = signal.signal(self.SIGNAL, self._interrupt)
+        self._active = True
+        self._thread = threading.Thread(target=self._watch, name="agnosia-scheduler-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._active = False
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            signal.signal(self.SIGNAL, self._previous)  # delivered by now: a late one finds _active False
+
+    def _watch(self) -> None:
+        down_since: float | None = None
+        address = getattr(getattr(self.client, "scheduler", None), "address", None) or "?"
+        while not self._stop.wait(0.5):
+            status = str(self.client.status)
+            if status == "running":
+                down_since = None
+                continue
+            down_since = down_since or time.monotonic()
+            if status in ("closing", "closed", "failed") or time.monotonic() - down_since > self.grace:
+                self.lost = (f"lost the Dask scheduler at {address} mid-plan (client {status} for"
+                             f" {time.monotonic() - down_since:.0f} s): the {self.report.trained} probe(s) finished"
+                             " before are recorded and kept; restart the scheduler and its workers, then run the same"
+                             " command to train the rest")
+                if self._active:
+                    signal.pthread_kill(threading.main_thread().ident or 0, self.SIGNAL)
+                return
+
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        if self._active and self.lost is not None:
+            self._active = False  # once: cleanup code that follows must not be interrupted again
+            raise SchedulerLostError(self.lost)
 
 
 def _run_windowed(client: Any, jobs: list[GroupJob], limit: int, take: Callable[[GroupResult], None],

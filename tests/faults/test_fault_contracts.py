@@ -259,20 +259,15 @@ def go_boards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return go_set(tmp_path_factory.mktemp("sets") / "go-contracts", "0,1,2")
 
 
-@pytest.mark.parametrize(("column", "value", "expect"), [
-    ("seed", float("nan"), "row 1 (id {id!r}) has seed nan, not a whole number"),
-    ("image", None, "1 row(s) have no image (null), e.g. row 1 (id {id!r})"),
-])
-def test_a_damaged_truth_table_is_one_line_before_the_model_loads(go_boards, tmp_path, column, value, expect):
-    """Injects: truth.parquet rewritten with a NaN `seed` or a null `image` in row 1, then a real
-    `python -m extract MANIFEST --dry-run`. Asserts: exit 2 and one `error:` line naming the file,
-    the row, its id and the fix (was: a ValueError converting NaN to an int while registering, or
-    a TypeError joining None to the set's path, as tracebacks)."""
+DAMAGES = [("seed", float("nan"), "row 1 (id {id!r}) has seed nan, not a whole number"),
+           ("image", None, "1 row(s) have no image (null), e.g. row 1 (id {id!r})")]
+
+
+def _damaged_set(go_boards: Path, bad: Path, column: str, value: object) -> str:
+    """A copy of the set whose truth.parquet has ``value`` in ``column`` of row 1; that row's id."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from faultlib import write_manifest
 
-    bad = tmp_path / "go-bad"
     shutil.copytree(go_boards, bad)
     table = pq.read_table(bad / "truth.parquet")
     values = table.column(column).to_pylist()
@@ -282,11 +277,166 @@ def test_a_damaged_truth_table_is_one_line_before_the_model_loads(go_boards, tmp
     kind = pa.float64() if column == "seed" else table.schema.field(column).type
     table = table.set_column(table.column_names.index(column), pa.field(column, kind), pa.array(values, kind))
     pq.write_table(table, bad / "truth.parquet")
+    return str(table.column("id")[1].as_py())
+
+
+@pytest.mark.parametrize(("column", "value", "expect"), DAMAGES)
+def test_a_damaged_truth_table_is_refused_when_the_set_is_read(go_boards, tmp_path, column, value, expect):
+    """Injects: truth.parquet with a NaN `seed` or a null `image` in row 1. Asserts: reading the
+    set raises one StimulusError naming the file, the row, its id and the fix."""
+    from stimuli.base import StimulusError
+    from stimuli.io import read_set
+
+    stim_id = _damaged_set(go_boards, tmp_path / "go-bad", column, value)
+    with pytest.raises(StimulusError) as err:
+        read_set(tmp_path / "go-bad")
+    assert str(err.value).startswith(f"{tmp_path / 'go-bad' / 'truth.parquet'}: ")
+    assert expect.format(id=stim_id) in str(err.value) and "regenerate the set" in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("column", "value", "expect"), DAMAGES)
+def test_a_damaged_truth_table_is_one_line_before_the_model_loads(go_boards, tmp_path, column, value, expect):
+    """Injects: truth.parquet rewritten with a NaN `seed` or a null `image` in row 1, then a real
+    `python -m extract MANIFEST --dry-run`. Asserts: exit 2 and one `error:` line naming the file,
+    the row, its id and the fix (was: a ValueError converting NaN to an int while registering, or
+    a TypeError joining None to the set's path, as tracebacks)."""
+    from faultlib import write_manifest
+
+    bad = tmp_path / "go-bad"
+    stim_id = _damaged_set(go_boards, bad, column, value)
     got = subprocess.run([sys.executable, "-m", "extract", str(write_manifest(tmp_path / "m.yaml", bad)), "--data",
                           str(tmp_path / "ws"), "--dry-run"], cwd=REPO, env=env(), capture_output=True, text=True,
                          timeout=300)
     lines = [line for line in got.stderr.splitlines() if line.strip()]
     assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
     assert len(lines) == 1 and lines[0].startswith(f"error: {bad / 'truth.parquet'}: "), lines
-    assert expect.format(id=table.column("id")[1].as_py()) in lines[0] and "regenerate the set" in lines[0]
+    assert expect.format(id=stim_id) in lines[0] and "regenerate the set" in lines[0]
     assert not (tmp_path / "ws").exists()
+
+
+# ----------------------------------------------------------------------------- 4. the farm's Dask client
+
+def test_a_killed_worker_is_reported_with_the_memory_limit_and_the_fix():
+    """Injects: Dask's KilledWorker as the farm's collector receives it for a lost group. Asserts:
+    the failure names the memory limit the plan was checked against and the fix (plan
+    `memory_limit:` / `--memory-limit`), where Dask's text said only that workers died."""
+    from types import SimpleNamespace
+
+    from distributed import KilledWorker
+
+    from probes.farm import killed_worker_message
+
+    err = KilledWorker("probes-abc", SimpleNamespace(address="tcp://127.0.0.1:1"), 3)
+    got = killed_worker_message(err, 384 << 20)
+    assert got is not None and got.startswith("KilledWorker: 4 workers died running 'probes-abc', most likely past"
+                                              " their memory limit (384 MiB per worker;")
+    assert "memory_limit:" in got and "--memory-limit 768MiB" in got
+    assert killed_worker_message(ValueError("x"), 384 << 20) is None
+
+
+def _start_cluster(folder: Path, n_workers: int, **extra: str) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """A real `dask scheduler` and `dask worker` processes on loopback."""
+    import json
+    import time
+
+    sched_file = folder / "scheduler.json"
+    common = {"cwd": REPO, "env": env(**extra), "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port",
+                               "0", "--no-dashboard", "--scheduler-file", str(sched_file)], **common)]
+    deadline = time.monotonic() + 60
+    while not (sched_file.exists() and sched_file.stat().st_size) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    address = json.loads(sched_file.read_text())["address"]
+    procs += [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1",
+                                "--host", "127.0.0.1", "--no-dashboard"], **common) for _ in range(n_workers)]
+    return address, procs
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+@pytest.mark.slow
+def test_the_client_exits_in_one_line_when_the_scheduler_dies_and_keeps_what_it_recorded(tmp_path):
+    """Injects: SIGKILL of the `dask scheduler` process once a real `python -m probes PLAN
+    --scheduler ADDR` client (2 workers, tasks slowed to 1 s) has recorded its first probes.
+    Asserts: the client exits 2 within 30 s with one `error:` line naming the scheduler and the
+    fix, no traceback (was: still running 150 s after Dask's "closing client"); every probe
+    recorded before the kill stays, once each, with its weight file."""
+    import time
+
+    from probetest_lib import build_spatial_layers
+
+    data = tmp_path / "ws"
+    build_spatial_layers(data, layers=16)
+    slow = tmp_path / "slow"
+    slow.touch()
+    extra = {"AGNOSIA_FAULT_SLOW_FLAG": str(slow), "AGNOSIA_FAULT_SLOW_S": "1.0"}
+    address, procs = _start_cluster(tmp_path, 2, **extra)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"name": "faults", "plugins": ["fault_slow"], "probes": [
+        {"runs": ["spatial"], "targets": ["spatial.relation", "truth:flag_0"], "kinds": ["fault_pooled"]}]}))
+    ws = Workspace.open(data, readonly=True)
+    client = subprocess.Popen([sys.executable, "-m", "probes", str(plan), "--data", str(data), "--scheduler", address,
+                               "--no-progress"], cwd=REPO, env=env(**extra), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while client.poll() is None and time.monotonic() < deadline and not _recorded(ws):
+            time.sleep(0.1)
+        assert client.poll() is None, client.communicate()
+        procs[0].kill()
+        killed = time.monotonic()
+        _, err = client.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if client.poll() is None:
+            client.kill()
+        _stop(procs)
+    assert client.returncode == 2 and took <= 30, (client.returncode, took, err[-2000:])
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and len(errors) == 1, err[-3000:]
+    assert errors[0].startswith(f"error: lost the Dask scheduler at {address} mid-plan")
+    assert "restart the scheduler and its workers, then run the same command" in errors[0]
+    rows = ws.rows("SELECT params->>'key', artifact FROM probes")
+    assert 0 < len(rows) < 32 and len({k for k, _ in rows}) == len(rows)
+    assert f"the {len(rows)} probe(s) finished before are recorded and kept" in errors[0]
+    assert all((data / artifact).is_file() for _, artifact in rows)
+
+
+def _recorded(ws: Workspace) -> int:
+    from store.errors import ManifestBusyError
+
+    try:
+        return int(ws.rows("SELECT count(*) FROM probes")[0][0])
+    except ManifestBusyError:
+        return 0
+
+
+@pytest.mark.slow
+def test_a_worker_that_keeps_dying_is_reported_with_the_memory_limit(tmp_path):
+    """Injects: a real LocalCluster (`python -m probes PLAN --scheduler local --workers 1
+    --memory-limit 2GiB`) whose probe kind SIGKILLs its own worker process, as the nanny kills a
+    worker past its memory limit. Asserts: the plan reports the group as failed with Dask's
+    KilledWorker, the memory limit it ran under and the fix (`memory_limit:` / `--memory-limit`),
+    where it said only "workers died"."""
+    from probetest_lib import build_spatial_layers
+
+    data = tmp_path / "ws"
+    build_spatial_layers(data, n=32, layers=1)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"name": "dying", "plugins": ["fault_dying"], "probes": [
+        {"runs": ["spatial"], "targets": ["spatial.relation"], "kinds": ["fault_dying"]}]}))
+    got = subprocess.run([sys.executable, "-m", "probes", str(plan), "--data", str(data), "--scheduler", "local",
+                          "--workers", "1", "--memory-limit", "2GiB", "--no-progress"], cwd=REPO,
+                         env=env(AGNOSIA_FAULT_DIE="1", DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0"),
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 1, got.stderr[-3000:]
+    assert "0 trained, 0 skipped (done), 1 failed" in got.stdout
+    line = next(line for line in got.stderr.splitlines() if "failed" in line and "KilledWorker" in line)
+    assert "KilledWorker: 1 worker died running 'probes-" in line and "memory limit (2048 MiB per worker;" in line
+    assert "raise the plan's memory_limit: or --memory-limit (e.g. --memory-limit 4096MiB)" in line
