@@ -215,3 +215,38 @@ def test_an_unknown_codec_is_refused_before_the_workspace_is_touched(finished, t
         assert (_manifest_rows(data), _arrays(data)) == before
     else:
         assert not data.exists()
+
+
+def _edit_truth(stimuli: Path, edit: str) -> None:
+    """Rewrite a set's truth.parquet through DuckDB (``edit`` is a SELECT over the rows ``t``)."""
+    import duckdb
+
+    path = stimuli / "truth.parquet"
+    with duckdb.connect() as con:
+        con.execute(f"COPY ({edit.format(t=f'read_parquet({str(path)!r})')}) TO '{path}.new' (FORMAT parquet)")
+    Path(f"{path}.new").replace(path)
+
+
+@pytest.mark.parametrize("fault, needle", [
+    ("null", "have no id"),
+    ("repeated", "stimulus ids must be unique within a set, repeated:"),
+    ("name", "names the dataset"),
+])
+def test_a_set_whose_keys_the_store_would_refuse_is_refused_before_the_run_row(fault, needle, tmp_path, capsys,
+                                                                                 finished):
+    """Injects (issue 40, item 11): a stimulus set with a null id, with a repeated id, or in a folder
+    whose name cannot be a dataset name, into a new workspace and into one holding a finished run.
+    Asserts: exit 2, one line naming the fault and the fix; no `failed` run row and no workspace
+    left behind (before the fix the stimulus checks ran after the run row was written)."""
+    stimuli = go_set(tmp_path / ("go bad name" if fault == "name" else "go-keys"), counts="0-3")
+    if fault == "null":
+        _edit_truth(stimuli, "SELECT * REPLACE (CASE WHEN id LIKE '%1_%' THEN NULL ELSE id END AS id) FROM {t}")
+    elif fault == "repeated":
+        _edit_truth(stimuli, "SELECT * REPLACE (first_value(id) OVER () AS id) FROM {t}")
+    manifest = write_manifest(tmp_path / "m.yaml", stimuli)
+    _refused([str(manifest), "--data", str(tmp_path / "new")], capsys, needle)
+    assert not (tmp_path / "new").exists()
+    data = _copy(finished, tmp_path)
+    rows = _manifest_rows(data)
+    _refused([str(manifest), "--data", str(data)], capsys, needle)
+    assert _manifest_rows(data) == rows
