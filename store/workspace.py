@@ -15,6 +15,7 @@ Everything that only reads opens the manifest read-only, for the length of one c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -183,7 +184,17 @@ class Workspace(WorkspaceWrites):
             try:
                 ArrayRoot(self.zarr_path, url).upload_meta("")
             except OSError as err:
+                self._unbind(attrs[location.ID_ATTR])
                 raise location.describe_remote_error(url, err) from err
+
+    def _unbind(self, root_id: str) -> None:
+        """Undo this process's root group after its object store refused it (a missing bucket, a
+        denied write): left in place, it would bind the folder to a URL that holds nothing, and the
+        corrected ``init`` would be refused. A peer's root (another id) stays."""
+        meta = self.zarr_path / "zarr.json"
+        with contextlib.suppress(OSError, ValueError):
+            if ArrayRoot(self.zarr_path).local_meta().get(location.ID_ATTR) == root_id:
+                meta.unlink()
 
     def _read_root(self, wanted: str | None) -> ArrayRoot:
         url = ArrayRoot(self.zarr_path).local_meta().get(location.URL_ATTR)

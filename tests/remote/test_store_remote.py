@@ -173,3 +173,14 @@ def test_storage_options_come_from_the_environment_and_never_enter_the_workspace
     assert s3.url("opts") in stored and s3.endpoint not in stored and "agnosia\"" not in stored
     with pytest.raises(StoreError):
         ws.drop_run("nope")
+
+
+def test_a_failed_init_on_a_missing_bucket_leaves_the_folder_free(s3, tmp_path):
+    """Injects (issue 40, item 11): `init` with arrays in a bucket that does not exist. Asserts: the
+    refusal says to check the bucket, and the same folder then opens with the right URL (before the
+    fix the failed init had bound the folder to the missing bucket, and the corrected one was refused)."""
+    with pytest.raises(WorkspaceError, match="cannot reach the arrays at s3://no-such-bucket-x2/p"):
+        Workspace.open(tmp_path / "ws", arrays_url="s3://no-such-bucket-x2/p")
+    ws = Workspace.open(tmp_path / "ws", arrays_url=s3.url("good"))
+    assert ws.root.url == s3.url("good") and ws.verify().ok
+
