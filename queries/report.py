@@ -27,6 +27,7 @@ from queries.pages_counting import COUNT_TARGETS, counting_page, where_lost_sect
 from queries.pages_spatial import _probe_error_map, g2m_page, images_page
 from queries.render import format_cell
 from store import StoreError, Workspace
+from store.errors import is_disk_full
 
 __all__ = ["COUNT_TARGETS", "Figure", "Page", "Section", "_probe_error_map", "build_sections",
            "modality_attention_share", "where_lost_sections", "write_report"]
@@ -170,6 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         index = write_report(args.data, args.out)
     except StoreError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # the report's own files: a full disk, a read-only or missing --out
+        where = err.filename or args.out
+        if is_disk_full(err):
+            print(f"error: the report: disk full / file too large while writing {where} ({err.strerror}): free space"
+                  " on that file system or choose another --out, then run it again (the workspace is unchanged)",
+                  file=sys.stderr)
+        else:
+            print(f"error: the report cannot write {where} ({err.strerror or err}): choose a --out folder you can"
+                  " write to (the workspace is unchanged)", file=sys.stderr)
         return 2
     print(f"report -> {index}")
     return 0

@@ -323,3 +323,23 @@ def screenshot_page(index: Path, slug: str, shot: Path, profile: Path) -> Path:
     finally:
         alone.unlink()
     return shot
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_writing_the_report_is_one_line(workspace, tmp_path):
+    """Injects (issue 40, item 10): a file-size limit below one figure (EFBIG, as a full disk fails
+    writes with ENOSPC) for a real `python -m queries.report`. Asserts: exit 2, one `error:` line
+    naming the file and the fix, no traceback (was a traceback)."""
+    import sys
+
+    from child_env import child_env
+
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
+            " resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048));"
+            "from queries.report import main; sys.exit(main(sys.argv[1:]))")
+    got = subprocess.run([sys.executable, "-c", code, "--data", str(workspace.path), "--out", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=300, env=child_env())
+    lines = got.stderr.strip().splitlines()
+    assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr[-2000:]
+    assert lines[-1].startswith("error: the report: disk full / file too large while writing")
+    assert str(tmp_path / "r") in lines[-1] and "choose another --out" in lines[-1]
