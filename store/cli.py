@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from store.errors import StoreError
@@ -45,13 +47,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         "SELECT run, tap, layer, site, tokens, layout, shape, stored_dtype, codec, chunks_committed, n_chunks, bytes,"
         " bytes_per_value, n_nonfinite, n_clipped FROM v_arrays ORDER BY run, tap, layer, site, tokens"
     ).to_pylist()
+    disk = _disk_use(ws)
     if args.json:
-        print(json.dumps({"workspace": str(ws.path), "arrays_url": ws.root.url, "runs": runs, "arrays": arrays},
-                         default=str, indent=2))
+        print(json.dumps({"workspace": str(ws.path), "arrays_url": ws.root.url, **disk, "runs": runs,
+                          "arrays": arrays}, default=str, indent=2))
         return 0
     total = sum(r["bytes"] for r in runs)
     where = f"  arrays at {ws.root.url}" if ws.root.remote else ""
     print(f"workspace {ws.path}  schema v{ws.schema_version()}  {len(runs)} run(s)  {human(total)}{where}")
+    print(_disk_line(disk, ws.root.remote))
     if not runs:
         print("no runs yet")
         return 0
@@ -85,6 +89,45 @@ def cmd_info(args: argparse.Namespace) -> int:
         ))
         print("\n(--arrays or --run RUN lists every array)")
     return 0
+
+
+def _disk_use(ws: Workspace) -> dict[str, Any]:
+    """What the workspace costs per value it stores: the arrays' chunks alone (as v_arrays
+    counts them), and the whole folder, manifest and metadata included. The two differ by the
+    manifest (DuckDB allocates it in 256 KiB blocks: docs/store.md, "The manifest's size"), Zarr
+    metadata, run tensors and derived arrays; a small workspace's figure is mostly the manifest."""
+    array_bytes, values = ws.rows(
+        "SELECT coalesce(sum(c.nbytes), 0)::BIGINT, coalesce(sum(c.n_rows * a.values_per_row), 0)::BIGINT"
+        " FROM activations a JOIN chunks c ON c.run = a.run AND c.zarr_path = a.zarr_path")[0]
+    folder = _folder_bytes(ws.path)
+    return {"values": values, "array_bytes": array_bytes, "manifest_bytes": _folder_bytes(ws.manifest_path),
+            "folder_bytes": folder, "bytes_per_value": {"arrays": array_bytes / values if values else None,
+                                                        "folder": folder / values if values else None}}
+
+
+def _folder_bytes(path: Path) -> int:
+    """Bytes of every file under ``path`` (their sizes, as ``du -b`` counts them); ``path`` itself
+    if it is a file. A file removed while we walk (a writer's staging) no longer counts."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def _disk_line(disk: dict[str, Any], remote: bool) -> str:
+    per = disk["bytes_per_value"]
+    if per["arrays"] is None:
+        return f"bytes/value: no values stored yet; folder {human(disk['folder_bytes'])}"
+    note = " (the arrays live in the object store: the folder holds the manifest and metadata)" if remote else ""
+    return (f"bytes/value: arrays {per['arrays']:.3f}, whole folder {per['folder']:.3f}"
+            f" ({human(disk['folder_bytes'])} for {disk['values']:,} values; manifest"
+            f" {human(disk['manifest_bytes'])}){note}")
 
 
 def _layers(arrays: list[dict[str, Any]]) -> str:

@@ -9,10 +9,13 @@ A writer's run keeps one read-write connection (:class:`HeldConnection`) across 
 transactions, since a connect + close (a checkpoint) per commit cost the writer thread half its
 time. It gives the file up whenever another connection needs it: another connection of this
 process closes it first; a process that meets the lock touches ``manifest.duckdb.wanted``, and
-the holder closes its connection at its next use or idle check (within ~0.1 s when idle); it is
-closed after ``idle_s`` without use and at most ``max_hold_s`` after it was opened, so even a plain
-DuckDB client that retries gets in. Queries, ``verify`` and the probe farm therefore still get in
-between a long extraction's commits.
+the holder closes its connection within ~0.05 s. A plain DuckDB client (a shell, a notebook, a
+dashboard) cannot ask, so the promise is kept by the clock: a held connection keeps the file at
+most ``HOLD_S`` (0.4 s) at a stretch, closed by a thread of this module even when its owner is
+busy elsewhere, and after letting go it leaves the file free for at least ``REST_S`` (0.15 s).
+A read-only client that retries every ~0.1 s for ``PLAIN_READER_WAIT_S`` (1 s) therefore always
+gets in during a write (tests/store/test_plain_readers.py). Queries, ``verify`` and the probe farm
+get in the same way between a long extraction's commits.
 
 DuckDB's lock is a try-lock with no queue, so a busy reader loop could starve a writer. A writer
 that meets a conflict touches ``manifest.duckdb.writer-waiting``; readers step aside (up to a
@@ -33,6 +36,7 @@ instance cannot attach.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -47,7 +51,14 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from store.errors import DiskFullError, ManifestBusyError, WorkspaceError, disk_full_error, is_disk_full
+from store.errors import (
+    DiskFullError,
+    ManifestBusyError,
+    StoreError,
+    WorkspaceError,
+    disk_full_error,
+    is_disk_full,
+)
 
 DEFAULT_TIMEOUT = 30.0
 # A read-only DuckDB connection still writes files through COPY ... TO, EXPORT DATABASE or
@@ -61,12 +72,29 @@ READ_ONLY_CONFIG: dict[str, str | bool | int | float | list[str]] = {
 WRITE_CONFIG: dict[str, str | bool | int | float | list[str]] = {"threads": 1}
 _MARKER_STALE_S = 5.0
 _READER_YIELD_S = 1.0
+# The promise to plain DuckDB clients (docs/store.md, "Concurrency model"): one that retries for
+# this long gets in during a write. A held connection keeps the file HOLD_S at most (plus the one
+# transaction it is in then), then leaves it free REST_S at least, so a retry every ~0.1 s finds
+# a gap within a second, with ~0.4 s to spare for a loaded machine.
+PLAIN_READER_WAIT_S = 1.0
+HOLD_S = 0.4
+REST_S = 0.15
+_RELEASE_TICK_S = 0.05  # how often the releasing thread looks at the held connections
+# A writer's last close rewrites the manifest compactly (HeldConnection.close): ~50 ms for the
+# 4 MiB of a small one, ~0.8 s for 7 MiB of 100k rows (DuckDB rebuilds the keys' indexes).
+# It holds the file meanwhile, so a bigger manifest keeps its free blocks rather than keep a
+# plain reader out for longer than PLAIN_READER_WAIT_S. How long it may wait for the file first:
+COMPACT_MAX_BYTES = 8 << 20
+COMPACT_WAIT_S = 2.0
 
 _locks: dict[str, threading.RLock] = {}
 _locks_guard = threading.Lock()
 _held: dict[str, HeldConnection] = {}  # the open held connection of each file, by resolved path
 _shared: tuple[int, duckdb.DuckDBPyConnection] | None = None  # (pid, the in-memory DuckDB manifests attach to)
 _shared_guard = threading.Lock()
+_releaser: threading.Thread | None = None  # lets go of held connections on time (see _watch_held)
+_releaser_guard = threading.Lock()
+_stopping = threading.Event()
 
 
 def _process_lock(path: Path) -> threading.RLock:
@@ -185,11 +213,12 @@ def _forget_after_fork() -> None:
     checkpoints every manifest attached to it, from the child, into files the parent still has
     open (seen: the parent's WAL gone when a child dropped its copy). So the child keeps one
     reference it never gives back, even at exit, and builds its own instance when it needs one."""
-    global _shared
+    global _shared, _releaser, _releaser_guard
     if _shared is not None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(_shared[1]))
         _shared = None
     _held.clear()  # the parent's connections: closing them here would detach its manifests
+    _releaser, _releaser_guard = None, threading.Lock()  # the parent's thread is not in the child
 
 
 if hasattr(os, "register_at_fork"):
@@ -219,35 +248,59 @@ def _attach(path: Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
 def _close(con: duckdb.DuckDBPyConnection, path: Path, read_only: bool, attached: bool = True) -> None:
     """Close a connection of :func:`_open`; an attached one detaches its manifest first, which
     (read-write) checkpoints it, and frees the file for other processes."""
+    detacher = con
     try:
         if attached:
             try:
                 con.execute("USE memory")
             except duckdb.Error:  # a transaction a failed statement aborted: it must end first
                 rollback(con)
-                con.execute("USE memory")
+                if not _use_memory(con):
+                    detacher = _shared_instance().cursor()
             try:
-                con.execute(f"DETACH DATABASE IF EXISTS {_alias(path, read_only)}")
+                detacher.execute(f"DETACH DATABASE IF EXISTS {_alias(path, read_only)}")
             except duckdb.Error as err:
                 # Detached, but its checkpoint failed (a full disk): the commits are in the WAL,
                 # fsynced, and the next open replays it. Closing an instance of its own says nothing then.
                 if "Detached database" not in str(err):
                     raise
     finally:
+        if detacher is not con:
+            detacher.close()
         con.close()
+
+
+def _use_memory(con: duckdb.DuckDBPyConnection) -> bool:
+    """Make ``memory`` the cursor's database again; False when DuckDB refuses every statement of
+    the cursor because the database it uses was invalidated (its checkpoint failed on a full
+    disk): the caller then detaches it from a fresh cursor, and its commits stay in the WAL."""
+    try:
+        con.execute("USE memory")
+        return True
+    except duckdb.Error as err:
+        if "invalidated" not in str(err):
+            raise
+        return False
 
 
 class HeldConnection:
     """One read-write connection to ``path`` kept open across short transactions, given up
-    whenever the file's lock rules need that (see the module docstring)."""
+    whenever the file's lock rules need that (see the module docstring).
 
-    def __init__(self, path: Path, *, idle_s: float = 2.0, max_hold_s: float = 5.0) -> None:
+    ``idle_s`` and ``max_hold_s``: let go after that long without use, or that long after opening.
+    Above ``HOLD_S`` a plain DuckDB client may wait longer than ``PLAIN_READER_WAIT_S``: a test
+    that needs the file held says so.
+    """
+
+    def __init__(self, path: Path, *, idle_s: float = HOLD_S, max_hold_s: float = HOLD_S) -> None:
         self.path = path
         self._key = _key(path)
         self.idle_s, self.max_hold_s = idle_s, max_hold_s
         self.connects = 0  # how often it had to open the file (a figure for benchmarks and tests)
         self._con: duckdb.DuckDBPyConnection | None = None
         self._opened = self._used = 0.0
+        self._let_go = -REST_S  # when it last closed the file: it stays free REST_S after that
+        self.compacted = False  # whether its last close rewrote the manifest compactly (for tests)
         self._lock = _process_lock(path)
 
     @property
@@ -260,16 +313,9 @@ class HeldConnection:
         if not self._lock.acquire(timeout=max(timeout, 0.001)):
             raise ManifestBusyError(f"another thread of this process held {self.path} for more than {timeout:.0f} s")
         try:
-            if self._con is None:
-                other = _held.get(self._key)
-                if other is not None:
-                    other.close()
-                self._con = _open(self.path, False, time.monotonic() + timeout, timeout)
-                self._opened = time.monotonic()
-                self.connects += 1
-                _held[self._key] = self
+            con = self._con if self._con is not None else self._reopen(timeout)
             try:
-                yield self._con
+                yield con
             except BaseException as err:
                 self.close()  # a failed transaction may leave it unusable: the next use opens afresh
                 if isinstance(err, duckdb.Error) and is_disk_full(err):
@@ -280,6 +326,18 @@ class HeldConnection:
                 self.close()
         finally:
             self._lock.release()
+
+    def _reopen(self, timeout: float) -> duckdb.DuckDBPyConnection:
+        other = _held.get(self._key)
+        if other is not None:
+            other.close()
+        self._rest()
+        self._con = _open(self.path, False, time.monotonic() + timeout, timeout)
+        self._opened = self._used = time.monotonic()
+        self.connects += 1
+        _held[self._key] = self
+        _watch_held()
+        return self._con
 
     def release_if_due(self) -> None:
         """Close the connection if it has been idle for ``idle_s``, open for ``max_hold_s``, or
@@ -293,13 +351,47 @@ class HeldConnection:
         finally:
             self._lock.release()
 
-    def close(self) -> None:
+    def close(self, *, compact: bool = False) -> None:
+        """Let go of the file. ``compact`` (a writer's last close): first rewrite the manifest
+        without the free blocks its checkpoints left (:func:`_compact`), unless it is bigger than
+        ``COMPACT_MAX_BYTES`` or kept busy by another process for ``COMPACT_WAIT_S``. Never raises
+        for the rewrite: the manifest is whole either way."""
+        with self._lock:
+            try:
+                if compact and _size(self.path) <= COMPACT_MAX_BYTES:
+                    self._compact_now()
+            finally:
+                self._let_go_now()
+
+    def _compact_now(self) -> None:
+        # The copy holds the file too: on a hold young enough to take it within HOLD_S, else on a
+        # fresh one, after a polling reader's gap.
+        if self._con is None or time.monotonic() - self._opened > HOLD_S / 2:
+            self._let_go_now()
+            try:
+                self._reopen(COMPACT_WAIT_S)
+            except (StoreError, duckdb.Error, OSError):
+                return  # e.g. a client keeps the file: the next writer's close compacts it
+        assert self._con is not None
+        self.compacted = _compact(self._con, self.path)
+
+    def _let_go_now(self) -> None:
         with self._lock:
             con, self._con = self._con, None
             if _held.get(self._key) is self:
                 del _held[self._key]
             if con is not None:
-                _close(con, self.path, read_only=False)
+                try:
+                    _close(con, self.path, read_only=False)
+                finally:
+                    self._let_go = time.monotonic()
+
+    def _rest(self) -> None:
+        """Wait out the rest of ``REST_S`` after the last let-go: a reader polling the file must
+        find the gap between two holds, and the next one may come right after a let-go."""
+        rest = self._let_go + REST_S - time.monotonic()
+        if rest > 0:
+            time.sleep(rest)
 
     def _should_go(self, now: float) -> bool:
         if now - self._opened >= self.max_hold_s:
@@ -308,6 +400,90 @@ class HeldConnection:
             return time.time() - wanted_marker(self.path).stat().st_mtime < _MARKER_STALE_S
         except FileNotFoundError:
             return False
+
+
+def _compact(con: duckdb.DuckDBPyConnection, path: Path) -> bool:
+    """Rewrite the attached manifest ``path`` into a fresh file and move that into its place;
+    False (and the file as it was) when a WAL is left beside it or the copy fails.
+
+    DuckDB never gives a file's free blocks back except at its end: each checkpoint writes the
+    changed tables to new 256 KiB blocks before it frees the old ones, so how many free blocks a
+    manifest keeps depends on when its writer let go, i.e. on timing. A copy holds the same
+    tables, views, constraints and rows in the fewest blocks, so the same writes give the same
+    size. It runs while this connection holds DuckDB's lock, so nobody reads or writes the old
+    file meanwhile; the one who opens the path next gets the new file.
+    """
+    alias = _alias(path, False)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.compact")
+    tmp_alias = _alias(tmp, False)
+    quoted = str(tmp).replace("'", "''")
+    try:
+        con.execute(f"CHECKPOINT {alias}")
+        if path.with_name(path.name + ".wal").exists():
+            return False  # it would be replayed into the new file: keep the old one
+        con.execute(f"ATTACH '{quoted}' AS {tmp_alias}")
+        try:
+            con.execute(f"COPY FROM DATABASE {alias} TO {tmp_alias}")
+        finally:
+            con.execute(f"DETACH DATABASE IF EXISTS {tmp_alias}")
+        _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+        return True
+    except (duckdb.Error, OSError):
+        return False  # e.g. a full disk: the manifest is whole as it was, just not compact
+    finally:
+        for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
+            leftover.unlink(missing_ok=True)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _watch_held() -> None:
+    """Start the thread that lets go of this process's held connections on time, unless it runs.
+    Their owners look in only when they use them (a writer thread busy with a batch, a probe
+    farm training), and a plain client's wait must not depend on that."""
+    global _releaser
+    with _releaser_guard:
+        if _releaser is None and not _stopping.is_set():
+            _releaser = threading.Thread(target=_release_loop, name="agnosia-manifest-release", daemon=True)
+            _releaser.start()
+
+
+def _release_loop() -> None:
+    global _releaser
+    while not _stopping.wait(_RELEASE_TICK_S):
+        with _releaser_guard:
+            if not _held:  # under the guard: a connection opened meanwhile starts a new thread
+                _releaser = None
+                return
+            held = list(_held.values())
+        for h in held:
+            h.release_if_due()
+
+
+def _stop_releaser() -> None:
+    """At exit, before daemon threads are frozen: never leave one halfway through a DETACH."""
+    _stopping.set()
+    thread = _releaser
+    if thread is not None:
+        thread.join(timeout=2 * _RELEASE_TICK_S + 1.0)
+
+
+atexit.register(_stop_releaser)
 
 
 def rollback(con: duckdb.DuckDBPyConnection) -> None:

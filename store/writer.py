@@ -103,9 +103,9 @@ class Writer(Registration, Tensors, Producer, Pipeline):
         self._records_every = records_every
         self._manifest_timeout = manifest_timeout
         self._locks = self._acquire_locks()
-        # Each let-go costs a checkpoint (~10 ms) and the next commit a reopen: idle past the
-        # records' commit interval only, and let a plain retrying DuckDB client in within 10 s.
-        self._manifest = db.HeldConnection(ws.manifest_path, idle_s=max(2.0, records_every + 1.0), max_hold_s=10.0)
+        # Held db.HOLD_S at a stretch, so a plain DuckDB client that retries gets in within 1 s;
+        # each let-go costs a checkpoint (~10 ms) and the next commit a reopen (docs/benchmarks.md).
+        self._manifest = db.HeldConnection(ws.manifest_path)
         self.took_over: Holder | None = self._locks[-1].took_over
         self._handles: dict[str, ArrayHandle] = {}
         self._chunk_sizes: set[int] | None = None
@@ -284,7 +284,9 @@ class Writer(Registration, Tensors, Producer, Pipeline):
                 if self._error is None and not producer_failed:
                     self._error = err
         finally:
-            self._manifest.close()  # before the lock: the next writer finds the file free
+            # Before the lock: the next writer finds the file free. Compact: the same writes
+            # leave a manifest of the same size, whenever the run let go of it (store/db.py).
+            self._manifest.close(compact=True)
             self._release_locks()
 
     def __enter__(self) -> Writer:
