@@ -6,6 +6,10 @@
   included) vs fancy indexing a memory-mapped ``.npy``. Goal >= 0.5x (the design: 0.8x). Both warm.
 * bytes on disk per value for each codec (lossless goal <= 2.0), with write speed and the error
   of the lossy BitRound options.
+* hold (``--part hold`` alone): what the promise to plain DuckDB readers costs a run paced like
+  an extraction: the writer's manifest connection held 0.4 s at a stretch and the manifest
+  compacted at its close, against the old hold (up to 6 s idle, 10 s open, no compaction), with
+  the longest wait of a plain read-only client polling meanwhile.
 
 Data: "structured" fp16 activations (rank-64 signal, per-channel scale and offset, 4 outlier
 channels near 40, noise), 2048 x 256 x 768 (805 MB), or 256 x 64 x 128 with --quick.
@@ -13,9 +17,12 @@ channels near 40, noise), 2048 x 256 x 768 (805 MB), or 256 x 64 x 128 with --qu
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,9 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from store import ArraySpec, RunInfo, Workspace
+from store import ArraySpec, Generation, RunInfo, TokenSpans, Workspace, db
 
 FAMILIES = ("a", "b", "c", "d")
+PARTS = ("hold",)
 
 
 def make_data(n: int, t: int, d: int, seed: int = 0) -> np.ndarray:
@@ -82,7 +90,10 @@ def _first_read(ws: Workspace, where: str) -> float:
     return time.perf_counter() - started
 
 
-def main(quick: bool) -> None:
+def main(quick: bool, part: str | None = None) -> None:
+    if part == "hold":
+        bench_hold(quick)
+        return
     n, t, d = (256, 64, 128) if quick else (2048, 256, 768)
     reps = 2 if quick else 7
     batch = 32
@@ -204,3 +215,100 @@ def bench_codecs(x: np.ndarray, tmp: Path, ws: Workspace, np_t: float, st_t: flo
         if codec != "none":
             shutil.rmtree(folder)
     print("  (lossless goal <= 2.0 bytes/value; bitround<k> keeps k mantissa bits, error <= 2^-(k+1))")
+
+
+# A plain read-only DuckDB client, as a dashboard would poll: it prints how long each read
+# waited for the file (retrying every 10 ms, giving up after 30 s).
+_POLLER = """
+import json, os, sys, time
+import duckdb
+path, stop = sys.argv[1], sys.argv[2]
+print("ready", flush=True)
+while not os.path.exists(stop):
+    started = time.monotonic()
+    while time.monotonic() - started < 30:
+        try:
+            con = duckdb.connect(path, read_only=True)
+        except duckdb.IOException:
+            time.sleep(0.01)
+            continue
+        con.execute("SELECT count(*) FROM chunks").fetchone()
+        con.close()
+        break
+    print(json.dumps(time.monotonic() - started), flush=True)
+    time.sleep(0.05)
+"""
+
+
+def paced_run(folder: Path, n: int, pace: float, old_hold: bool) -> dict[str, float]:
+    """One run paced like an extraction (a forward pass of ``pace`` s per batch of 8; two arrays,
+    token spans and generations), a plain client polling the manifest meanwhile. ``old_hold``:
+    the writer's connection held as before issue 40 (let go after 6 s idle or 10 s open, no
+    compaction at its close)."""
+    ws = Workspace.open(folder)
+    stop = folder / "stop-polling"
+    poller = subprocess.Popen([sys.executable, "-c", _POLLER, str(ws.manifest_path), str(stop)],
+                              stdout=subprocess.PIPE, text=True)
+    assert poller.stdout is not None and poller.stdout.readline().strip() == "ready"
+    x = make_data(n, 16, 64)
+    compact_max = db.COMPACT_MAX_BYTES
+    cpu, wall = time.process_time(), time.perf_counter()
+    try:
+        if old_hold:
+            db.COMPACT_MAX_BYTES = 0  # the close then skips the rewrite, as before
+        w = ws.writer(RunInfo(run="hold", model="synthetic", chunk_samples=64, batch_size=8))
+        if old_hold:
+            w._manifest.idle_s, w._manifest.max_hold_s = 6.0, 10.0
+        with w:
+            w.set_samples(w.register_stimuli(stimuli_rows(n), dataset="bench"))
+            arrays = w.arrays([ArraySpec(tap="llm", layer=k, tokens="image", shape=x.shape[1:], dtype="float16")
+                               for k in range(2)])
+            for s in range(0, n, 8):
+                time.sleep(pace)
+                e = min(s + 8, n)
+                w.write_batch(s, {a: x[s:e] for a in arrays},
+                              tokens=[TokenSpans(seq_len=24, image_start=2, image_count=16, last_prompt=20,
+                                                 answer_start=21, answer_count=2) for _ in range(s, e)],
+                              generations=[Generation(text="3", prediction=3, parse_ok=True, correct=True)
+                                           for _ in range(s, e)])
+            w.finish()
+            closing = time.perf_counter()
+        closed = time.perf_counter()
+    finally:
+        db.COMPACT_MAX_BYTES = compact_max
+        stop.touch()
+        out, _ = poller.communicate(timeout=60)
+    waits = [json.loads(line) for line in out.splitlines()]
+    return {"wall": closed - wall, "cpu": time.process_time() - cpu, "close": closed - closing,
+            "opens": w._manifest.connects, "commits": w.stats.commits, "wait": max(waits),
+            "manifest": ws.manifest_path.stat().st_size}
+
+
+def bench_hold(quick: bool) -> None:
+    """The hold against the old one, runs alternating so the machine's noise falls on both."""
+    n, rounds, pace = (96, 2, 0.05) if quick else (480, 5, 0.05)
+    tmp = Path(tempfile.mkdtemp(prefix="agnosia-bench-hold-"))
+    got: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    try:
+        for r in range(rounds):
+            for old in ((True, False) if r % 2 == 0 else (False, True)):
+                got[old].append(paced_run(tmp / f"{r}-{int(old)}", n, pace, old))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nhold: {n} samples in batches of 8, {pace * 1e3:.0f} ms a batch, 2 arrays + spans + generations;"
+          f" {rounds} runs each, alternating; medians (min-max)")
+    print("                       wall s            CPU s             close ms        opens  commits"
+          "  plain reader's longest wait s  manifest bytes")
+    for old, label in ((True, "old (6 s / 10 s)"), (False, "0.4 s + compact")):
+        rows = got[old]
+
+        def col(key: str, scale: float = 1.0, fmt: str = ".2f", rows: list[dict[str, float]] = rows) -> str:
+            v = [row[key] * scale for row in rows]
+            return f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
+
+        print(f"  {label:<18} {col('wall'):<17} {col('cpu'):<17} {col('close', 1e3, '.0f'):<15}"
+              f" {col('opens', fmt='.0f'):<6} {col('commits', fmt='.0f'):<8} {col('wait'):<30}"
+              f" {sorted({int(row['manifest']) for row in rows})}")
+    pairs = [b["cpu"] - a["cpu"] for a, b in zip(got[True], got[False], strict=True)]
+    print(f"  CPU per run, new - old: median {statistics.median(pairs):+.3f} s"
+          f" ({min(pairs):+.3f} to {max(pairs):+.3f})")
