@@ -23,10 +23,10 @@ def _specs() -> list[ArraySpec]:
 
 
 def test_a_run_keeps_one_manifest_connection_across_its_transactions(tmp_path, connects):
-    """Asserts: declaring 4 arrays opens the manifest at most once (before: 8 times, a read and a
-    write connection each); 6 commits in a row reuse one connection (before: one connect each;
-    2 allowed, as a loaded machine may pass the 10 s a connection is held at most); and the run
-    reads back whole."""
+    """Asserts: declaring 4 arrays builds at most one DuckDB instance (before: 8 connections, a read
+    and a write one each); 6 commits in a row build at most 2 (before: one connect each; the
+    writer's held connection re-attaches to the process's one instance after each let-go, every
+    0.4 s at most, store/db.py HOLD_S, which builds none); and the run reads back whole."""
     ws = Workspace.open(tmp_path / "ws")
     with ws.writer(RunInfo(run="r", model="m", chunk_samples=4)) as w:
         w.set_samples(w.register_stimuli(stimulus_rows(24), dataset="d"))
