@@ -20,11 +20,12 @@ its filesystem client once, on first use.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -109,6 +110,31 @@ def storage_options() -> dict[str, Any]:
     return opts
 
 
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The object-store clients' own failures that are not OSErrors: botocore's (a garbled or cut
+    reply, an endpoint that speaks no S3) and aiohttp's (a dropped connection)."""
+    found: list[type[BaseException]] = []
+    with contextlib.suppress(ImportError):
+        from botocore.exceptions import BotoCoreError
+
+        found.append(BotoCoreError)
+    with contextlib.suppress(ImportError):
+        from aiohttp import ClientError
+
+        found.append(ClientError)
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def _reaching(url: str | None) -> Iterator[None]:
+    """Calls to the object store: its clients' non-OSError failures re-raised as ConnectionError
+    (an OSError), so every caller's ``except OSError`` turns them into one line."""
+    try:
+        yield
+    except _transport_errors() as err:
+        raise ConnectionError(f"{type(err).__name__}: {err} (from {url})") from err
+
+
 @dataclass(frozen=True)
 class ArrayRoot:
     """The root of a workspace's Zarr group: ``local`` always, ``url`` when it lives remotely."""
@@ -163,7 +189,8 @@ class ArrayRoot:
         """Whether the node's file ``name`` exists where the arrays live."""
         if self.url is None:
             return (self.local / zarr_path / name).is_file()
-        return bool(self.fs.exists(self._key(zarr_path, name)))
+        with _reaching(self.url):
+            return bool(self.fs.exists(self._key(zarr_path, name)))
 
     def size(self, zarr_path: str, name: str) -> int | None:
         """Bytes of one of the node's files, None if it is missing."""
@@ -173,7 +200,8 @@ class ArrayRoot:
             except FileNotFoundError:
                 return None
         try:
-            return int(self.fs.size(self._key(zarr_path, name)))
+            with _reaching(self.url):
+                return int(self.fs.size(self._key(zarr_path, name)))
         except FileNotFoundError:
             return None
 
@@ -189,7 +217,8 @@ class ArrayRoot:
             else:
                 merged.append([name, lo, hi, [i]])
         keys = [self._key(zarr_path, m[0]) for m in merged]
-        got = self.fs.cat_ranges(keys, [m[1] for m in merged], [m[2] for m in merged], on_error="raise")
+        with _reaching(self.url):
+            got = self.fs.cat_ranges(keys, [m[1] for m in merged], [m[2] for m in merged], on_error="raise")
         out: list[bytes] = [b""] * len(ranges)
         for (_, start, _, served), piece in zip(merged, got, strict=False):
             for i in served:
@@ -202,8 +231,9 @@ class ArrayRoot:
             return sorted(p.name for p in self.local.iterdir() if p.is_dir())
         self.fs.invalidate_cache()
         base = self._key()
-        return sorted(p.rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False) if p.rstrip("/") != base
-                      and self.fs.isdir(p))
+        with _reaching(self.url):
+            return sorted(p.rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False) if p.rstrip("/") != base
+                          and self.fs.isdir(p))
 
     # ------------------------------------------------------------------ writing (remote roots)
 
@@ -213,7 +243,8 @@ class ArrayRoot:
         if self.url is None or not files:
             return
         remote = [self._key(*Path(f).relative_to(self.local).parts) for f in files]
-        self.fs.put([str(f) for f in files], remote)
+        with _reaching(self.url):
+            self.fs.put([str(f) for f in files], remote)
 
     def upload_meta(self, zarr_path: str) -> None:
         """Upload the ``zarr.json`` of the node and of every group above it."""
@@ -229,7 +260,8 @@ class ArrayRoot:
             return
         key = self._key(zarr_path)
         try:
-            self.fs.rm(key, recursive=True)
+            with _reaching(self.url):
+                self.fs.rm(key, recursive=True)
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache()
@@ -257,7 +289,8 @@ class ArrayRoot:
     def remote_meta(self) -> dict[str, Any] | None:
         """The remote root group's attributes, None if the prefix holds no Zarr group."""
         try:
-            raw = self.fs.cat_file(self._key("zarr.json"))
+            with _reaching(self.url):
+                raw = self.fs.cat_file(self._key("zarr.json"))
         except FileNotFoundError:
             return None
         try:

@@ -65,6 +65,12 @@ def verify(ws: Workspace, *, run: str | None = None, checksums: bool = True) -> 
         rep.problems.append(f"the Zarr group {ws.zarr_path} is missing (no zarr.json)")
     elif ws.root.remote:
         root_ok = _check_remote_root(ws, rep)
+        if not root_ok and rep.problems[-1].endswith(_UNREACHABLE):
+            # Every array, tensor and derived chunk would fail the same way: one finding, not hundreds.
+            rep.problems.append(f"not checked: the {len(m.runs)} run(s)' arrays, tensors and derived arrays"
+                                f" at {ws.root.url}, which cannot be reached")
+            rep.seconds = time.perf_counter() - started
+            return rep
     writing = {h.run for h in live_writers(ws.path)}
     for run_id, status, n_samples in m.runs:
         _check_run(ws, m, run_id, status, n_samples, run_id in writing, checksums, rep)
@@ -215,12 +221,17 @@ def _check_leftovers(ws: Workspace, known: set[str], rep: VerifyReport) -> None:
         rep.warnings.append(f"{len(partial)} '.partial' file(s) left by interrupted writes, e.g. {partial[0]}")
 
 
+_UNREACHABLE = (" Check the bucket, and the credentials and endpoint in the environment (AWS_ACCESS_KEY_ID,"
+                " AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, $AGNOSIA_STORAGE_OPTIONS)")
+
+
 def _check_remote_root(ws: Workspace, rep: VerifyReport) -> bool:
     """Whether the object store holds this workspace's root group (the same workspace id)."""
     try:
         what = ws.root.foreign()
     except Exception as err:  # noqa: BLE001 - any failure to reach it is the finding
-        rep.problems.append(f"the arrays at {ws.root.url} cannot be reached: {type(err).__name__}: {err}")
+        rep.problems.append(f"the arrays at {ws.root.url} cannot be reached: {type(err).__name__}: {err}."
+                            f"{_UNREACHABLE}")
         return False
     if what is not None:
         rep.problems.append(
@@ -267,7 +278,12 @@ def _open_node(ws: Workspace, info: ArrayInfo, rep: VerifyReport) -> Any:
         rep.problems.append(f"{where}: {err}")
         return None
     folder = ws.root.where(zarr_path)
-    if not ws.root.has(zarr_path):
+    try:
+        there = ws.root.has(zarr_path)
+    except OSError as err:   # the object store refused or dropped the request: the finding, not a crash
+        rep.problems.append(f"{where}: cannot reach {folder}: {type(err).__name__}: {err}")
+        return None
+    if not there:
         rep.problems.append(f"{where}: array missing on disk (expected {folder}/zarr.json)")
         return None
     try:

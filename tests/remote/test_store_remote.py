@@ -184,3 +184,76 @@ def test_a_failed_init_on_a_missing_bucket_leaves_the_folder_free(s3, tmp_path):
     ws = Workspace.open(tmp_path / "ws", arrays_url=s3.url("good"))
     assert ws.root.url == s3.url("good") and ws.verify().ok
 
+
+
+class _Refusing:
+    """Loopback servers for the S3 client: one answers every request 403 AccessDenied (denied
+    access), one reads the request and closes the connection (a dropped connection)."""
+
+    def __enter__(self) -> dict[str, str]:
+        import http.server
+        import socketserver
+        import threading
+
+        class Deny(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _deny(self) -> None:
+                body = b"<?xml version='1.0'?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+                self.send_response(403)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _deny
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        class Drop(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                self.request.recv(65536)
+                self.request.close()
+
+        self.servers = [socketserver.ThreadingTCPServer(("127.0.0.1", 0), h) for h in (Deny, Drop)]
+        for s in self.servers:
+            s.daemon_threads = True
+            threading.Thread(target=s.serve_forever, daemon=True).start()
+        return {name: f"http://127.0.0.1:{s.server_address[1]}" for name, s in zip(("denied", "dropped"), self.servers,
+                                                                                 strict=True)}
+
+    def __exit__(self, *exc: object) -> None:
+        for s in self.servers:
+            s.shutdown()
+            s.server_close()
+
+
+def test_denied_access_and_dropped_connections_are_one_line_in_verify_and_init(remote_ws, s3, tmp_path, monkeypatch,
+                                                                             capsys):
+    """Injects (issue 40, item 10): the object store behind a workspace's arrays answering 403
+    AccessDenied to everything, or dropping every connection, for `python -m store verify` and
+    `python -m store init --arrays s3://…`. Asserts: each exits non-zero with `error:` or problem
+    lines naming the URL and what to check, never a traceback (was: botocore's and aiohttp's
+    exceptions escaped as tracebacks)."""
+    from store import location
+    from store.cli import main as store_cli
+
+    with _Refusing() as endpoints:
+        for name, endpoint in endpoints.items():
+            monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+            monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")   # no retries: a refusal is one request
+            # fsspec keeps one client per set of options: new options, so a new client for this server
+            monkeypatch.setenv("AGNOSIA_STORAGE_OPTIONS", json.dumps({"endpoint_url": endpoint}))
+            location._FILESYSTEMS.clear()
+            code = store_cli(["verify", "--data", str(remote_ws.path)])
+            out = capsys.readouterr()
+            assert code != 0 and "Traceback" not in out.err + out.out, (name, out.err[-3000:])
+            assert f"the arrays at {remote_ws.root.url} cannot be reached" in out.out, (name, out.out)
+            assert "Check the bucket, and the credentials and endpoint" in out.out and "not checked" in out.out
+            code = store_cli(["init", "--data", str(tmp_path / f"new-{name}"), "--arrays", s3.url(f"new-{name}")])
+            out = capsys.readouterr()
+            assert code == 2 and "Traceback" not in out.err, (name, out.err[-3000:])
+            assert out.err.startswith("error: cannot reach the arrays at s3://") and out.err.count("\n") == 1, out.err
+            assert not (tmp_path / f"new-{name}" / "arrays" / "zarr.json").exists()
