@@ -112,10 +112,12 @@ class Writer(Registration, Tensors, Producer, Pipeline):
         try:
             if self.shard is None:
                 ws.purge_trash()  # shards share the workspace: a peer may be mid-drop (never; but be safe)
+            # Before the run's row: an object store that refuses (a wrong key, a missing bucket) must
+            # not leave a run marked running that nothing runs.
+            self._check_remote_root()
             self._begin_run(info)
             self._stimuli: list[str] | None = self._load_samples()
             self._root = layout.open_root(ws.path, read_only=False)  # local: metadata, and staging for a remote root
-            self._check_remote_root()
             self._unstage_committed()
             # The Zarr root's own leftovers (a kill while a workspace was created) and the run's.
             self._remove_stale_partials([*ws.zarr_path.glob("*.partial"),

@@ -257,3 +257,21 @@ def test_denied_access_and_dropped_connections_are_one_line_in_verify_and_init(r
             assert code == 2 and "Traceback" not in out.err, (name, out.err[-3000:])
             assert out.err.startswith("error: cannot reach the arrays at s3://") and out.err.count("\n") == 1, out.err
             assert not (tmp_path / f"new-{name}" / "arrays" / "zarr.json").exists()
+
+
+def test_a_writer_the_object_store_refuses_leaves_no_run_running(s3, tmp_path, monkeypatch):
+    """Injects (issue 40, item 11): a run written to a workspace whose object store then answers
+    403 to everything (a wrong key). Asserts: the writer is refused with an error naming the store
+    and what to check, and no run row is left `running` (nothing would run it any more)."""
+    from store import location
+
+    ws = Workspace.open(tmp_path / "ws", arrays_url=s3.url("wrong-key"))
+    with _Refusing() as endpoints:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoints["denied"])
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        monkeypatch.setenv("AGNOSIA_STORAGE_OPTIONS", json.dumps({"endpoint_url": endpoints["denied"]}))
+        location._FILESYSTEMS.clear()
+        with pytest.raises(WorkspaceError, match="cannot reach the arrays at s3://.*Forbidden"):
+            _write(ws, "denied")
+    # Refused before the run's row is written: no run marked running that nothing runs (was: running).
+    assert ws.rows("SELECT run, status FROM runs") == []
