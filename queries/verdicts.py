@@ -255,6 +255,9 @@ def verdicts_table(verdicts: list[Verdict]) -> pa.Table:
         curve = v.present or v.transfer
         assert curve is not None
         row["measure"] = curve.measure
+        # Which probes: entries that differ only in where/tag (G2M's one per N) are told apart here.
+        row["present_probe"] = v.present.probe_target if v.present else None
+        row["transfer_probe"] = v.transfer.probe_target if v.transfer else None
         for name, point in (("present", v.point), ("transfer_before", v.transfer_before), ("transfer", v.transfer_point)):
             iv = point.value if point else None
             row |= {name: _num(iv, "mean"), f"{name}_low": _num(iv, "low"), f"{name}_high": _num(iv, "high")}
