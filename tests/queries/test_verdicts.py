@@ -108,6 +108,7 @@ def test_a_count_whose_code_turns_past_the_edge_is_reencoded_not_lost(tmp_path):
     ws = planted(tmp_path / "ws", "reencoded")
     got = _verdicts(ws)
     assert got["ID"]["verdict"] == TRANSFERABLE_VERDICT
+    assert (got["VE"]["present_probe"], got["VE"]["transfer_probe"]) == ("truth:count#all-counts", "truth:count#in-range")
     for regime in ("VE", "FE"):
         assert got[regime]["verdict"] == REENCODED.format(depth=5), got[regime]["reason"]
         assert got[regime]["at"] == "llm.0"
