@@ -11,6 +11,7 @@ distinguishable, and from which depth).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -88,4 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # `python -m queries ... | head`: a reader that stops early ends the table quietly, as any Unix
+    # tool's, not with a BrokenPipeError traceback (queries only read the store).
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())
