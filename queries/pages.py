@@ -27,7 +27,7 @@ from queries.figures import (
     n_range,
     panels,
     series_points,
-    wilson,
+    wilson_yerr,
 )
 from queries.gap import GapError
 from queries.named import run as run_named
@@ -255,8 +255,7 @@ def cases_section(out: Path, cases: pa.Table, usable: dict[str, Any]) -> Section
 def _case_bars(ax: Any, table: pa.Table, run: str) -> None:
     rows = [r for r in table.to_pylist() if r["run"] == run]
     acc = [r["accuracy"] or 0.0 for r in rows]
-    bounds = [wilson(int(r["n_correct"]), int(r["n"])) for r in rows]
-    err = [[a - lo for a, (lo, _) in zip(acc, bounds, strict=True)], [hi - a for a, (_, hi) in zip(acc, bounds, strict=True)]]
+    err = wilson_yerr([(int(r["n_correct"]), int(r["n"])) for r in rows])
     ax.bar(range(len(rows)), acc, color="tab:green", alpha=0.8, yerr=err, ecolor="#333", capsize=2)
     ax.set_xticks(range(len(rows)), [r["case_id"] for r in rows], rotation=90, fontsize=6)
     ax.set_ylim(0, 1.05)

@@ -29,7 +29,7 @@ from queries.figures import (
     lines,
     n_range,
     panels,
-    wilson,
+    wilson_yerr,
 )
 from queries.g2m import alignment_table, bias_table, cell_errors, error_maps
 from queries.named import run as run_named
@@ -326,9 +326,7 @@ def spatial_section(ws: Workspace, out: Path, spatial: pa.Table) -> Section:
 def _relation_bars(ax: Any, table: pa.Table, run: str) -> None:
     rows = [r for r in table.to_pylist() if r["run"] == run]
     acc = [r["accuracy"] or 0.0 for r in rows]
-    bounds = [wilson(int(r["n_correct"]), int(r["n"])) for r in rows]
-    err = [[a - lo for a, (lo, _) in zip(acc, bounds, strict=True)],
-           [hi - a for a, (_, hi) in zip(acc, bounds, strict=True)]]
+    err = wilson_yerr([(int(r["n_correct"]), int(r["n"])) for r in rows])
     ax.bar(range(len(rows)), acc, color="tab:purple", alpha=0.8, yerr=err, ecolor="#333", capsize=3)
     chance = [r["chance"] for r in rows if r["chance"]]
     if chance:
