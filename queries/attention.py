@@ -42,15 +42,14 @@ def _image_size(truth: dict[str, Any], params: dict[str, Any]) -> float | None:
     return float(size) if size else None
 
 
-def object_agreement(ws: Workspace, run: str, where: str | None = None) -> pa.Table:
-    """Per layer: samples scored, mean object share, mean IoU (see the module docstring)."""
-    layers = [r[0] for r in ws.rows(
-        "SELECT layer FROM activations WHERE run = ? AND tap = 'attn' AND tokens = 'last' ORDER BY layer", [run])]
-    sel = ws.select(run, where)
+def object_masks(ws: Workspace, run: str, rows: list[int] | None = None) -> dict[int, tuple[int, int, np.ndarray]]:
+    """Per array row (``rows``, default every sample of the run) whose truth names objects with
+    boxes and whose image tokens form one grid: (image_start, image_count, the object patches as a
+    boolean mask over the image tokens)."""
     meta = {r[0]: r[1:] for r in ws.rows(
         "SELECT array_row, image_start, image_count, grid_h, grid_w, truth, params FROM v_samples WHERE run = ?", [run])}
     masks: dict[int, tuple[int, int, np.ndarray]] = {}
-    for row in sel.rows.tolist():
+    for row in (meta if rows is None else rows):
         start, count, gh, gw, truth, params = meta[row]
         truth = json.loads(truth) if isinstance(truth, str) else (truth or {})
         params = json.loads(params) if isinstance(params, str) else (params or {})
@@ -62,6 +61,15 @@ def object_agreement(ws: Workspace, run: str, where: str | None = None) -> pa.Ta
         for ob in objects:
             mask[object_patches(ob["bbox"], (size, size), (gh, gw))] = True
         masks[row] = (start, count, mask)
+    return masks
+
+
+def object_agreement(ws: Workspace, run: str, where: str | None = None) -> pa.Table:
+    """Per layer: samples scored, mean object share, mean IoU (see the module docstring)."""
+    layers = [r[0] for r in ws.rows(
+        "SELECT layer FROM activations WHERE run = ? AND tap = 'attn' AND tokens = 'last' ORDER BY layer", [run])]
+    sel = ws.select(run, where)
+    masks = object_masks(ws, run, sel.rows.tolist())
     out: dict[str, list[Any]] = {"layer": [], "samples": [], "object_share": [], "iou": []}
     for layer in layers:
         rows = ws.read(run, "attn", layer, site="probs", tokens="last", where=where)

@@ -34,7 +34,6 @@ from queries.figures import (
 from queries.g2m import alignment_table, bias_table, cell_errors, error_maps
 from queries.named import run as run_named
 from queries.pages_variants import variants_section
-from queries.scene import object_patches, objects_in
 from store import StoreError, Workspace
 
 # --------------------------------------------------------------------------------------------
@@ -66,10 +65,11 @@ def g2m_page(ws: Workspace, out: Path) -> Page:
         "g2m_metrics": "Model: exact match and cell accuracy per N and C (g2m_metrics)",
         "g2m_gap": "Probe vs model cell accuracy per N, pooled over seeds (g2m_gap)"})
     if curve.num_rows:
+        colours = _colours(ws, drawn)
         sec.figures.append(panels(
-            out, "g2m_gap_curve", drawn, partial(_g2m_curve_lines, curve, _colours(ws, drawn)), table=curve,
+            out, "g2m_gap_curve", drawn, partial(_g2m_curve_lines, curve, colours), table=curve,
             caption=_g2m_caption(curve.to_pylist(), per_n, [r for r in model_runs if r in drawn],
-                                 any(_colours(ws, drawn).values()))))
+                                 any(colours.values()))))
     page.sections.append(sec)
     page.sections.append(g2m_errors_section(ws, out, runs))
     return page
@@ -514,17 +514,7 @@ def _object_lines(table: pa.Table, ax: Any) -> None:
 def object_area_share(ws: Workspace, run: str) -> float | None:
     """Mean share of a sample's image patches that cover an object, over the samples whose objects
     and patch grid are known (the samples queries.attention.object_agreement scores)."""
-    shares = []
-    for truth, params, count, gh, gw in ws.rows(
-            "SELECT truth, params, image_count, grid_h, grid_w FROM v_samples WHERE run = ?", [run]):
-        truth = json.loads(truth) if isinstance(truth, str) else (truth or {})
-        params = json.loads(params) if isinstance(params, str) else (params or {})
-        size = truth.get("image_size") or params.get("image_size")
-        objects = objects_in(truth)
-        if not count or not gh or not gw or gh * gw != count or not objects or not size:
-            continue
-        mask = np.zeros(count, dtype=bool)
-        for ob in objects:
-            mask[object_patches(ob["bbox"], (float(size), float(size)), (gh, gw))] = True
-        shares.append(float(mask.mean()))
+    from queries.attention import object_masks
+
+    shares = [float(mask.mean()) for _, _, mask in object_masks(ws, run).values()]
     return float(np.mean(shares)) if shares else None
