@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                 verdicts.verdicts_table(verdicts.where_lost(found))
         elif args.name == "expressed":
             given = _params(args.param)
-            found = evidence.curves(ws, given)
-            table = evidence.expressed_table(evidence.expressed(ws, given, evidence.truths_of(found, ws, given)))
+            evidence.curves(ws, given)   # the same selection as curves and lost: one that matches no probe is an error
+            table = evidence.expressed_table(evidence.expressed(ws, given, evidence.truths_of(ws, given)))
         elif args.name:
             table = run(ws, args.name, _params(args.param))
         else:

@@ -244,7 +244,7 @@ def expressed(ws: Workspace, params: dict[str, str] | None = None,
     return out
 
 
-def truths_of(found: list[Curve], ws: Workspace, params: dict[str, str] | None = None) -> dict[tuple[str, int], float]:
+def truths_of(ws: Workspace, params: dict[str, str] | None = None) -> dict[tuple[str, int], float]:
     """Each tested sample's true number, as the probes stored it (for the model's MAE)."""
     p = bind(params)
     rows = ws.rows("SELECT p.run, pp.array_row, any_value(pp.truth) FROM probes p JOIN probe_predictions pp USING (key)"

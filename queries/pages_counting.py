@@ -61,7 +61,7 @@ def where_lost_sections(ws: Workspace, out: Path) -> list[Section]:
                 found = evidence.curves(ws, {**params, "target": f"{target}%", "kind": "pooled"})
             except GapError:
                 continue   # no count read-out of this target in this run
-            said = evidence.expressed(ws, params, evidence.truths_of(found, ws, {**params, "target": f"{target}%"}))
+            said = evidence.expressed(ws, params, evidence.truths_of(ws, {**params, "target": f"{target}%"}))
             sections.append(_three_curves(out, run, target, found, said))
         try:
             n_h = evidence.curves(ws, {**params, "kind": "hidden_number%", "target": "go.intersection%"})

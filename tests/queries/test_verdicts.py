@@ -154,7 +154,7 @@ def test_curves_and_expressed_carry_n_intervals_and_controls(tmp_path):
     assert all(r["low"] <= r["value"] <= r["high"] and r["control"] is not None for r in table)
     ve = [r for r in table if r["group"] == "VE" and r["role"] == "present"]
     assert [r["depth"] for r in ve] == [0, 1, 5, 6] and {r["n"] for r in ve} == {100}
-    said = {e.group: e for e in expressed(ws, GROUP, truths_of(found, ws, GROUP))}
+    said = {e.group: e for e in expressed(ws, GROUP, truths_of(ws, GROUP))}
     assert said["ID"].accuracy.mean == 1.0 and said["VE"].accuracy.mean == 0.0
     assert said["VE"].mae.mean == pytest.approx(np.mean(COUNTS[(COUNTS > 49) & (COUNTS <= 99)] - 49))
     assert said["FE"].n == said["FE"].n_numbers == 42
