@@ -97,6 +97,22 @@ def live_writers(workspace: Path) -> list[Holder]:
     return [holder] if holder is not None else live_shards(workspace)
 
 
+def open_lock_file(path: Path) -> int:
+    """A lock file's descriptor, read-write, created if missing; a symlink in its place is refused.
+
+    O_NOFOLLOW: the holder's name is written with a truncate, and a symlink planted as a lock file
+    would aim that truncate at a file outside the workspace."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+    raise WriterLockError(
+        f"the lock file {path} is a symbolic link (to {os.readlink(path)!r}); agnosia never writes"
+        f" through one, so the target was not touched: remove the link (rm {path}) and run again"
+    )
+
+
 class WriterLock:
     """Acquire with :meth:`acquire`; ``took_over`` names a stale holder that was replaced.
 
@@ -117,7 +133,7 @@ class WriterLock:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(10):
-            fd = self._open()
+            fd = open_lock_file(self.path)
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -145,19 +161,6 @@ class WriterLock:
             self._fd = fd
             return self
         raise WriterLockError(f"could not lock {self.path}: it kept being replaced; is another agnosia cleaning it?")
-
-    def _open(self) -> int:
-        # O_NOFOLLOW: the holder's name is written with a truncate, and a symlink planted as
-        # writer.lock would aim that truncate at a file outside the workspace.
-        try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as err:
-            if err.errno != errno.ELOOP:
-                raise
-        raise WriterLockError(
-            f"the lock file {self.path} is a symbolic link (to {os.readlink(self.path)!r}); agnosia never writes"
-            f" through one, so the target was not touched: remove the link (rm {self.path}) and run again"
-        )
 
     def _busy(self) -> WriterLockError:
         holder = read_holder(self.path)
@@ -242,7 +245,7 @@ class RunLock:
         if self._fd is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = WriterLock(self.path)._open()  # the same refusal of a planted symlink
+        fd = open_lock_file(self.path)  # the same refusal of a planted symlink
         try:
             fcntl.flock(fd, (fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except BlockingIOError:
