@@ -138,9 +138,8 @@ def collect_samples(manifest: Manifest) -> tuple[list[tuple[Path, str]], list[Sa
                 " stimulus keys are '<set folder name>/<id>', so rename one folder"
             )
         seen[dataset] = stim_set.path.resolve()
-        every = stim_set.rows()
-        check_set_keys(f"stimuli.{i}", spec.set, dataset, every)   # the writer registers the whole set
-        rows = every[: spec.limit]
+        check_dataset_name(f"stimuli.{i}", spec.set, dataset)
+        rows = stim_set.rows()[: spec.limit]
         tasks = list(rows[0]["prompts"]) if rows else []
         task = spec.task or tasks[0]
         if task not in tasks:
@@ -158,26 +157,14 @@ def collect_samples(manifest: Manifest) -> tuple[list[tuple[Path, str]], list[Sa
     return sets, samples
 
 
-def check_set_keys(where: str, set_path: Any, dataset: str, rows: list[dict[str, Any]]) -> None:
-    """The stimulus keys the writer will register, checked before the workspace is touched: a set
-    whose folder name cannot be a dataset name, or whose rows lack ids or repeat one, would be
-    refused only after the run's row was written, leaving a failed run behind."""
+def check_dataset_name(where: str, set_path: Any, dataset: str) -> None:
+    """The set folder's name is the dataset's in every stimulus key: one the store would refuse is
+    refused here, before the workspace is touched (the store refused it only after the run's row
+    was written, leaving a failed run behind). The set's ids are checked when it is read."""
     try:
         check_name("dataset", dataset)
     except StoreError as err:
         raise ManifestError(f"{where}: the set folder {set_path} names the dataset: {err}; rename the folder") from None
-    ids = [r.get("id") for r in rows]
-    missing = [n for n, x in enumerate(ids) if x is None or (isinstance(x, float) and x != x) or str(x) == ""]
-    if missing:
-        raise ManifestError(f"{where}: {set_path}: {len(missing)} row(s) of truth.parquet have no id (first rows:"
-                            f" {missing[:5]}); every stimulus needs a unique id: write the set again (python -m stimuli)")
-    counts: dict[str, int] = {}
-    for x in ids:
-        counts[str(x)] = counts.get(str(x), 0) + 1
-    repeated = sorted(k for k, n in counts.items() if n > 1)
-    if repeated:
-        raise ManifestError(f"{where}: {set_path}: stimulus ids must be unique within a set, repeated: {repeated[:5]};"
-                            " write the set again (python -m stimuli) or give those rows new ids")
 
 
 def image_sizes(samples: list[Sample]) -> dict[tuple[int, int], Sample]:

@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -245,10 +246,21 @@ def _read_truth(truth_file: Path) -> pa.Table:
 
 
 def _check_values(truth_file: Path, table: pa.Table) -> None:
-    """Values every reader takes as given: a null ``id`` or ``image``, or a seed that is not a whole
-    number (NaN, 1.5), were tracebacks deep in the extraction (a TypeError joining a path, a
-    ValueError converting NaN) after the model had loaded."""
+    """Values every reader takes as given: a null, empty or repeated ``id``, a null ``image``, or a
+    seed that is not a whole number (NaN, 1.5), were tracebacks deep in the extraction (a TypeError
+    joining a path, a ValueError converting NaN) after the model had loaded, or a refusal after the
+    run's row was written."""
     ids = table.column("id").to_pylist()
+    empty = [i for i, v in enumerate(ids) if v is not None and str(v) == ""]
+    if empty:
+        raise StimulusError(f"{truth_file}: {len(empty)} row(s) have an empty id, e.g. row {empty[0]}; every stimulus"
+                            f" has one: the file was edited or is damaged; {_REGENERATE}")
+    counts = Counter(str(v) for v in ids if v is not None)
+    repeated = sorted(k for k, n in counts.items() if n > 1)
+    if repeated:
+        # Stimulus keys are '<set folder>/<id>': a repeated id would make two stimuli one.
+        raise StimulusError(f"{truth_file}: stimulus ids must be unique within a set, repeated: {repeated[:5]}; the"
+                            f" file was edited or is damaged; {_REGENERATE}")
     for column in ("id", "image"):
         nulls = [i for i, v in enumerate(table.column(column).to_pylist()) if v is None]
         if nulls:
