@@ -8,47 +8,44 @@ Nothing else names a family: the CLI, the scorer and the probe targets look it u
 
 from __future__ import annotations
 
-import importlib
-
 from stimuli.base import Family, Score, Stimulus, StimulusError, TaskInputs, Truth, TruthError
+from stimuli.registry import Registry
 
-# The one list of families: name -> module exposing FAMILY. A module is imported the first time
+
+def _check_family(name: str, family: object) -> None:
+    if not isinstance(family, Family) or family.name != name:
+        module = FAMILIES.target(name).partition(":")[0]
+        got = f"a Family named {family.name!r}" if isinstance(family, Family) else repr(family)[:60]
+        raise StimulusError(
+            f"stimulus family {name!r}: module {module} must define FAMILY = Family(name={name!r}, ...), found {got}"
+        )
+
+
+# The one list of families: name -> the module exposing FAMILY. A module is imported the first time
 # its family is asked for, so reading a set of one family never pays for the others' imports.
-FAMILIES = {
-    "g2m": "stimuli.g2m",
-    "go": "stimuli.goboard",
-    "counting": "stimuli.counting_tricks",
-    "spatial": "stimuli.spatial",
-}
+FAMILIES: Registry[Family] = Registry("stimulus family", error=StimulusError, check=_check_family)
+for _name, _module in {"g2m": "stimuli.g2m", "go": "stimuli.goboard", "counting": "stimuli.counting_tricks",
+                       "spatial": "stimuli.spatial"}.items():
+    FAMILIES.add_lazy(_name, f"{_module}:FAMILY")
 
 
 def family_names() -> list[str]:
-    return list(FAMILIES)
+    """The registered families' names, the repository's first."""
+    return FAMILIES.names()
 
 
 def register_family(name: str, module: str) -> None:
     """Add family ``name``, defined by ``FAMILY`` in the importable ``module`` (imported lazily).
 
-    The repository's families are the ``FAMILIES`` entries; this is the same line for a family
+    The repository's families are registered the same way, above; this is the one line for a family
     that lives in a user's own module.
     """
-    if FAMILIES.get(name, module) != module:
-        raise StimulusError(f"stimulus family {name!r} is already registered to {FAMILIES[name]}: pick another name")
-    FAMILIES[name] = module
+    FAMILIES.add_lazy(name, f"{module}:FAMILY")
 
 
 def get_family(name: str) -> Family:
     """The registered family called ``name``."""
-    if name not in FAMILIES:
-        raise StimulusError(f"unknown stimulus family {name!r}: choose one of {', '.join(FAMILIES)}")
-    family = getattr(importlib.import_module(FAMILIES[name]), "FAMILY", None)
-    if not isinstance(family, Family) or family.name != name:
-        got = f"a Family named {family.name!r}" if isinstance(family, Family) else repr(family)[:60]
-        raise StimulusError(
-            f"stimulus family {name!r}: module {FAMILIES[name]} must define FAMILY = Family(name={name!r}, ...),"
-            f" found {got}"
-        )
-    return family
+    return FAMILIES.get(name)
 
 
 __all__ = ["FAMILIES", "Family", "Score", "Stimulus", "StimulusError", "TaskInputs", "Truth", "TruthError",

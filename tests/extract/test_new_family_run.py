@@ -63,7 +63,7 @@ def test_a_one_module_family_runs_through_an_extraction(tiny_dir, tmp_path, monk
     (tmp_path / "mods").mkdir()
     (tmp_path / "mods" / "shade_family.py").write_text(textwrap.dedent(SHADE))
     monkeypatch.syspath_prepend(str(tmp_path / "mods"))
-    monkeypatch.setattr(stimuli, "FAMILIES", dict(stimuli.FAMILIES))
+    monkeypatch.setattr(stimuli, "FAMILIES", stimuli.FAMILIES.copy())
     monkeypatch.delitem(sys.modules, "shade_family", raising=False)
     stimuli.register_family("shade", "shade_family")
 

@@ -79,7 +79,7 @@ FAMILY = Family(name="dots", description="white dots to count", config=Config, g
 @pytest.fixture
 def add_family(tmp_path, monkeypatch):
     """Write a family module into a fresh import folder and register it; undone after the test."""
-    monkeypatch.setattr(stimuli, "FAMILIES", dict(stimuli.FAMILIES))
+    monkeypatch.setattr(stimuli, "FAMILIES", stimuli.FAMILIES.copy())
     folder = tmp_path / "mods"
     # The folder exists before it joins sys.path: an import in between would otherwise cache
     # "no finder" for the missing folder, and the family module written later would not be found.
