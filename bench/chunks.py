@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import record
 from store import ArraySpec, RunInfo, Workspace
 from store.records import ArrayInfo
 
@@ -39,6 +40,9 @@ def _row(ws: Workspace, info: ArrayInfo, requested: int, label: str) -> None:
     bpv = ws.rows("SELECT bytes_per_value FROM v_arrays WHERE zarr_path = ?", [info.zarr_path])[0][0]
     print(f"   {label:<24} {info.n_samples:>6,} {requested:>6} {info.chunk_samples:>6} x {info.n_chunks:<4}"
           f" {bpv:>10.3f} {_disk_bytes(ws, info) / values:>10.3f} {_padded_before(info.n_samples, requested):>10.3f}")
+    record.figure("", f"bytes per value, {label}, n {info.n_samples:,}, chunk_samples {requested}", bpv, "B",
+                  aim="2.000 (float16, no padding)",
+                  setting=f"{info.n_chunks} chunks of {info.chunk_samples}; float16; batches of 8")
 
 
 def _store_only(root: Path, n: int, requested: int) -> tuple[Workspace, ArrayInfo]:

@@ -59,6 +59,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from bench import record
+
 ARCHS = ("qwen2_vl", "llava")
 THREADS = 2
 TAPS = [{"tap": "vision", "layers": [0, -1]}, {"tap": "llm", "layers": [0, -1], "tokens": ["image"]}]
@@ -136,6 +138,9 @@ def overhead(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds:
             bare, agn = median(seconds[(arch, label, "bare")]), median(seconds[(arch, label, "agnosia")])
             print(f"     {label:40s} {median(rs):5.2f}x  (aim <= {aim:.2f}x; rounds "
                   f"{', '.join(f'{x:.2f}' for x in rs)}; median {agn:.2f} s vs {bare:.2f} s)")
+            record.figure("overhead", f"tiny {arch}, {label}", median(rs), "x", aim=f"<= {aim:.2f}x",
+                          setting=f"{n} G2M 224 px samples, {_dtype(device)} on {device}, torch {THREADS} threads;"
+                          f" median of {rounds} interleaved rounds, fresh processes, weights load timed")
     print(f"   load average per round: {'; '.join(loads)}")
 
 
@@ -144,6 +149,8 @@ def memory(root: Path, model: Path, small: Path, large: Path, n: int) -> None:
     a, b = got[0]["peak_mib"], got[1]["peak_mib"]
     print(f"   (2) peak RSS, agnosia prompt-only batch 8, tiny qwen2_vl: {a:.0f} MiB at {n} samples,"
           f" {b:.0f} MiB at {8 * n} -> {b / a:.3f}x (aim <= 1.05x); load average {_load()}")
+    record.figure("memory", f"peak RSS at {8 * n} / at {n} samples", b / a, "x", aim="<= 1.05x",
+                  setting=f"tiny qwen2_vl, prompt-only, batch 8; {a:.0f} MiB at {n} samples")
 
 
 def connects(root: Path, model: Path, stimuli: Path, n: int) -> None:
@@ -152,6 +159,10 @@ def connects(root: Path, model: Path, stimuli: Path, n: int) -> None:
     print(f"   (3) manifest opens: {registering} while a writer registers 4 arrays (one transaction); during a"
           f" whole {n}-sample tiny qwen2_vl run (prompt-only, batch 8, chunks of 64) {run['attaches']} attaches"
           f" (read-write connections) and {run['connects']} duckdb.connect calls (DuckDB instances built)")
+    setting = f"tiny qwen2_vl, {n} samples, prompt-only, batch 8, chunks of 64"
+    record.figure("connects", "manifest opens while registering 4 arrays", registering, "", setting="one transaction")
+    record.figure("connects", "DuckDB instances built in a whole run", run["connects"], "", setting=setting)
+    record.figure("connects", "read-write attaches in a whole run", run["attaches"], "", setting=setting)
 
 
 def _registration_connects(root: Path) -> int:
@@ -225,6 +236,9 @@ def steady(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: i
               f" {', '.join(f'{x:.3f}' for x in per)}); fixed set-up beyond that {median(fixed):.2f} s"
               f" (bare {median(got[(arch, 'bare', n)]):.2f} s at {n}, {median(got[(arch, 'bare', 4 * n)]):.2f} s"
               f" at {4 * n})")
+        record.figure("steady", f"tiny {arch}, each further sample / the bare forward's", median(per), "x",
+                      aim="<= 1.05x", setting=f"prompt-only, batch 8, {n} -> {4 * n} samples; median of {rounds} rounds;"
+                      f" fixed set-up beyond that {median(fixed):.2f} s")
     print(f"   load average per round: {'; '.join(loads)}")
 
 
@@ -242,6 +256,9 @@ def capture_cost(models: dict[str, Path], stimuli: Path, quick: bool, device: st
             extra, forward = 1e3 * got["extra_s"], 1e3 * got["forward_s"]
             print(f"     tiny {arch:8s} batch {batch}: {extra:+.3f} ms over a {forward:.2f} ms forward"
                   f" ({extra / forward:+.1%}; {got['pairs']} pairs of {samples} samples)")
+            record.figure("capture", f"tiny {arch} batch {batch}, capture's cost per batch", extra, "ms",
+                          setting=f"over a {forward:.2f} ms forward, {_dtype(device)} on {device}; median of"
+                          f" {got['pairs']} pairs")
 
 
 def interference(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
@@ -260,6 +277,9 @@ def interference(models: dict[str, Path], stimuli: Path, quick: bool) -> None:
                   f" {c['commits']} in {c['batches']} batches, {1e3 * c['commit_cpu_s'] / max(c['commits'], 1):.1f} ms"
                   f" of CPU each ({1e3 * c['commit_wall_s'] / max(c['commits'], 1):.1f} ms wall),"
                   f" {1e3 * c['commit_cpu_s'] / c['batches']:.2f} ms a batch")
+            f = got["forward"]
+            record.figure("interference", f"tiny {arch} batch {batch}, forward slowed by the writer", 1e3 * f["extra_s"],
+                          "ms", setting=f"over a {1e3 * f['idle_s']:.2f} ms forward; median of {f['pairs']} pairs")
 
 
 def warm(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int, device: str = "cpu") -> None:
@@ -288,6 +308,9 @@ def warm(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int
                   f" median {agn:.2f} s vs {bare_s:.2f} s); each further batch {(agn - agn1) / (bare_s - bare1):.3f}x"
                   f" ({1e3 * ((agn - agn1) - (bare_s - bare1)) / batches:+.2f} ms), set-up with one batch"
                   f" {agn1 - bare1:+.3f} s")
+            record.figure("warm", f"tiny {arch}, {label}", median(rs), "x", aim=f"<= {aim:.2f}x",
+                          setting=f"{n} samples, weights loaded once, {_dtype(device)} on {device};"
+                          f" median of {rounds} rounds; each further batch {(agn - agn1) / (bare_s - bare1):.3f}x")
             if out["forward"] is not None:
                 print(f"         {_split(pairs, out['forward'][label])}")
 
@@ -324,6 +347,8 @@ def arrays(root: Path) -> None:
                 w.finish(partial_ok=True)
             shutil.rmtree(ws.path, ignore_errors=True)
         print(f"     {len(specs):4d} arrays: {1e3 * median(took):7.1f} ms ({', '.join(f'{1e3 * t:.0f}' for t in took)})")
+        record.figure("arrays", f"Writer.arrays, {len(specs)} arrays", 1e3 * median(took), "ms",
+                      setting="a new workspace, 200 samples, chunks of 64; median of 5")
 
 
 def cast() -> None:
@@ -361,6 +386,9 @@ def cast() -> None:
         print(f"     from {kind:8s}: kernel {src.nbytes / k / 2**20:6.0f} MiB/s, numpy {src.nbytes / n / 2**20:6.0f}"
               f" MiB/s ({n / k:.1f}x); one writer thread casts {shape[0] / k / layers:5.1f} vs"
               f" {shape[0] / n / layers:4.1f} samples/s of {layers} layers ({per_sample / 2**20:.0f} MiB each)")
+        record.figure("cast", f"cast to float16 from {kind}, C kernel vs numpy", n / k, "x faster",
+                      setting=f"one batch {shape[0]} x {shape[1]} x {shape[2]}, median of 15 alternated;"
+                      f" kernel {src.nbytes / k / 2**20:.0f} MiB/s")
 
 
 def main(quick: bool = False, samples: int | None = None, rounds: int | None = None, part: str | None = None,

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from bench import record
+
 TOY = Path(__file__).resolve().parents[1] / "lab" / "checkpoints" / "toy-counter"
 
 
@@ -61,3 +63,6 @@ def main(quick: bool) -> None:
     print(f"   head ablation, toy model, {n} boards x {heads} heads: batches of {batch} {t_batched:.2f} s,"
           f" one board at a time {t_single:.2f} s -> {t_single / t_batched:.1f}x faster batched;"
           f" flip masks identical: {got == want}")
+    record.figure("", "head ablation, batched / one board at a time", t_single / t_batched, "x faster",
+                  setting=f"toy model, {n} Go boards x {heads} heads, batches of {batch}, torch 1 thread;"
+                  f" flip masks identical: {got == want}")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import record
+
 
 def _server() -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
@@ -91,3 +93,7 @@ def main(quick: bool) -> None:
     print(f"   {len(rows)} scattered rows (10 %, every chunk): local {sl * 1e3:.1f} ms, s3 {sr * 1e3:.1f} ms,"
           f" ratio {sr / sl:.1f}x; selected {len(rows) * tokens * dim * 2 / 1e6:.1f} MB of {mb:.0f} MB"
           " (ranges < 1 MiB apart share one GET)")
+    setting = f"{n} samples x {tokens} tokens x {dim} fp16 ({mb:.0f} MB), chunks of {chunk}, moto S3 server on loopback"
+    record.figure("", "write+commit, s3 / local", t_wr / t_wl, "x", setting=setting)
+    record.figure("", "full read, s3 / local", fr / fl, "x", setting=setting)
+    record.figure("", "10 % scattered rows, s3 / local", sr / sl, "x", setting=setting)

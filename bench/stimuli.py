@@ -6,6 +6,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import record
 from stimuli import get_family
 from stimuli.g2m import PAPER_GRID_SIZES
 from stimuli.io import write_set
@@ -23,3 +24,6 @@ def main(quick: bool = False) -> None:
         size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"   g2m 512 px, N in {PAPER_GRID_SIZES}: {images} images in {seconds:.1f} s"
           f" = {images / seconds:.0f} images/s, {size / images / 1024:.1f} KiB/image (aim: 1,000 in < 60 s)")
+    setting = f"{images} G2M 512 px images, N in {PAPER_GRID_SIZES}, C=3, written as a set (PNG + Parquet), one process"
+    record.figure("", "write a set", seconds, "s", aim="< 60 s for 1,000", setting=setting)
+    record.figure("", "image size", size / images / 1024, "KiB/image", setting=setting)

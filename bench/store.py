@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import record
 from store import ArraySpec, Generation, RunInfo, TokenSpans, Workspace, db
 
 FAMILIES = ("a", "b", "c", "d")
@@ -135,6 +136,8 @@ def bench_write(x: np.ndarray, tmp: Path, reps: int, batch: int) -> tuple[float,
     print(f"  store writer (codec none)               {mb / st_med:8.0f}    {mb / min(st_times):8.0f}")
     print(f"  store / numpy: median of pair ratios {statistics.median(pairs):.2f}x (pairs {min(pairs):.2f}-"
           f"{max(pairs):.2f}x; best vs best {min(np_times) / min(st_times):.2f}x)   (goal >= 0.8x)")
+    record.figure("write", "store writer / numpy.save + fsync", statistics.median(pairs), "x", aim=">= 0.8x",
+                  setting=f"{x.shape[0]}x{x.shape[1]}x{x.shape[2]} fp16 ({mb:.0f} MB), median of {reps} alternating pairs")
     return np_med, st_med, ws
 
 
@@ -186,6 +189,9 @@ def bench_read(ws: Workspace, npy: Path, n: int) -> None:
     opened, _ = _runs(lambda: Workspace.open(ws.path, readonly=True).read("bench", "llm", 0, tokens="image",
                                                                          index=(0,)), 15)
     warm, _ = _runs(lambda: ws.read("bench", "llm", 0, tokens="image", index=(0,)), 15)
+    setting = f"{len(idx)} of {n} rows selected by SQL, {sel_mb:.0f} MB, page cache warm, best of 5"
+    record.figure("read", "ws.read / memory-mapped .npy", t_mm / t_st, "x", aim=">= 0.5x", setting=setting)
+    record.figure("read", "ws.read(lazy=True) / memory-mapped .npy", t_mm / t_lazy, "x", setting=setting)
     print(f"  Workspace.open + read(index=(0,)), fresh each time: {statistics.median(opened) * 1e3:.1f} ms"
           f" (the read alone on an open workspace {statistics.median(warm) * 1e3:.1f} ms; medians of 15)")
     del mm
@@ -212,6 +218,9 @@ def bench_codecs(x: np.ndarray, tmp: Path, ws: Workspace, np_t: float, st_t: flo
             err = float(np.max(np.abs(y[big] - xf[big]) / np.abs(xf[big])))
         bpv = row["bytes_per_value"]
         print(f"  {codec:<10} {bpv:11.3f}  {2 / bpv:5.2f}  {mb / secs:10.0f}  {err:.2e}")
+        record.figure("codecs", f"bytes per value, {codec}", bpv, "B", aim="<= 2.0" if codec in ("none", "zstd") else "",
+                      setting=f"{x.shape[0]}x{x.shape[1]}x{x.shape[2]} fp16 random activations"
+                      + (f"; max rel. error {err:.1e} at |x| >= 1" if err else ""))
         if codec != "none":
             shutil.rmtree(folder)
     print("  (lossless goal <= 2.0 bytes/value; bitround<k> keeps k mantissa bits, error <= 2^-(k+1))")
@@ -312,3 +321,9 @@ def bench_hold(quick: bool) -> None:
     pairs = [b["cpu"] - a["cpu"] for a, b in zip(got[True], got[False], strict=True)]
     print(f"  CPU per run, new - old: median {statistics.median(pairs):+.3f} s"
           f" ({min(pairs):+.3f} to {max(pairs):+.3f})")
+    setting = (f"{n} samples in batches of 8, {pace * 1e3:.0f} ms a batch, 2 arrays, chunks of 64;"
+               f" a plain client polling every 10 ms; median of {rounds} runs")
+    record.figure("hold", "plain client's longest wait", statistics.median(r["wait"] for r in got[False]), "s",
+                  aim="< 1 s", setting=setting)
+    record.figure("hold", "CPU per run, 0.4 s holds - old hold", statistics.median(pairs), "s",
+                  setting=setting + "; paired, runs alternating")
