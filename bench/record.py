@@ -58,6 +58,7 @@ class Run:
     machine: dict[str, Any]
     loads: dict[str, list[float]] = field(default_factory=dict)  # topic -> 1-min load at start, end
     figures: list[Figure] = field(default_factory=list)
+    note: str = ""  # e.g. where a run's figures were transcribed from, when no file was written then
 
 
 _current: Run | None = None
@@ -144,12 +145,14 @@ def load_runs(results: Path = RESULTS) -> list[Run]:
 
 
 def latest(runs: list[Run]) -> list[tuple[Figure, Run]]:
-    """Each figure (by topic, part, name) from the newest run that holds it, in first-seen order."""
-    newest: dict[tuple[str, str, str], tuple[Figure, Run]] = {}
+    """The figures of each benchmark part (topic, part) from the newest run that measured it, in
+    first-seen order: a figure a benchmark no longer records does not linger from an older run."""
+    newest: dict[tuple[str, str], Run] = {}
     for run in runs:
         for fig in run.figures:
-            newest[(fig.topic, fig.part, fig.name)] = (fig, run)
-    return list(newest.values())
+            newest[(fig.topic, fig.part)] = run
+    return [(fig, run) for (topic, part), run in newest.items()
+            for fig in run.figures if (fig.topic, fig.part) == (topic, part)]
 
 
 def _value(fig: Figure) -> str:
@@ -159,16 +162,29 @@ def _value(fig: Figure) -> str:
 
 
 def table(runs: list[Run]) -> str:
-    """The current figures as a markdown table: each from its newest run, with the run's date,
-    commit, load and setting."""
-    lines = ["| benchmark | figure | value | aim | setting | measured |", "|---|---|---|---|---|---|"]
+    """The current figures as markdown: one row per benchmark part, from the newest run that
+    measured it, then one line per run cited (date, commit, machine, load, note)."""
+    rows: dict[tuple[str, str, str], list[Figure]] = {}
     for fig, run in latest(runs):
-        load = run.loads.get(fig.topic, [])
-        when = (f"{run.started[:16].replace('T', ' ')} UTC, {run.commit[:7] or '?'}{'+' if run.dirty else ''},"
-                f" load {'→'.join(f'{x:.1f}' for x in load) or '?'}, {run.machine.get('cores')} cores"
-                + (f", {run.machine['gpu']}" if run.machine.get("gpu") else ""))
-        label = f"{fig.topic}" + (f" · {fig.part}" if fig.part else "")
-        lines.append(f"| {label} | {fig.name} | **{_value(fig)}** | {fig.aim} | {fig.setting} | {when} |")
+        rows.setdefault((fig.topic, fig.part, run.started), []).append(fig)
+    cited = sorted({started for _, _, started in rows})
+    label = {started: f"R{i + 1}" for i, started in enumerate(cited)}
+    lines = ["| benchmark | figures | aim | setting | run |", "|---|---|---|---|---|"]
+    for (topic, part, started), figs in rows.items():
+        values = "; ".join(f"{f.name} **{_value(f)}**" for f in figs)
+        aims = "; ".join(dict.fromkeys(f.aim for f in figs if f.aim))
+        settings = "; ".join(dict.fromkeys(c for f in figs for c in f.setting.split("; ") if c))  # shared clauses once
+        lines.append(f"| {topic}{f' · {part}' if part else ''} | {values} | {aims} | {settings} | {label[started]} |")
+    by_start = {run.started: run for run in runs}
+    lines.append("")
+    for started in cited:
+        run = by_start[started]
+        loads = "; ".join(f"{t} {'→'.join(f'{x:.1f}' for x in v)}" for t, v in run.loads.items())
+        machine = f"{run.machine.get('cores')} cores, {run.machine.get('cpu') or '?'}" + (
+            f", {run.machine['gpu']}" if run.machine.get("gpu") else "")
+        lines.append(f"- {label[started]}: {started[:16].replace('T', ' ')} UTC, commit {run.commit[:7] or '?'}"
+                     f"{' with uncommitted changes' if run.dirty else ''}; {machine}; load average at start→end:"
+                     f" {loads}" + (f"; {run.note}" if run.note else "") + f"; `{' '.join(run.command)}`")
     return "\n".join(lines)
 
 
