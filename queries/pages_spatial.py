@@ -198,7 +198,7 @@ def g2m_errors_section(ws: Workspace, out: Path, runs: list[str]) -> Section:
                                      " N (white lines: the model's patch grid);"
                                      f" {n_range((c for _, c in found.values()), 'grids per N')}."))
         with_errors = [n for n, m in maps.items() if m.sum() > 0]
-        probe = _probe_error_map(ws, run, max(with_errors)) if with_errors else None
+        probe = probe_error_map(ws, run, max(with_errors)) if with_errors else None
         if probe is not None:
             label, pm, n = probe[0], probe[1], max(with_errors)
             px = _image_px(ws, run, n)
@@ -252,7 +252,7 @@ def _best_spatial_probe(ws: Workspace, run: str, n: int) -> tuple[str, int, str,
     return tap, layer, site, maps
 
 
-def _probe_error_map(ws: Workspace, run: str, n: int) -> tuple[str, np.ndarray] | None:
+def probe_error_map(ws: Workspace, run: str, n: int) -> tuple[str, np.ndarray] | None:
     """The best-scoring spatial probe's per-cell error rate at grid size ``n`` (its recorded
     metrics), averaged over seeds, with a label naming its tap and layer."""
     best = _best_spatial_probe(ws, run, n)

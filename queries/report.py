@@ -24,12 +24,12 @@ from queries.figures import Figure, Page, Section, save_table
 from queries.named import run as run_named
 from queries.pages import modality_attention_share, probes_section, tricks_page
 from queries.pages_counting import COUNT_TARGETS, counting_page, where_lost_sections
-from queries.pages_spatial import _probe_error_map, g2m_page, images_page
+from queries.pages_spatial import g2m_page, images_page, probe_error_map
 from queries.render import format_cell
 from store import StoreError, Workspace
 from store.errors import is_disk_full
 
-__all__ = ["COUNT_TARGETS", "Figure", "Page", "Section", "_probe_error_map", "build_sections",
+__all__ = ["COUNT_TARGETS", "Figure", "Page", "Section", "probe_error_map", "build_sections",
            "modality_attention_share", "where_lost_sections", "write_report"]
 
 

@@ -94,7 +94,7 @@ def test_report_draws_the_error_map(ws, tmp_path):
 
 @pytest.mark.slow
 def test_report_draws_the_probe_map_beside_the_models(ws, tmp_path):
-    from queries.report import _probe_error_map, write_report
+    from queries.report import probe_error_map, write_report
     from store import ProbeResult
 
     # The model fails every 5x5 grid (the largest N with errors): the probe's 5x5 map goes beside it.
@@ -104,8 +104,8 @@ def test_report_draws_the_probe_map_beside_the_models(ws, tmp_path):
         ProbeResult(run="r", tap="vision", layer=layer, target="g2m.matrix", kind="conv_spatial", score=score,
                     seed=0, metric="cell_accuracy", params={"metrics": {"error_maps": {"5": m}}})
         for layer, score, m in ((0, 0.9, bad), (1, 0.99, good))])
-    assert _probe_error_map(ws, "r", 4) is None
-    label, mean = _probe_error_map(ws, "r", 5)
+    assert probe_error_map(ws, "r", 4) is None
+    label, mean = probe_error_map(ws, "r", 5)
     assert label == "r: probe on vision.1 (resid_post)" and mean.sum() == 0.0  # the best layer's map
     index = write_report(ws.path, tmp_path / "report").read_text()
     assert "g2m_errors_0.png" in index and "g2m_errors_1.png" in index
