@@ -102,12 +102,36 @@ _RUN = Param("run", "a run id, or '%' for every run", "'%'")
 
 
 def available() -> dict[str, NamedQuery]:
+    """Every named query: the ``.sql`` files of queries/sql/ and the gap queries of queries/gap.py.
+
+    Returns
+    -------
+    dict[str, NamedQuery]
+        Name -> query, sorted by name.
+    """
     queries = {p.stem: parse(p) for p in SQL_DIR.glob("*.sql")}
     queries |= {i.name: NamedQuery(i.name, Path(gap.__file__), i.description, (_RUN,), i.sql()) for i in gap.INSTANCES}
     return dict(sorted(queries.items()))
 
 
 def get(name: str) -> NamedQuery:
+    """The named query ``name``.
+
+    Parameters
+    ----------
+    name
+        A name of :func:`available` (``python -m queries --list``).
+
+    Returns
+    -------
+    NamedQuery
+        Its SQL, parameters and description.
+
+    Raises
+    ------
+    QueryError
+        No query has that name; the message lists those that exist.
+    """
     queries = available()
     if name not in queries:
         raise QueryError(f"no named query {name!r}: choose one of {', '.join(queries)} (python -m queries --list)")
@@ -137,7 +161,28 @@ def check_out(out: str | Path) -> Path:
 
 
 def run(ws: Workspace, name: str, params: dict[str, str] | None = None) -> pa.Table:
-    """Run a named query on a read-only connection of ``ws``."""
+    """Run a named query on a read-only connection of ``ws``.
+
+    Parameters
+    ----------
+    ws
+        The workspace whose manifest the query reads.
+    name
+        The query's name (:func:`available`).
+    params
+        Values of the query's ``$parameters``, as text; omitted ones take their defaults. A
+        parameter naming a run must match one of the workspace's runs (SQL ``LIKE``).
+
+    Returns
+    -------
+    pyarrow.Table
+        The query's result.
+
+    Raises
+    ------
+    QueryError
+        An unknown query or parameter, a run parameter matching no run, or SQL that fails.
+    """
     query = get(name)
     bound = query.bind(params or {})
     given = [p for p in query.params if p.names_run and p.name in (params or {})]

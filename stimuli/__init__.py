@@ -30,7 +30,13 @@ for _name, _module in {"g2m": "stimuli.g2m", "go": "stimuli.goboard", "counting"
 
 
 def family_names() -> list[str]:
-    """The registered families' names, the repository's first."""
+    """The registered families' names, the repository's first.
+
+    Returns
+    -------
+    list[str]
+        Names :func:`get_family` accepts, in registration order.
+    """
     return FAMILIES.names()
 
 
@@ -39,12 +45,41 @@ def register_family(name: str, module: str) -> None:
 
     The repository's families are registered the same way, above; this is the one line for a family
     that lives in a user's own module.
+
+    Parameters
+    ----------
+    name
+        The family's name, as sets, manifests and the CLI give it.
+    module
+        An importable module defining ``FAMILY = Family(name=name, ...)``; imported on the first
+        :func:`get_family` of ``name``.
+
+    Raises
+    ------
+    StimulusError
+        ``name`` is already registered to another module.
     """
     FAMILIES.add_lazy(name, f"{module}:FAMILY")
 
 
 def get_family(name: str) -> Family:
-    """The registered family called ``name``."""
+    """The registered family called ``name``.
+
+    Parameters
+    ----------
+    name
+        One of :func:`family_names`.
+
+    Returns
+    -------
+    Family
+        Its generator, truth schema, answer scorer and small-set size.
+
+    Raises
+    ------
+    StimulusError
+        No family has that name, or its module does not define a matching ``FAMILY``.
+    """
     return FAMILIES.get(name)
 
 
