@@ -26,8 +26,7 @@ from store import db
 from store.depth import assign_depths
 from store.dtypes import default_stored
 from store.errors import SpecMismatchError, StoreError
-from store.records import ArrayInfo, ArraySpec, RunInfo, check_name, json_object, to_json
-from store.workspace import ARRAY_COLUMNS, array_info_of_row
+from store.records import ARRAY_COLUMNS, ArrayInfo, ArraySpec, RunInfo, array_info_of_row, check_name, json_object, to_json
 from store.writer_core import ArrayHandle, WriterCore, disk_full_names, now
 
 _REGISTER_ROWS = 256  # stimuli per registration transaction of a set
