@@ -166,7 +166,6 @@ class Pipeline:
         for job in jobs:
             job.add_done_callback(done)
 
-
     def _finalize(self) -> None:
         state = self._state
         dropped = len(state.assembling) + len(state.streams)

@@ -44,7 +44,9 @@ The parts, one job each, each owning its state (:mod:`store.writer.state`):
 manifest; stimuli through :mod:`store.writer.stimuli`), :class:`~store.writer.tensors.RunTensors`
 (run tensors), :class:`~store.writer.producer.Producer` (validate and queue),
 :class:`~store.writer.pipeline.Pipeline` (the writer thread: assembly, pwrite, checksums) and
-:class:`~store.writer.committer.Committer` (fsync, upload, the manifest transaction). They share
+:class:`~store.writer.committer.Committer` (fsync, upload, the manifest transaction), with
+:mod:`store.chunks` (the chunk structures and byte-level helpers) and :mod:`store.writer.opening`
+(locks, the remote root's check, leftovers of a killed run). They share
 only what they are given: the run's :class:`~store.writer.context.RunContext`, the
 :class:`~store.writer.context.Failure` slot and the producer's
 :class:`~store.writer.state.Handover` to the thread. :class:`Writer` makes them, owns the locks,
