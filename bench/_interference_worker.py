@@ -76,7 +76,7 @@ def main() -> None:
             w.set_samples([s.key for s in samples])
             handles = dict(zip(specs, w.arrays(list(specs.values())), strict=True))
             commits = [0, 0.0, 0.0]  # count, wall, CPU of the writer thread's commits during the batches
-            real_commit = w._commit
+            real_commit = w._committer.commit
 
             def timed_commit(*args: Any, **kwargs: Any) -> Any:
                 wall, cpu = time.perf_counter(), time.thread_time()
@@ -87,10 +87,10 @@ def main() -> None:
                     commits[1] += time.perf_counter() - wall
                     commits[2] += time.thread_time() - cpu
 
-            w._commit = timed_commit  # type: ignore[method-assign]  # the writer thread looks it up on self
+            w._committer.commit = timed_commit  # type: ignore[method-assign]  # the writer thread looks it up on the committer
 
             def quiet(j: int) -> float:
-                while not w._queue.empty():  # the writer's last hand-over done, then a moment for its tail
+                while not w._handover.queue.empty():  # the writer's last hand-over done, then a moment for its tail
                     time.sleep(0.001)
                 time.sleep(0.003)
                 started = time.perf_counter()

@@ -292,7 +292,7 @@ _TEMP = count()  # unique temporary names within the process (threads of one pid
 def _put(path: Path, data: bytes, *, exclusive: bool = False) -> None:
     """Write ``path`` whole or not at all, as zarr's LocalStore does: a temporary file, then a
     rename (``exclusive``: a link, which leaves an existing file as it is). The temporary name
-    ends ``.<pid>.partial``, so a writer removes one a killed process left (store/writer.py)."""
+    ends ``.<pid>.partial``, so a writer removes one a killed process left (store/writer/opening.py)."""
     tmp = path.with_name(f"{path.name}.{next(_TEMP)}.{os.getpid()}.partial")
     try:
         tmp.write_bytes(data)

@@ -5,7 +5,7 @@ byte range of a temporary file, sealed when every row has arrived); any other ch
 :class:`Assembly` (a block filled in memory, written whole). Either becomes a
 :class:`ChunkRecord` that the committer fsyncs and records. CRC-32C, NaN/inf counts and the
 seal run on the writer's I/O lanes, off the writer thread (a small stream's counts on the
-writer thread: :mod:`store.pipeline`).
+writer thread: :mod:`store.writer.pipeline`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from store.checksum import crc32c
 from store.dtypes import count_nonfinite
 
 if TYPE_CHECKING:
-    from store.writer import ArrayHandle
+    from store.writer.handles import ArrayHandle
 
 FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 

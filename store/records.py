@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from typing import Any, Literal
@@ -299,6 +299,23 @@ class ArrayInfo:
 
     def key(self) -> str:
         return f"{self.run}:{self.tap}/{self.layer}/{self.site}/{self.tokens}"
+
+
+# The columns of an ``activations`` row, in the order :func:`array_info_of_row` reads them.
+ARRAY_COLUMNS = (
+    "run, tap, layer, site, tokens, module, zarr_path, layout, shape, dims, chunk_samples, n_chunks,"
+    " dtype, stored_dtype, codec, values_per_row, bytes"
+)
+
+
+def array_info_of_row(row: Sequence[Any]) -> ArrayInfo:
+    """The :class:`ArrayInfo` of an ``activations`` row selected as :data:`ARRAY_COLUMNS`."""
+    return ArrayInfo(
+        run=row[0], tap=row[1], layer=int(row[2]), site=row[3], tokens=row[4], module=row[5], zarr_path=row[6],
+        layout=row[7], shape=tuple(int(s) for s in row[8]), dims=tuple(row[9]), chunk_samples=int(row[10]),
+        n_chunks=int(row[11]), dtype=row[12], stored_dtype=row[13], codec=row[14], values_per_row=int(row[15]),
+        bytes=int(row[16]),
+    )
 
 
 @dataclass(frozen=True)

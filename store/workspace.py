@@ -42,7 +42,7 @@ from store.errors import (
 )
 from store.location import ArrayRoot
 from store.maintenance import WorkspaceWrites
-from store.records import ArrayInfo, RunInfo, Selection
+from store.records import ARRAY_COLUMNS, ArrayInfo, RunInfo, Selection, array_info_of_row
 
 if TYPE_CHECKING:
     from store.ahead import ManifestAhead
@@ -53,26 +53,12 @@ ENV_VAR = "AGNOSIA_DATA"
 DEFAULT_PATH = "data"
 MANIFEST = "manifest.duckdb"
 
-ARRAY_COLUMNS = (
-    "run, tap, layer, site, tokens, module, zarr_path, layout, shape, dims, chunk_samples, n_chunks,"
-    " dtype, stored_dtype, codec, values_per_row, bytes"
-)
-
 
 def resolve_path(path: str | os.PathLike[str] | None = None) -> Path:
     """--data PATH wins, then $AGNOSIA_DATA, then ./data."""
     if path is not None and str(path) != "":
         return Path(path)
     return Path(os.environ.get(ENV_VAR) or DEFAULT_PATH)
-
-
-def array_info_of_row(row: Sequence[Any]) -> ArrayInfo:
-    return ArrayInfo(
-        run=row[0], tap=row[1], layer=int(row[2]), site=row[3], tokens=row[4], module=row[5], zarr_path=row[6],
-        layout=row[7], shape=tuple(int(s) for s in row[8]), dims=tuple(row[9]), chunk_samples=int(row[10]),
-        n_chunks=int(row[11]), dtype=row[12], stored_dtype=row[13], codec=row[14], values_per_row=int(row[15]),
-        bytes=int(row[16]),
-    )
 
 
 class Workspace(WorkspaceWrites):

@@ -109,22 +109,22 @@ def test_a_resume_never_leaves_a_committed_run_tensor_half_rewritten(tmp_path, m
     assert (chunk.stat().st_ino, chunk.stat().st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
     assert ws.verify().ok
 
-    from store import writer as writer_mod
+    from store import arrays as layout
 
-    real = writer_mod.layout.fsync_node_chains
+    real = layout.fsync_node_chains
 
     def dies(workspace, zarr_paths, pool=None, files=()):
         if any("_tensors" in p for p in zarr_paths):
             raise KeyboardInterrupt("killed while rewriting the tensor")
         return real(workspace, zarr_paths, pool, files)
 
-    monkeypatch.setattr(writer_mod.layout, "fsync_node_chains", dies)
+    monkeypatch.setattr(layout, "fsync_node_chains", dies)
     with pytest.raises(KeyboardInterrupt), ws.writer(info) as w:
         w.write_tensor("lm_head.weight", weight * 2)
     rep = ws.verify()
     assert rep.ok, rep.problems
     assert ws.rows("SELECT count(*) FROM tensors") == [(0,)]
-    monkeypatch.setattr(writer_mod.layout, "fsync_node_chains", real)
+    monkeypatch.setattr(layout, "fsync_node_chains", real)
     with ws.writer(info) as w:
         w.write_tensor("lm_head.weight", weight * 2)
     np.testing.assert_array_equal(ws.read_tensor("r", "lm_head.weight"), weight * 2)

@@ -15,7 +15,7 @@ from storetest_lib import TOKENS, dense_values, stimulus_rows
 from store import ArraySpec, RunInfo, Shard, Workspace, size_estimate
 from store import arrays as layout
 from store.records import ArrayInfo, chunk_size
-from store.registration import _insert_arrays
+from store.writer.run_manifest import insert_arrays
 
 
 @pytest.mark.parametrize(("n", "requested", "batch", "size"), [
@@ -82,7 +82,7 @@ def _old_layout_run(ws: Workspace, info: RunInfo, n: int) -> ArrayInfo:
                     values_per_row=TOKENS * 8, bytes=0)
     con = duckdb.connect(str(ws.manifest_path))
     try:
-        _insert_arrays(con, [old])
+        insert_arrays(con, [old])
     finally:
         con.close()
     return old

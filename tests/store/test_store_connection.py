@@ -168,9 +168,9 @@ def test_a_batch_is_one_hand_over_to_the_writer_thread_and_a_bad_part_queues_non
         w.set_samples(w.register_stimuli(stimulus_rows(8), dataset="d"))
         handles = w.arrays(_specs())
         puts: list[str] = []
-        real_put = w._queue.put
-        w._queue.put = lambda item, *a, **k: (puts.append(item[0] if isinstance(item, tuple) else "stop"),  # type: ignore[method-assign]
-                                              real_put(item, *a, **k))[1]
+        real_put = w._handover.queue.put
+        w._handover.queue.put = lambda item, *a, **k: (  # type: ignore[method-assign]
+            puts.append(item[0] if isinstance(item, tuple) else "stop"), real_put(item, *a, **k))[1]
         spans = [TokenSpans(seq_len=9, image_start=1, image_count=TOKENS) for _ in range(4)]
         w.write_batch(0, {h: dense_values(range(4)) for h in handles}, tokens=spans,
                       generations=[Generation(text=str(i)) for i in range(4)])

@@ -278,24 +278,24 @@ def test_run_tensors_written_together_land_together(tmp_path, monkeypatch):
     """A writer killed while writing the second of two tensors' files leaves neither row; the next
     writer writes both."""
     from store import RunInfo
-    from store.tensors import Tensors
+    from store.writer.tensors import RunTensors
 
     ws = Workspace.open(tmp_path / "ws")
     info = RunInfo(run="r", model="m")
     weight, norm = np.ones((6, 4), dtype=np.float32), np.full(4, 2.0, dtype=np.float32)
-    real = Tensors._write_tensor_files
+    real = RunTensors._write_tensor_files
 
     def dies_on_the_norm(self, t):
         if t.name == "final_norm.weight":
             raise KeyboardInterrupt("killed while writing the second tensor")
         return real(self, t)
 
-    monkeypatch.setattr(Tensors, "_write_tensor_files", dies_on_the_norm)
+    monkeypatch.setattr(RunTensors, "_write_tensor_files", dies_on_the_norm)
     with pytest.raises(KeyboardInterrupt), ws.writer(info) as w:
         w.write_tensors({"lm_head.weight": weight, "final_norm.weight": norm})
     assert ws.rows("SELECT count(*) FROM tensors") == [(0,)]
     assert ws.verify().ok
-    monkeypatch.setattr(Tensors, "_write_tensor_files", real)
+    monkeypatch.setattr(RunTensors, "_write_tensor_files", real)
     with ws.writer(info) as w:
         w.write_tensors({"lm_head.weight": weight, "final_norm.weight": norm})
     assert np.array_equal(ws.read_tensor("r", "final_norm.weight"), norm)
@@ -377,7 +377,7 @@ def test_array_bytes_are_the_sum_of_their_chunks_and_a_retried_commit_adds_nothi
     from datetime import datetime
 
     from store import db
-    from store.committer import _insert_chunks
+    from store.writer.committer import _insert_chunks
 
     ws = _copy(written, tmp_path)
     totals = ws.rows("SELECT a.zarr_path, a.bytes, sum(c.nbytes) FROM activations a JOIN chunks c USING (run, zarr_path)"
@@ -413,9 +413,9 @@ def test_a_stimulus_digest_is_the_sha1_of_its_fields_canonical_json(tmp_path, ro
     import json
 
     from store.records import _json_default
-    from store.registration import _STIMULUS_FIELDS
+    from store.writer.stimuli import STIMULUS_FIELDS
 
-    content = {k: row.get(k) for k in ("id", *_STIMULUS_FIELDS)}
+    content = {k: row.get(k) for k in ("id", *STIMULUS_FIELDS)}
     ws = Workspace.open(tmp_path / "ws")
     with ws.writer(RunInfo(run="r", model="none")) as w:
         w.register_stimuli([row], dataset="d")

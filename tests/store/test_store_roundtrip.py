@@ -23,11 +23,11 @@ torch = pytest.importorskip("torch")
 @pytest.fixture(params=["inline", "lanes"])
 def stats_path(request, monkeypatch):
     """A small stream's checksums and NaN/inf counts run on the writer thread; a big one's on the
-    I/O lanes (store/pipeline.py ``_INLINE_STATS_BYTES``): both paths, whatever the batch size."""
-    import store.pipeline
+    I/O lanes (store/writer/pipeline.py ``_INLINE_STATS_BYTES``): both paths, whatever the batch size."""
+    import store.writer.pipeline
 
     if request.param == "lanes":
-        monkeypatch.setattr(store.pipeline, "_INLINE_STATS_BYTES", 0)
+        monkeypatch.setattr(store.writer.pipeline, "_INLINE_STATS_BYTES", 0)
     return request.param
 
 

@@ -14,40 +14,75 @@ from typing import Any
 from store import arrays as layout
 from store import db
 from store.chunks import ChunkRecord
-from store.writer_core import WriterCore, now, unstage
+from store.writer.context import RunContext, now, unstage
+from store.writer.run_manifest import RunManifest
+from store.writer.state import CommitState
 
 
-class Committer(WriterCore):
-    """``_commit`` of the writer thread: everything pending, in one transaction."""
+class Committer:
+    """What awaits the next manifest transaction of the writer thread, and that transaction."""
 
-    def _commit(self, timeout: float, finish: bool | None = None) -> None:
+    def __init__(self, ctx: RunContext, runs: RunManifest, state: CommitState) -> None:
+        self._ctx = ctx
+        self._runs = runs
+        self._state = state
+
+    # ------------------------------------------------------------------ what the writer thread hands over
+
+    def add_chunk(self, rec: ChunkRecord) -> None:
+        """A chunk written (its checksums perhaps still running), to commit."""
+        self._state.chunks.append(rec)
+
+    def add_tokens(self, rows: list[dict[str, Any]]) -> None:
+        self._state.tokens.extend(rows)
+
+    def add_generations(self, rows: list[dict[str, Any]]) -> None:
+        self._state.generations.extend(rows)
+
+    def has_pending(self) -> bool:
+        st = self._state
+        return bool(st.chunks or st.tokens or st.generations)
+
+    def has_chunks(self) -> bool:
+        """Whether a chunk awaits its commit (records alone may wait longer: they only show progress)."""
+        return bool(self._state.chunks)
+
+    @property
+    def last_commit(self) -> float:
+        """When (time.monotonic) the last commit landed, or the committer was made."""
+        return self._state.last_commit
+
+    # ------------------------------------------------------------------ the transaction
+
+    def commit(self, timeout: float, finish: bool | None = None) -> None:
         """One short transaction for everything pending; ``finish`` (partial_ok) also closes the run."""
+        ctx, st = self._ctx, self._state
         started = time.perf_counter()
-        chunks = list(self._pending_chunks)
-        tokens = list(self._pending_tokens)
-        gens = list(self._pending_generations)
+        chunks = list(st.chunks)
+        tokens = list(st.tokens)
+        gens = list(st.generations)
         stats = [rec.written.result() for rec in chunks]
         files = self._make_durable(chunks)
         at = now()
         began = False
         try:
-            with self._write_connection(timeout) as con:
+            with ctx.connection(timeout) as con:
                 con.execute("BEGIN TRANSACTION")
                 began = True
                 try:
                     if chunks:
-                        _insert_chunks(con, self.run, chunks, stats, at, may_exist=self._commit_failed)
+                        _insert_chunks(con, ctx.run, chunks, stats, at, may_exist=st.commit_failed)
                     if tokens:
-                        _update_tokens(con, self.run, tokens)
+                        _update_tokens(con, ctx.run, tokens)
                     if gens:
-                        _replace_generations(con, self.run, gens, fresh=self._fresh(gens))
+                        _replace_generations(con, ctx.run, gens, fresh=self._fresh(gens))
                     if finish is not None and (finish or self._run_complete(con, chunks)):
                         con.execute(
                             "UPDATE runs SET status = 'finished', finished_at = ?, updated_at = ? WHERE run = ?",
-                            [at, at, self.run],
+                            [at, at, ctx.run],
                         )
                     else:
-                        con.execute("UPDATE runs SET updated_at = ? WHERE run = ?", [at, self.run])
+                        con.execute("UPDATE runs SET updated_at = ? WHERE run = ?", [at, ctx.run])
                     con.execute("COMMIT")
                 except BaseException:
                     db.rollback(con)  # keeps the failed statement's error (e.g. a full disk), not ROLLBACK's
@@ -56,29 +91,30 @@ class Committer(WriterCore):
             if began:
                 # A COMMIT that failed, or whose connection failed after it, may have landed: its rows
                 # may be there when they are committed again, so replace and skip from now on.
-                self._generated = None
-                self._commit_failed = True
+                st.generated = None
+                st.commit_failed = True
             raise
         for rec in chunks:
             rec.handle.committed.add(rec.chunk)
-        if self._generated is not None:
-            self._generated.update(g["stimulus"] for g in gens)
-        if self.ws.root.remote:
+        if st.generated is not None:
+            st.generated.update(g["stimulus"] for g in gens)
+        if ctx.ws.root.remote:
             unstage(files)
-        del self._pending_chunks[: len(chunks)]
-        del self._pending_tokens[: len(tokens)]
-        del self._pending_generations[: len(gens)]
-        self._last_commit = time.monotonic()
-        self.stats.commits += 1
-        self.stats.commit_s += time.perf_counter() - started
+        del st.chunks[: len(chunks)]
+        del st.tokens[: len(tokens)]
+        del st.generations[: len(gens)]
+        st.last_commit = time.monotonic()
+        ctx.stats.commits += 1
+        ctx.stats.commit_s += time.perf_counter() - started
 
     def _fresh(self, gens: list[dict[str, Any]]) -> bool:
         """Whether ``gens`` are all first rows: a new run's stimuli this writer has not committed,
         each once."""
-        if self._generated is None:
+        generated = self._state.generated
+        if generated is None:
             return False
         stimuli = {g["stimulus"] for g in gens}
-        return len(stimuli) == len(gens) and self._generated.isdisjoint(stimuli)
+        return len(stimuli) == len(gens) and generated.isdisjoint(stimuli)
 
     def _make_durable(self, chunks: list[ChunkRecord]) -> list[Any]:
         """fsync every file of ``chunks``, then every folder entry; upload them to a remote root.
@@ -86,26 +122,26 @@ class Committer(WriterCore):
         # Concurrent fsyncs let the file system group them into fewer journal commits.
         files = list(dict.fromkeys(f for rec in chunks for f in rec.files))
         if len(files) > 1:
-            list(self._syncers.map(layout.fsync_path, files))
+            list(self._ctx.syncers.map(layout.fsync_path, files))
         elif files:
             layout.fsync_path(files[0])
         for folder in dict.fromkeys(d for rec in chunks for d in rec.dirs):
             layout.fsync_path(folder)
         # An object store shows an object only once it is whole: uploaded, then committed.
-        self._upload(lambda: self.ws.root.upload(files))
+        self._ctx.upload(lambda: self._ctx.ws.root.upload(files))
         return files
 
     def _run_complete(self, con: Any, chunks: list[ChunkRecord]) -> bool:
         """Whether every chunk of the run is committed once ``chunks`` are (asked of the manifest
         for a shard, whose peers commit the chunks it does not own)."""
-        if self._missing(chunks):
+        if self._runs.missing(chunks):
             return False
-        if self.shard is None:
+        if self._ctx.shard is None:
             return True
         row = con.execute(
             "SELECT count(*) FROM activations a WHERE a.run = ? AND a.n_chunks >"
             " (SELECT count(*) FROM chunks c WHERE c.run = a.run AND c.zarr_path = a.zarr_path)",
-            [self.run],
+            [self._ctx.run],
         ).fetchone()
         return not (row and row[0])
 

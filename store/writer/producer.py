@@ -1,43 +1,52 @@
 """The producer side of the writer: validate a batch, then queue it; never touch the disk.
 
 ``write*`` check shapes and rows on the caller's thread and hand the batch to the writer thread
-through a queue bounded in bytes; ``flush``/``finish`` wait until what was queued is committed.
+through a queue bounded in bytes (:class:`store.writer.state.Handover`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from store.dtypes import as_numpy
-from store.errors import StoreError, WriterError
+from store.errors import StoreError
 from store.records import Generation, Ragged, TokenSpans, to_json
-from store.writer_core import ArrayHandle, WriterCore, now
+from store.writer.context import Failure, RunContext, now
+from store.writer.handles import ArrayHandle
+from store.writer.run_manifest import RunManifest
+from store.writer.state import Handover
 
 
-class Producer(WriterCore):
-    """What the extraction stage calls while it runs the model."""
+class Producer:
+    """What the extraction stage calls while it runs the model: checked batches onto the queue."""
+
+    def __init__(self, ctx: RunContext, runs: RunManifest, handover: Handover, failure: Failure) -> None:
+        self._ctx = ctx
+        self._runs = runs
+        self._handover = handover
+        self._failure = failure
 
     def todo(self) -> list[range]:
         """Row ranges not yet committed in every declared array (declare all arrays first).
 
         Ranges are unions of whole chunks, so writing them in order fills whole blocks.
         """
-        n = self.n_samples
-        if not self._handles and self.shard is None:
+        n = self._runs.n_samples
+        handles = self._runs.handles()
+        if not handles and self._ctx.shard is None:
             return [range(0, n)]
         need = np.zeros(n, dtype=bool)
-        if not self._handles:
-            size = self._chunk_for(self.info.chunk_samples)  # what the shard's arrays will be chunked by
+        if not handles:
+            size = self._runs.chunk_for(self._ctx.info.chunk_samples)  # what the shard's arrays will be chunked by
             for k in range(-(-n // size)):
-                if self.owns(k):
+                if self._ctx.owns(k):
                     need[k * size : min((k + 1) * size, n)] = True
-        for h in self._handles.values():
+        for h in handles:
             for k in range(h.info.n_chunks):
-                if k not in h.committed and self.owns(k):
+                if k not in h.committed and self._ctx.owns(k):
                     r = h.info.chunk_rows(k)
                     need[r.start : r.stop] = True
         out, i = [], 0
@@ -54,22 +63,18 @@ class Producer(WriterCore):
 
     def write(self, handle: ArrayHandle, start: int, values: Any) -> None:
         """Queue rows ``start .. start+len(values)`` of a dense array (numpy or torch, any device)."""
-        self._check_open()
         self._put(*self._dense_item(handle, start, values))
 
     def write_ragged(self, handle: ArrayHandle, start: int, values: Sequence[Any] | Ragged) -> None:
         """Queue variable-length rows: ``values[i]`` (shape [n_i, *row_shape]) belongs to row start+i."""
-        self._check_open()
         self._put(*self._ragged_item(handle, start, values))
 
     def record_tokens(self, start: int, spans: Sequence[TokenSpans]) -> None:
         """Queue the token spans of rows ``start .. start+len(spans)``."""
-        self._check_open()
         self._put(*self._tokens_item(start, spans))
 
     def record_generations(self, start: int, generations: Sequence[Generation]) -> None:
         """Queue what the model generated for rows ``start .. start+len(generations)``."""
-        self._check_open()
         self._put(*self._generations_item(start, generations))
 
     def write_batch(
@@ -82,7 +87,6 @@ class Producer(WriterCore):
     ) -> None:
         """One model batch: records first, then arrays, so a committed chunk implies its records are.
         Queued as one item: one hand-over to the writer thread per batch, not one per array."""
-        self._check_open()
         parts = []
         if tokens is not None:
             parts.append(self._tokens_item(start, tokens))
@@ -149,71 +153,42 @@ class Producer(WriterCore):
 
     def _generations_item(self, start: int, generations: Sequence[Generation]) -> tuple[tuple[Any, ...], int]:
         self._check_rows(start, len(generations))
-        stimuli = self._stimuli or []
+        stimuli = self._runs.stimuli or []
         at = now()
         rows = []
         for i, g in enumerate(generations):
             if not isinstance(g, Generation):
                 raise StoreError(f"record_generations takes Generation, got {type(g).__name__} at row {start + i}")
             rows.append({
-                "run": self.run, "stimulus": stimuli[start + i], "array_row": start + i, "text": g.text,
+                "run": self._ctx.run, "stimulus": stimuli[start + i], "array_row": start + i, "text": g.text,
                 "prediction": to_json(g.prediction), "parse_ok": g.parse_ok, "correct": g.correct,
                 "score": None if g.score is None else float(g.score), "metrics": to_json(g.metrics),
                 "n_tokens": g.n_tokens, "recorded_at": at, "stop_reason": g.stop_reason, "answer_kind": g.kind,
             })
         return ("generations", rows), 0
 
-    def flush(self) -> None:
-        """Block until everything queued so far is durable and committed to the manifest."""
-        self._check_open()
-        done = threading.Event()
-        self._queue.put(("flush", done, None))
-        self._wait(done)
-        self._raise_if_failed()
-
-    def finish(self, *, partial_ok: bool = False) -> None:
-        """Flush and, if every chunk of every declared array is committed, mark the run finished
-        (in the same transaction as the last chunks)."""
-        self._check_open()
-        done = threading.Event()
-        self._queue.put(("flush", done, {"partial_ok": partial_ok}))
-        self._wait(done)
-        self._raise_if_failed()
-        missing = self._missing()
-        if missing and not partial_ok:
-            listed = ", ".join(f"{k} ({v} chunks)" for k, v in list(missing.items())[:5])
-            raise StoreError(
-                f"run {self.run} is not complete: {sum(missing.values())} chunk(s) not written in {listed}."
-                " Write the rows todo() names, or pass partial_ok=True to finish anyway"
-            )
-        self._finished = True
-
-    def _wait(self, done: threading.Event) -> None:
-        while not done.wait(0.5):
-            if not self._thread.is_alive():
-                raise WriterError(f"the background writer of run {self.run} stopped unexpectedly") from self._error
-
     def _check_handle(self, handle: ArrayHandle) -> None:
-        if not isinstance(handle, ArrayHandle) or handle.writer_id != id(self):
+        if not self._runs.declared(handle):
             raise StoreError("write takes an ArrayHandle returned by this writer's array(spec)")
 
     def _check_rows(self, start: int, count: int) -> None:
-        n = self.n_samples
+        n = self._runs.n_samples
         if count < 1 or start < 0 or start + count > n:
             raise StoreError(
                 f"rows [{start}, {start + count}) must lie inside the run's {n} samples [0, {n}) and be non-empty"
             )
-        if self.shard is not None:
-            size = self._chunk_for(self.info.chunk_samples)  # every array of a sharded run has it
-            foreign = [k for k in range(start // size, (start + count - 1) // size + 1) if not self.shard.owns(k)]
+        shard = self._ctx.shard
+        if shard is not None:
+            size = self._runs.chunk_for(self._ctx.info.chunk_samples)  # every array of a sharded run has it
+            foreign = [k for k in range(start // size, (start + count - 1) // size + 1) if not shard.owns(k)]
             if foreign:
                 raise StoreError(
                     f"rows [{start}, {start + count}) reach chunk(s) {foreign[:5]} of another shard (this is shard"
-                    f" {self.shard}, chunks of {size} samples): write only the rows todo() names"
+                    f" {shard}, chunks of {size} samples): write only the rows todo() names"
                 )
 
     def _put(self, item: tuple[Any, ...], nbytes: int) -> None:
-        self._mark_running()
-        self.stats.producer_wait_s += self._budget.take(nbytes, self._abort)
-        self._raise_if_failed()
-        self._queue.put((*item, nbytes))
+        self._runs.mark_running()
+        self._ctx.stats.producer_wait_s += self._handover.budget.take(nbytes, self._failure.abort)
+        self._failure.raise_if_failed()
+        self._handover.queue.put((*item, nbytes))
