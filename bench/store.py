@@ -260,14 +260,12 @@ def paced_run(folder: Path, n: int, pace: float, old_hold: bool) -> dict[str, fl
                               stdout=subprocess.PIPE, text=True)
     assert poller.stdout is not None and poller.stdout.readline().strip() == "ready"
     x = make_data(n, 16, 64)
-    compact_max = db.COMPACT_MAX_BYTES
+    settings = db.COMPACT_MAX_BYTES, db.HOLD_S, db.MAX_HOLD_S
     cpu, wall = time.process_time(), time.perf_counter()
     try:
-        if old_hold:
-            db.COMPACT_MAX_BYTES = 0  # the close then skips the rewrite, as before
+        if old_hold:  # no rewrite at the close; let go after 6 s idle or 10 s held, as before
+            db.COMPACT_MAX_BYTES, db.HOLD_S, db.MAX_HOLD_S = 0, 6.0, 10.0
         w = ws.writer(RunInfo(run="hold", model="synthetic", chunk_samples=64, batch_size=8))
-        if old_hold:
-            w._manifest.idle_s, w._manifest.max_hold_s = 6.0, 10.0
         with w:
             w.set_samples(w.register_stimuli(stimuli_rows(n), dataset="bench"))
             arrays = w.arrays([ArraySpec(tap="llm", layer=k, tokens="image", shape=x.shape[1:], dtype="float16")
@@ -284,12 +282,12 @@ def paced_run(folder: Path, n: int, pace: float, old_hold: bool) -> dict[str, fl
             closing = time.perf_counter()
         closed = time.perf_counter()
     finally:
-        db.COMPACT_MAX_BYTES = compact_max
+        db.COMPACT_MAX_BYTES, db.HOLD_S, db.MAX_HOLD_S = settings
         stop.touch()
         out, _ = poller.communicate(timeout=60)
     waits = [json.loads(line) for line in out.splitlines()]
     return {"wall": closed - wall, "cpu": time.process_time() - cpu, "close": closed - closing,
-            "opens": w._manifest.connects, "commits": w.stats.commits, "wait": max(waits),
+            "opens": w.manifest_opens, "commits": w.stats.commits, "wait": max(waits),
             "manifest": ws.manifest_path.stat().st_size}
 
 

@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ _READER_YIELD_S = 1.0
 # a gap within a second, with ~0.4 s to spare for a loaded machine.
 PLAIN_READER_WAIT_S = 1.0
 HOLD_S = 0.4
+MAX_HOLD_S = HOLD_S  # a held connection's default limits, read when it is made: see HeldConnection
 REST_S = 0.15
 _RELEASE_TICK_S = 0.05  # how often the releasing thread looks at the held connections
 # A writer's last close rewrites the manifest compactly (HeldConnection.close): ~50 ms for the
@@ -90,6 +92,16 @@ COMPACT_WAIT_S = 2.0
 _locks: dict[str, threading.RLock] = {}
 _locks_guard = threading.Lock()
 _held: dict[str, HeldConnection] = {}  # the open held connection of each file, by resolved path
+@dataclass
+class Opens:
+    """How often this process opened manifests: DuckDB instances built (each ~10-40 ms: its catalogue)
+    and attaches of a manifest to the shared instance (~1 ms). Figures for benchmarks and tests."""
+
+    instances: int = 0
+    attaches: int = 0
+
+
+OPENS = Opens()
 _shared: tuple[int, duckdb.DuckDBPyConnection] | None = None  # (pid, the in-memory DuckDB manifests attach to)
 _shared_guard = threading.Lock()
 _releaser: threading.Thread | None = None  # lets go of held connections on time (see _watch_held)
@@ -172,6 +184,7 @@ def _open(path: Path, read_only: bool, deadline: float, timeout: float,
         while True:
             try:
                 if read_only and not internal:
+                    OPENS.instances += 1
                     return duckdb.connect(str(path), read_only=True, config=READ_ONLY_CONFIG)
                 return _attach(path, read_only)
             except duckdb.Error as err:
@@ -204,6 +217,7 @@ def _shared_instance() -> duckdb.DuckDBPyConnection:
     global _shared
     with _shared_guard:
         if _shared is None or _shared[0] != os.getpid():
+            OPENS.instances += 1
             _shared = (os.getpid(), duckdb.connect(":memory:", config=WRITE_CONFIG))
         return _shared[1]
 
@@ -234,6 +248,7 @@ def _attach(path: Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
     """A connection of the shared instance whose default database is ``path``. ``IF NOT EXISTS``:
     a manifest a failed close left attached is this process's still, and is reused."""
     con = _shared_instance().cursor()
+    OPENS.attaches += 1
     alias = _alias(path, read_only)
     quoted = str(path).replace("'", "''")
     try:
@@ -292,10 +307,11 @@ class HeldConnection:
     that needs the file held says so.
     """
 
-    def __init__(self, path: Path, *, idle_s: float = HOLD_S, max_hold_s: float = HOLD_S) -> None:
+    def __init__(self, path: Path, *, idle_s: float | None = None, max_hold_s: float | None = None) -> None:
         self.path = path
         self._key = _key(path)
-        self.idle_s, self.max_hold_s = idle_s, max_hold_s
+        self.idle_s = HOLD_S if idle_s is None else idle_s
+        self.max_hold_s = MAX_HOLD_S if max_hold_s is None else max_hold_s
         self.connects = 0  # how often it had to open the file (a figure for benchmarks and tests)
         self._con: duckdb.DuckDBPyConnection | None = None
         self._opened = self._used = 0.0

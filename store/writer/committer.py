@@ -57,7 +57,7 @@ class Committer:
     def commit(self, timeout: float, finish: bool | None = None) -> None:
         """One short transaction for everything pending; ``finish`` (partial_ok) also closes the run."""
         ctx, st = self._ctx, self._state
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         chunks = list(st.chunks)
         tokens = list(st.tokens)
         gens = list(st.generations)
@@ -106,6 +106,7 @@ class Committer:
         st.last_commit = time.monotonic()
         ctx.stats.commits += 1
         ctx.stats.commit_s += time.perf_counter() - started
+        ctx.stats.commit_cpu_s += time.thread_time() - cpu
 
     def _fresh(self, gens: list[dict[str, Any]]) -> bool:
         """Whether ``gens`` are all first rows: a new run's stimuli this writer has not committed,

@@ -33,6 +33,7 @@ class WriterStats:
     bytes_written: int = 0
     commits: int = 0
     commit_s: float = 0.0
+    commit_cpu_s: float = 0.0              # CPU of the committing thread in those commits
     producer_wait_s: float = 0.0
     partial_chunks_dropped: int = 0
     upload_s: float = 0.0                  # time spent uploading to a remote array root

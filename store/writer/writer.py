@@ -246,6 +246,16 @@ class Writer:
         self._check_open()
         self._producer.write_batch(start, arrays, tokens=tokens, generations=generations)
 
+    @property
+    def manifest_opens(self) -> int:
+        """How often this writer had to open the manifest: once, plus once after each let-go of its
+        hold (store/db.py, ``HOLD_S``)."""
+        return self._manifest.connects
+
+    def pending(self) -> int:
+        """Batches handed over and not yet taken up by the writer thread (0: it has caught up)."""
+        return self._handover.queue.qsize()
+
     def flush(self) -> None:
         """Block until everything queued so far is durable and committed to the manifest."""
         self._check_open()
