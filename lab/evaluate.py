@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from extract.run import answer_length, eos_ids, stop_reason
+from extract.generation import answer_length, eos_ids, stop_reason
 from stimuli import goboard as G
 from stimuli.answers import parse_digit_string
 from stimuli.progress import progress_bar
