@@ -36,12 +36,12 @@ import torch
 
 from stimuli import g2m as G
 from stimuli.base import Stimulus
+from toyvlm import tokenizer as T
+from toyvlm.processor import ToyCounterProcessor, answer_suffix, build_processor, prompt
 
 from . import DEFAULT_CHECKPOINT
-from . import tokenizer as T
 from .config import G2MTrainConfig, TrainConfig
 from .data import IGNORE, Batch
-from .processor import ToyCounterProcessor, answer_suffix, build_processor, prompt
 from .train import Trainer
 
 G2M_CHECKPOINT = DEFAULT_CHECKPOINT.with_name("toy-g2m")

@@ -29,11 +29,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from toyvlm.config import ToyCounterConfig
+from toyvlm.model import ToyCounterForConditionalGeneration, ToyCounterOutput
+from toyvlm.processor import ToyCounterProcessor, build_processor
+
 from . import DEFAULT_CHECKPOINT
-from .config import DEFAULT_TRAIN_YAML, ToyCounterConfig, TrainConfig
+from .config import DEFAULT_TRAIN_YAML, TrainConfig
 from .data import Batch, BatchMaker
-from .model import ToyCounterForConditionalGeneration, ToyCounterOutput
-from .processor import ToyCounterProcessor, build_processor
 
 ExtraLoss = Callable[[ToyCounterOutput, Batch], torch.Tensor]
 
