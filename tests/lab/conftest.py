@@ -4,7 +4,7 @@ import pytest
 import torch
 from labtest_lib import tiny_config
 
-from lab.train import build_model
+from lab.trainer import build_model
 from toyvlm.processor import build_processor
 
 

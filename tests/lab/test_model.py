@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 import lab  # noqa: F401
-from lab.train import Trainer
+from lab.trainer import Trainer
 from stimuli import goboard as G
 from toyvlm.processor import prompt
 

@@ -23,7 +23,7 @@ from lab.g2m import (
     grids,
     transcribe,
 )
-from lab.train import build_model
+from lab.trainer import build_model
 from stimuli import g2m as G
 from toyvlm import tokenizer as T
 from toyvlm.processor import answer_suffix, build_processor, prompt
