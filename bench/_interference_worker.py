@@ -36,6 +36,7 @@ def main() -> None:
     torch.set_num_threads(int(spec.get("threads", 2)))
     import extract.run as run
     from bench._paired import bare_forward
+    from extract.generation import eos_ids
     from extract.manifest import parse_manifest
     from extract.models import load_model
     from store import Workspace
@@ -48,7 +49,7 @@ def main() -> None:
     sets, samples = run.collect_samples(manifest)
     lm = load_model(manifest.model.path, dtype=manifest.model.dtype, device=manifest.model.device)
     points = run.resolve_points(lm, run.tap_request(lm, manifest), ())
-    stop = run.eos_ids(lm.model)
+    stop = eos_ids(lm.model)
     groups = [samples[i : i + bs] for i in range(0, len(samples), bs)]
     done = [run._run_batch(lm, g, points, manifest, stop, "forward", start=i * bs) for i, g in enumerate(groups)]
     specs = run.specs_of(done[0].res, points, True, str(lm.dtype).removeprefix("torch."), "none")

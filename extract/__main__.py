@@ -97,7 +97,7 @@ def check_distinct_runs(args: argparse.Namespace, manifests: list[tuple[str, Man
 
 def preflight(args: argparse.Namespace, manifest: Manifest) -> None:
     """Refuse, before any model loads, a manifest whose workspace or stimulus sets would stop it later."""
-    from extract.run import collect_samples
+    from extract.samples import collect_samples
     from store.workspace import resolve_path
 
     check_workspace_target(resolve_path(args.data or manifest.workspace))

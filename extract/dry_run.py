@@ -55,7 +55,8 @@ from extract.models import TapSpec, adapter_class, prepare_batch
 from extract.models.capture import hook_module
 from extract.models.layout import ImageGeometry, SampleLayout, extent
 from extract.models.loading import LoadedModel, load_config, load_processor, resolve_source
-from extract.run import collect_samples, tap_request
+from extract.run import tap_request
+from extract.samples import collect_samples
 from store.dtypes import stored_bytes, tensor_stored
 from store.records import chunk_size
 from store.sizing import CODEC_RATIO, array_bytes, human
@@ -218,9 +219,9 @@ class RunEstimate:
             f"first sample: {self.first_seq} prompt tokens, {self.first_image_tokens} image tokens in the LLM,"
             f" answers up to {self.max_answer} generated tokens",
             self.basis_line(),
-            f"time: ~{_duration(t.seconds)} = max(GPU ~{_duration(t.gpu_seconds)}, writing ~{_duration(t.write_seconds)});"
-            f" GPU = prefill {_flops(t.prefill_flops)} at {hw.gpu_tflops:g} TFLOP/s ({_duration(t.prefill_seconds)})"
-            f" + {t.decode_steps:,} decode steps bound by {t.decode_bound} ({_duration(t.decode_seconds)});"
+            f"time: ~{duration(t.seconds)} = max(GPU ~{duration(t.gpu_seconds)}, writing ~{duration(t.write_seconds)});"
+            f" GPU = prefill {_flops(t.prefill_flops)} at {hw.gpu_tflops:g} TFLOP/s ({duration(t.prefill_seconds)})"
+            f" + {t.decode_steps:,} decode steps bound by {t.decode_bound} ({duration(t.decode_seconds)});"
             f" {hw.gpu_bandwidth_gbs:g} GB/s, {hw.step_ms_per_layer:g} ms per layer and step, writing at"
             f" {hw.disk_mbps:g} MB/s",
             *[f"note: {n}" for n in self.notes],
@@ -258,7 +259,8 @@ def _flops(flops: float) -> str:
     return f"{flops / 1e9:,.1f} GFLOP"
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """``seconds`` in the unit a reader compares runs in: s, min, h or d."""
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 2 * 3600:

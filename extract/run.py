@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from extract.generation import answer_length, stop_ids, stop_reason
 from extract.interventions import INTERVENTION_FILE
 from extract.interventions import describe as describe_intervention
 from extract.interventions.rope import scaled_vision_rope
@@ -69,35 +70,16 @@ from extract.models.capture import Point
 from extract.models.errors import InputError
 from extract.models.inputs import Batch, image_size
 from extract.models.layout import Grid, SampleLayout
+from extract.samples import Sample, by_modality, collect_samples, run_progress
 from extract.scoring import score_answer
-from stimuli import get_family
-from stimuli.io import read_set
-from stimuli.progress import progress_bar
 from store import ArrayHandle, ArraySpec, Generation, RunInfo, TokenSpans, Workspace, Writer
 from store.ahead import ManifestAhead
 from store.arrays import array_path
 from store.dtypes import ArrayOverflowError
 from store.errors import DtypeOverflowError, StoreError
 from store.heap import tune_malloc
-from store.records import check_name
 from store.vocab import IMAGE_ONLY_TAPS, array_layout, kinds_for
 from store.workspace import MANIFEST, resolve_path
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One row of the run: which stimulus, which prompt, where its image is (None: the task is
-    text-only) and the strings the task shows before its question."""
-
-    key: str
-    family: str
-    task: str
-    prompt: str
-    answer: str
-    truth: dict[str, Any]
-    params: dict[str, Any]
-    image: Path | None
-    strings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,49 +105,6 @@ class RunSummary:
 
 
 # ------------------------------------------------------------------------------------------ stimuli
-
-def collect_samples(manifest: Manifest) -> tuple[list[tuple[Path, str]], list[Sample]]:
-    """(set folder, dataset name) per stimulus set, and the run's rows in order."""
-    sets: list[tuple[Path, str]] = []
-    samples: list[Sample] = []
-    seen: dict[str, Path] = {}
-    for i, spec in enumerate(manifest.stimuli):
-        stim_set = read_set(spec.set)
-        dataset = stim_set.path.name
-        if dataset in seen and seen[dataset] != stim_set.path.resolve():
-            raise ManifestError(
-                f"stimuli.{i}: two sets are both named {dataset!r} ({seen[dataset]} and {stim_set.path});"
-                " stimulus keys are '<set folder name>/<id>', so rename one folder"
-            )
-        seen[dataset] = stim_set.path.resolve()
-        check_dataset_name(f"stimuli.{i}", spec.set, dataset)
-        rows = stim_set.rows()[: spec.limit]
-        tasks = list(rows[0]["prompts"]) if rows else []
-        task = spec.task or tasks[0]
-        if task not in tasks:
-            raise ManifestError(f"stimuli.{i}.task: {task!r} is not a task of {spec.set}; its tasks are {tasks}")
-        sets.append((stim_set.path, dataset))
-        for row in rows:
-            family = get_family(row["family"])
-            family.read_truth(row["truth"], row["id"])  # a renamed truth key stops here, before the model loads
-            shown = family.task_inputs(row["truth"], task)
-            samples.append(Sample(
-                key=f"{dataset}/{row['id']}", family=row["family"], task=task, prompt=row["prompts"][task],
-                answer=row["answers"][task], truth=row["truth"], params=row["params"],
-                image=stim_set.path / row["image"] if shown.image else None, strings=tuple(shown.strings),
-            ))
-    return sets, samples
-
-
-def check_dataset_name(where: str, set_path: Any, dataset: str) -> None:
-    """The set folder's name is the dataset's in every stimulus key: one the store would refuse is
-    refused here, before the workspace is touched (the store refused it only after the run's row
-    was written, leaving a failed run behind). The set's ids are checked when it is read."""
-    try:
-        check_name("dataset", dataset)
-    except StoreError as err:
-        raise ManifestError(f"{where}: the set folder {set_path} names the dataset: {err}; rename the folder") from None
-
 
 def image_sizes(samples: list[Sample]) -> dict[tuple[int, int], Sample]:
     """The first sample of each image size. Reads every image's header (not its pixels), so a
@@ -306,30 +245,6 @@ def specs_of(res: CaptureResult, points: list[Point], dense_images: bool, dtype:
 
 
 # ------------------------------------------------------------------------------------------ per batch
-
-def eos_ids(model: Any) -> set[int]:
-    """The ids ``generate`` stops a row on: the generation config's EOS ids, nothing else. The pad
-    id is not one: a model may generate it mid-answer, and ``generate`` carries on past it."""
-    v = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return set(v if isinstance(v, (list, tuple)) else [v] if v is not None else [])
-
-
-def _stop_ids(lm: LoadedModel) -> set[int]:
-    return eos_ids(lm.model)
-
-
-def answer_length(generated: torch.Tensor, stop: set[int], n_fed: int) -> tuple[int, int]:
-    """(answer tokens kept as activations, answer tokens in the text) for one row of ids."""
-    ids = generated.tolist()
-    end = next((i for i, t in enumerate(ids) if t in stop), len(ids))
-    return min(end, n_fed), end
-
-
-def stop_reason(generated: torch.Tensor, n_text: int) -> str:
-    """'eos' when the row ended on a stop id at ``n_text`` (what :func:`answer_length` found),
-    'cap' when it ran to the last generated step without one."""
-    return "eos" if n_text < len(generated) else "cap"
-
 
 def _segments(grid: Grid | None) -> list[dict[str, Any]] | None:
     if not grid:
@@ -572,14 +487,14 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
     lens = readout(lm) if manifest.logit_lens else None
     chosen = capture_path(lm, manifest, samples)
     route: tuple[str, str] | None = chosen
-    stop = _stop_ids(lm)
+    stop = stop_ids(lm)
     # A new workspace's first batch is computed now: its captures give the arrays' shapes, with no
     # forward of their own (a shard or a resume starts elsewhere, so it runs the shapes forward).
     early: dict[int, _Done] = {}
     specs = None
     if manifest.shard is None and not (resolve_path(where) / MANIFEST).exists():
         size = min(manifest.batch_size, len(samples))
-        offset, group = _by_modality(samples[:size])[0]
+        offset, group = by_modality(samples[:size])[0]
         done = _run_batch(lm, group, points, manifest, stop, chosen[0], start=offset)
         specs = specs_of(done.res, points, dense_images, dtype, codec)
         early[offset] = done
@@ -613,13 +528,13 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         warning = one_chunk_warning(manifest, len(samples)) if total else None
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
-        bar = _progress(total, manifest.run, progress)
+        bar = run_progress(total, manifest.run, progress)
         pending: list[_Done] = []  # on CUDA: the last batch, its host copy still running
         try:
             for rows in todo:
                 for start in range(rows.start, rows.stop, manifest.batch_size):
                     batch_samples = samples[start : min(start + manifest.batch_size, rows.stop)]
-                    for offset, group in _by_modality(batch_samples):
+                    for offset, group in by_modality(batch_samples):
                         at = start + offset
                         done = early.pop(at) if at in early else _run_batch(
                             lm, group, points, manifest, stop, route[0] if route else "generate", start=at)
@@ -706,17 +621,6 @@ def vocabulary(lm: LoadedModel, size: int) -> list[str]:
     n = min(len(tok), size)
     # One batch_decode, not one decode per id: a 152k-token vocabulary is 152k calls otherwise.
     return [*tok.batch_decode([[i] for i in range(n)]), *[""] * (size - n)]
-
-
-def _by_modality(batch: list[Sample]) -> list[tuple[int, list[Sample]]]:
-    """(offset, samples) runs of one modality: a processor call takes images for all or none."""
-    groups: list[tuple[int, list[Sample]]] = []
-    for i, s in enumerate(batch):
-        if groups and (groups[-1][1][0].image is None) == (s.image is None):
-            groups[-1][1].append(s)
-        else:
-            groups.append((i, [s]))
-    return groups
 
 
 def capture_path(lm: LoadedModel, manifest: Manifest, samples: list[Sample]) -> tuple[str, str]:
@@ -809,7 +713,3 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: list[Point
     firsts = [lay.first_position for lay in res.layouts]
     return _Done(start, gens, spans, res,
                  lambda specs: batch_values(res, specs, lm.dtype, text_only, firsts, pad_len, keep), res.ready)
-
-
-def _progress(total: int, run: str, enabled: bool) -> Any:
-    return progress_bar(total, desc=f"extract {run}", unit="sample", enabled=enabled)

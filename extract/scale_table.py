@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from extract.dry_run import DrySample, Hardware, RunEstimate, estimate_run, meta_model
+from extract.dry_run import DrySample, Hardware, RunEstimate, duration, estimate_run, meta_model
 from extract.manifest import Manifest, parse_manifest
 from stimuli import g2m
 from store.sizing import human
@@ -96,12 +96,6 @@ def _llm_layers(folder: Path) -> int:
     return int(AutoConfig.from_pretrained(folder).get_text_config().num_hidden_layers)
 
 
-def _d(seconds: float) -> str:
-    from extract.dry_run import _duration
-
-    return _duration(seconds)
-
-
 def table(samples: Sequence[DrySample], batch_size: int = 8, hardware: Hardware | None = None,
           other_batches: Sequence[int] = (32, 128)) -> str:
     hardware = hardware or Hardware()
@@ -112,8 +106,8 @@ def table(samples: Sequence[DrySample], batch_size: int = 8, hardware: Hardware 
     for name, v, p, b in estimates(samples, batch_size, hardware):
         models.setdefault(name, p)
         lines.append(f"| {name} | {v.label} | {len(p.arrays):,} | {human(p.raw_bytes)} | {human(b.bytes)} |"
-                     f" {p.chunk_files:,} | {p.files:,} | {_d(p.time.write_seconds)} | {_d(p.time.gpu_seconds)} |"
-                     f" {_d(p.time.seconds)} |")
+                     f" {p.chunk_files:,} | {p.files:,} | {duration(p.time.write_seconds)} | {duration(p.time.gpu_seconds)} |"
+                     f" {duration(p.time.seconds)} |")
     others = "".join(f" GPU time at batch {b} |" for b in other_batches)
     lines += ["", "| model | parameters | GPU memory (bf16) | image tokens / LLM prompt tokens per sample |"
                   f" prefill | decode steps (batch {batch_size}), bound by | GPU time |{others}",
@@ -124,11 +118,12 @@ def table(samples: Sequence[DrySample], batch_size: int = 8, hardware: Hardware 
         for batch in other_batches:
             m = manifest(MODELS[name], variants(1)[1], batch)
             other = estimate_run(m, meta_model(m), samples, hardware=hardware)
-            cells.append(f"{_d(other.time.gpu_seconds)} (KV {human(other.kv_bytes)})")
+            cells.append(f"{duration(other.time.gpu_seconds)} (KV {human(other.kv_bytes)})")
         lines.append(f"| {name} | {p.params.total / 1e9:.2f} B | {human(p.weight_bytes)} (KV at batch {batch_size}:"
                      f" {human(p.kv_bytes)}) |"
-                     f" {p.first_image_tokens} / ~{p.first_seq} | {t.prefill_flops / 1e15:,.0f} PFLOP, {_d(t.prefill_seconds)} |"
-                     f" {t.decode_steps:,}, {t.decode_bound} | {_d(t.gpu_seconds)} | " + " | ".join(cells) + " |")
+                     f" {p.first_image_tokens} / ~{p.first_seq} |"
+                     f" {t.prefill_flops / 1e15:,.0f} PFLOP, {duration(t.prefill_seconds)} |"
+                     f" {t.decode_steps:,}, {t.decode_bound} | {duration(t.gpu_seconds)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

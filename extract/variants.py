@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
+from extract.generation import answer_length, stop_ids, stop_reason
 from extract.interventions.compression import compress, greedy, load_decoder, punctuation_ids
 from extract.interventions.heads import HeadSite, ablate, head_site
 from extract.manifest import HeadAblationSpec, Manifest, ManifestError, TokenCompressionSpec, expand_layers
 from extract.models import LoadedModel, prepare_batch
-from extract.run import Sample, _by_modality, _progress, _stop_ids, answer_length, stop_reason
+from extract.samples import Sample, by_modality, run_progress
 from extract.scoring import score_answer
 from store import Generation, RunInfo, Workspace
 
@@ -41,12 +42,12 @@ def run_variant(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]
         w.set_samples([s.key for s in samples])
         done = _done(ws, manifest.run, sites, spec)
         todo = [(i, s) for i, s in enumerate(samples) if s.key not in done]
-        bar = _progress(len(todo), manifest.run, progress)
+        bar = run_progress(len(todo), manifest.run, progress)
         correct = scored = 0
         step = manifest.batch_size if sites else 1
         for lo in range(0, len(todo), step):
             chunk = todo[lo : lo + step]
-            for offset, group in _by_modality([s for _, s in chunk]):
+            for offset, group in by_modality([s for _, s in chunk]):
                 rows = [i for i, _ in chunk[offset : offset + len(group)]]
                 if sites:
                     assert isinstance(spec, HeadAblationSpec)  # sites come only from a head ablation
@@ -110,7 +111,7 @@ def _greedy_answers(lm: LoadedModel, manifest: Manifest, group: list[Sample]) ->
         seq = lm.model.generate(**batch.inputs, max_new_tokens=max_new, do_sample=False,
                                 pad_token_id=lm.tokenizer.pad_token_id)
     new = seq[:, batch.seq_len :].cpu()
-    stop = _stop_ids(lm)
+    stop = stop_ids(lm)
     out = []
     for b, s in enumerate(group):
         _, n_text = answer_length(new[b], stop, new.shape[1])
@@ -134,7 +135,7 @@ def _compressed_answer(lm: LoadedModel, manifest: Manifest, s: Sample, spec: Any
     batch = prepare_batch(lm, [s.image], [s.prompt], strings=[s.strings])
     c = compress(lm, batch, decoder, dropped, spec.keep)
     cap = _max_new(manifest, [s])
-    ids = greedy(lm, c.embeds, cap, _stop_ids(lm))
+    ids = greedy(lm, c.embeds, cap, stop_ids(lm))
     text = lm.tokenizer.decode(ids, skip_special_tokens=True)
     g = score_answer(s.family, s.task, text, s.answer, s.truth, n_tokens=len(ids))
     # greedy() breaks before appending a stop id, so a full-length answer never saw one

@@ -85,11 +85,10 @@ def write(checkpoint: Path, result: dict[str, Any], commands: list[str], notes: 
     return out
 
 
-def render_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | None = None,
+def render_g2m(checkpoint: Path, result: dict[str, Any], table: str, commands: list[str] | None = None,
                notes: str = "") -> str:
-    """The G2M toy's card (``lab.g2m``): recipe, training command and time, the table per N."""
-    from .g2m import markdown as g2m_markdown
-
+    """The G2M toy's card: recipe, training command and time, and ``table``, the evaluation per N
+    that ``lab.g2m.markdown`` renders (passed in: the card writer is a client of no curriculum)."""
     train = json.loads((checkpoint / "training.json").read_text())
     lines = [
         *_g2m_recipe(checkpoint, train),
@@ -98,7 +97,7 @@ def render_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | N
         "",
         *_g2m_evaluation(checkpoint, result["spec"]),
         "",
-        g2m_markdown(result),
+        table,
         "",
         notes.strip(),
         "",
@@ -169,9 +168,10 @@ def _g2m_evaluation(checkpoint: Path, spec: dict[str, Any]) -> list[str]:
     ]
 
 
-def write_g2m(checkpoint: Path, result: dict[str, Any], commands: list[str] | None = None,
+def write_g2m(checkpoint: Path, result: dict[str, Any], table: str, commands: list[str] | None = None,
               notes: str = "") -> Path:
+    """Write the G2M toy's card (README.md, with ``table``: see :func:`render_g2m`) and evaluation.json."""
     out = checkpoint / "README.md"
-    out.write_text(render_g2m(checkpoint, result, commands, notes))
+    out.write_text(render_g2m(checkpoint, result, table, commands, notes))
     (checkpoint / "evaluation.json").write_text(json.dumps(result, indent=2) + "\n")
     return out

@@ -22,9 +22,8 @@ import numpy as np
 import torch
 
 from stimuli import goboard as G
-
-from . import tokenizer as T
-from .processor import ToyCounterProcessor, answer_suffix, prompt
+from toyvlm import tokenizer as T
+from toyvlm.processor import ToyCounterProcessor, answer_suffix, prompt
 
 TASKS = ("text_only_num", "text_only_tf", "multimodal_num", "multimodal_tf")
 MAX_DIGITS = 3  # answers up to 120

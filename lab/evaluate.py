@@ -31,13 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from extract.run import answer_length, eos_ids, stop_reason
+from extract.generation import answer_length, eos_ids, stop_reason
 from stimuli import goboard as G
 from stimuli.answers import parse_digit_string
 from stimuli.progress import progress_bar
 from store.records import ANSWER_KINDS, answer_kind
-
-from .processor import prompt
+from toyvlm.processor import prompt
 
 REGIMES = ("ID", "VE", "FE")
 TASKS = ("multimodal_num", "text_only_num", "multimodal_tf", "text_only_tf")
@@ -63,7 +62,7 @@ class EvalSpec:
 def load(checkpoint: str) -> tuple[Any, Any]:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    import lab  # noqa: F401  (registers the Auto classes)
+    import toyvlm  # noqa: F401  (registers the Auto classes)
 
     model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
     return model, AutoProcessor.from_pretrained(checkpoint)

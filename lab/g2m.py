@@ -36,13 +36,14 @@ import torch
 
 from stimuli import g2m as G
 from stimuli.base import Stimulus
+from toyvlm import tokenizer as T
+from toyvlm.processor import ToyCounterProcessor, answer_suffix, build_processor, prompt
 
 from . import DEFAULT_CHECKPOINT
-from . import tokenizer as T
+from .card import write_g2m
 from .config import G2MTrainConfig, TrainConfig
 from .data import IGNORE, Batch
-from .processor import ToyCounterProcessor, answer_suffix, build_processor, prompt
-from .train import Trainer
+from .trainer import Trainer
 
 G2M_CHECKPOINT = DEFAULT_CHECKPOINT.with_name("toy-g2m")
 TASK = "transcribe"
@@ -135,7 +136,7 @@ class G2MBatchMaker:
 
 
 class G2MTrainer(Trainer):
-    """``lab.train.Trainer`` (same step, schedule, progress bar, ``extra_loss`` hook) on G2M batches.
+    """``lab.trainer.Trainer`` (same step, schedule, progress bar, ``extra_loss`` hook) on G2M batches.
 
     One stage over every parameter (vision with ``stage1.vision_lr``, the rest with ``stage1.lr``);
     step i is one batch of grid size ``grid_sizes[i % len]``.
@@ -469,14 +470,13 @@ def main(argv: list[str] | None = None) -> None:
                        probe_grids=args.probe_grids)
     model, processor = load(ckpt)
     result = evaluate(model, processor, spec, _trained_sizes(ckpt))
-    print(markdown(result))
+    table = markdown(result)
+    print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.command == "card":
-        from .card import write_g2m
-
         notes = Path(args.notes).read_text() if args.notes else NOTES
-        print(write_g2m(ckpt, result, notes=notes))
+        print(write_g2m(ckpt, result, table, notes=notes))
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from extract.interventions import INTERVENTION_FILE
+from toyvlm.model import ToyCounterOutput
 
 from . import DEFAULT_CHECKPOINT
 from .config import DEFAULT_TRAIN_YAML, TrainConfig
 from .data import IGNORE, Batch
-from .model import ToyCounterOutput
 
 
 def modality_attention_share(attentions: Sequence[torch.Tensor], image_keys: torch.Tensor,

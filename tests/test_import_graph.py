@@ -2,9 +2,9 @@
 
 Every module's imports are read with ``ast`` (no import runs), function-level ones too, each marked
 lazy or not. Modules fold into stages: ``stimuli``, ``extract``, ``store``, ``probes``, ``queries``,
-``bench``, and the toy lab in two parts: ``lab`` (the model a checkpoint loads: its config, model,
-processor, tokenizer) and ``lab.tools`` (data, training, evaluation, the model cards), which may use
-the stages like any other client. An edge not in ``ALLOWED`` fails, naming the importing file and line.
+``bench``, ``toyvlm`` (the toy model a checkpoint loads: its config, model, processor, tokenizer) and
+``lab`` (data, training, evaluation, the model cards of that toy), which may use the stages like any
+other client. An edge not in ``ALLOWED`` fails, naming the importing file and line.
 """
 
 from __future__ import annotations
@@ -18,23 +18,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("stimuli", "extract", "store", "probes", "queries", "lab", "bench")
-LAB_MODELING = {"lab", "lab.config", "lab.model", "lab.processor", "lab.tokenizer"}
+PACKAGES = ("stimuli", "extract", "store", "probes", "queries", "toyvlm", "lab", "bench")
 
 # stage -> the stages it may import. Lazy-only edges are listed in LAZY_ONLY.
 ALLOWED: dict[str, set[str]] = {
     "stimuli": {"store"},
     "store": set(),
-    "extract": {"stimuli", "store", "lab"},
+    "extract": {"stimuli", "store", "toyvlm"},
     "probes": {"store", "stimuli"},
     "queries": {"store", "probes"},
-    "lab": set(),
-    "lab.tools": {"lab", "stimuli", "extract", "store"},
-    "bench": {"stimuli", "extract", "store", "probes", "queries", "lab"},
+    "toyvlm": set(),
+    "lab": {"toyvlm", "stimuli", "extract", "store"},
+    "bench": {"stimuli", "extract", "store", "probes", "queries", "toyvlm", "lab"},
 }
 # (from, to) -> the only module that may make the edge, and only inside a function.
 LAZY_ONLY: dict[tuple[str, str], tuple[str, ...]] = {
-    ("extract", "lab"): ("extract.models.adapters.toy",),
+    ("extract", "toyvlm"): ("extract.models.adapters.toy",),
     # The first stage validates its options with the one strict-config helper (store/config.py),
     # only when options are checked: `import stimuli` stays free of zarr and duckdb.
     ("stimuli", "store"): ("stimuli.base", "stimuli.cli"),
@@ -44,18 +43,14 @@ LAZY_ONLY: dict[tuple[str, str], tuple[str, ...]] = {
 @dataclass(frozen=True)
 class Import:
     module: str  # the importing module, e.g. "extract.models.adapters.toy"
-    target: str  # the imported module, absolute, e.g. "lab.processor"
+    target: str  # the imported module, absolute, e.g. "toyvlm.processor"
     lazy: bool  # inside a function (runs on call, not on import)
     where: str  # "path:line"
 
 
 def stage(module: str) -> str | None:
     top = module.split(".")[0]
-    if top not in PACKAGES:
-        return None
-    if top == "lab" and module not in LAB_MODELING:
-        return "lab.tools"
-    return top
+    return top if top in PACKAGES else None
 
 
 def module_name(path: Path) -> str:
@@ -158,8 +153,8 @@ def stage_graph(edges: Iterable[Import]) -> dict[str, set[str]]:
 def test_every_package_module_is_read() -> None:
     edges = all_imports()
     assert {stage(i.module) for i in edges} == set(ALLOWED)
-    lazy = [i for i in edges if i.module == "extract.models.adapters.toy" and i.target.startswith("lab")]
-    assert lazy and all(i.lazy for i in lazy)  # the adapter's lab imports are seen, and seen as lazy
+    lazy = [i for i in edges if i.module == "extract.models.adapters.toy" and i.target.startswith("toyvlm")]
+    assert lazy and all(i.lazy for i in lazy)  # the adapter's toyvlm imports are seen, and seen as lazy
 
 
 def test_imports_follow_the_allowed_edges() -> None:
@@ -173,10 +168,15 @@ def test_stage_graph_is_a_dag() -> None:
 
 
 def test_toy_modeling_imports_no_stage() -> None:
-    # The checkpoint's own code: loading a toy never needs extract, stimuli or the store.
-    edges = [i for i in all_imports() if i.module in LAB_MODELING]
-    assert {i.module for i in edges} == LAB_MODELING
-    assert [i for i in edges if stage(i.target) not in (None, "lab")] == []
+    # The checkpoint's own code: loading a toy never needs extract, stimuli, the store or the lab.
+    edges = [i for i in all_imports() if stage(i.module) == "toyvlm"]
+    assert {i.module for i in edges} >= {"toyvlm", "toyvlm.config", "toyvlm.model", "toyvlm.processor"}
+    assert [i for i in edges if stage(i.target) not in (None, "toyvlm")] == []
+
+
+def test_extract_never_imports_the_lab() -> None:
+    # The toy's training tools are a client of extract, never a part of it: not even lazily.
+    assert [i.where for i in all_imports() if stage(i.module) == "extract" and stage(i.target) == "lab"] == []
 
 
 # --- the checker itself, on small examples -----------------------------------------------------
@@ -184,11 +184,13 @@ def test_toy_modeling_imports_no_stage() -> None:
 @pytest.mark.parametrize("source, module, want", [
     ("from extract.run import x\n", "store.db", ["store -> extract is not allowed"]),
     ("import probes.plan\n", "stimuli.goboard", ["stimuli -> probes is not allowed"]),
-    ("from stimuli import goboard\n", "lab.tokenizer", ["lab -> stimuli is not allowed"]),
-    ("from lab.model import M\n", "extract.run", ["allowed only lazily"]),
-    ("def f():\n    from lab.model import M\n", "extract.run", ["allowed only lazily"]),
-    ("import lab\n", "extract.models.adapters.toy", ["allowed only lazily"]),
-    ("def f():\n    import lab\n", "extract.models.adapters.toy", []),
+    ("from stimuli import goboard\n", "toyvlm.tokenizer", ["toyvlm -> stimuli is not allowed"]),
+    ("from toyvlm.model import M\n", "extract.run", ["allowed only lazily"]),
+    ("def f():\n    from toyvlm.model import M\n", "extract.run", ["allowed only lazily"]),
+    ("import toyvlm\n", "extract.models.adapters.toy", ["allowed only lazily"]),
+    ("def f():\n    import toyvlm\n", "extract.models.adapters.toy", []),
+    ("def f():\n    import lab\n", "extract.models.adapters.toy", ["extract -> lab is not allowed"]),
+    ("from toyvlm.processor import prompt\n", "lab.train", []),
     ("from .db import x\n", "store.cli", []),
     ("from ..db import x\n", "store.sub.cli", []),
     ("from .. import records\n", "queries.sub.x", []),

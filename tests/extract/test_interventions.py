@@ -7,13 +7,14 @@ import torch
 from devices import load
 from tiny_cases import IMAGE, noise_image, quick
 
+from extract.generation import stop_ids
 from extract.interventions.compression import compress, greedy, merge_runs, punctuation_ids, run_starts
 from extract.interventions.heads import ablate, head_site, zeroed
 from extract.interventions.rope import gain, scaled_vision_rope
 from extract.manifest import ManifestError, RopeScalingSpec, parse_manifest
 from extract.models import capture, prepare_batch
 from extract.models.errors import ModelError
-from extract.run import _stop_ids, run_extraction
+from extract.run import run_extraction
 from stimuli import get_family
 from stimuli.io import write_set
 from store import Workspace
@@ -225,7 +226,7 @@ def test_greedy_from_embeddings_matches_generate(toy):
     with torch.no_grad():
         full = toy.model.get_input_embeddings()(ids).clone()
         full[ids == toy.adapter.image_token_id] = toy.model.get_image_features(batch.inputs["pixel_values"])[0]
-    stop = _stop_ids(toy)
+    stop = stop_ids(toy)
     want = [t for t in ref]
     want = want[: next((i for i, t in enumerate(want) if t in stop), len(want))]
     assert greedy(toy, full[None], 4, stop) == want

@@ -41,7 +41,7 @@ import extract.__main__ as cli  # noqa: E402
 import extract.run  # noqa: E402
 from extract.models.adapters import registry  # noqa: E402
 
-registry()  # the toy model's family module (and lab.model) imported here, once
+registry()  # every adapter's family module (the toy's among them) imported here, once
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from labtest_lib import tiny_config
 
-from lab.processor import build_processor
-from lab.train import build_model
+from lab.trainer import build_model
+from toyvlm.processor import build_processor
 
 
 @pytest.fixture(autouse=True)

@@ -4,8 +4,8 @@ import numpy as np
 import torch
 
 from lab.data import BatchMaker, BoardRenderer, Style, _disc_coverage
-from lab.processor import answer_suffix, build_processor, prompt
 from stimuli import goboard as G
+from toyvlm.processor import answer_suffix, build_processor, prompt
 
 
 def test_clean_render_is_goboard_pixel_exact():

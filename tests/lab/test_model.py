@@ -4,9 +4,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 import lab  # noqa: F401
-from lab.processor import prompt
-from lab.train import Trainer
+from lab.trainer import Trainer
 from stimuli import goboard as G
+from toyvlm.processor import prompt
 
 
 def _inputs(model, processor, count=3, seed=0):

@@ -10,7 +10,6 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 import lab
-from lab import tokenizer as T
 from lab.config import G2MTrainConfig, TrainConfig
 from lab.g2m import (
     G2M_CHECKPOINT,
@@ -24,9 +23,10 @@ from lab.g2m import (
     grids,
     transcribe,
 )
-from lab.processor import answer_suffix, build_processor, prompt
-from lab.train import build_model
+from lab.trainer import build_model
 from stimuli import g2m as G
+from toyvlm import tokenizer as T
+from toyvlm.processor import answer_suffix, build_processor, prompt
 
 CKPT = G2M_CHECKPOINT
 

@@ -1,4 +1,4 @@
-"""The toy's vocabulary is frozen in lab/tokenizer.py; these tests catch a prompt drifting out of it.
+"""The toy's vocabulary is frozen in toyvlm/tokenizer.py; these tests catch a prompt drifting out of it.
 
 The checkpoints in lab/checkpoints were trained on these ids, so the lists must never follow a
 prompt edit. Instead, a prompt the toys read that gains a word outside the lists fails here, by name.
@@ -11,11 +11,11 @@ import json
 import pytest
 
 import lab
-from lab import tokenizer as T
 from lab.g2m import G2M_CHECKPOINT
 from stimuli import g2m, goboard
+from toyvlm import tokenizer as T
 
-DRIFT = ("is outside the toy's frozen vocabulary (lab/tokenizer.py): the committed checkpoints would read it as"
+DRIFT = ("is outside the toy's frozen vocabulary (toyvlm/tokenizer.py): the committed checkpoints would read it as"
          " <|unk|>. Revert the prompt edit, or add the word to the frozen list and retrain the toys (make toy-model)")
 
 

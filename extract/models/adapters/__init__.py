@@ -1,18 +1,21 @@
 """Adapter registry: ``config.model_type`` -> the adapter class of that family.
 
+``ADAPTERS`` is a :class:`stimuli.registry.Registry`, the one style of every named extension.
 Adding a family is one file in this folder that defines an :class:`Adapter` subclass decorated with
-:func:`register`, plus its import in ``_FAMILY_MODULES`` below (see docs/adapters.md).
+:func:`register`, plus its module's name in ``FAMILY_MODULES`` below (see docs/adapters.md). An
+adapter defined in a user's own module registers itself the same way when that module is imported.
 """
 
 from __future__ import annotations
 
-import importlib
+from stimuli.registry import Registry
 
 from ..errors import UnknownArchitectureError
 from .base import Adapter
 
-_REGISTRY: dict[str, type[Adapter]] = {}
-_FAMILY_MODULES = (
+# The repository's families. Each module registers its class under every model type it serves, so
+# the names are known only once it is imported: all are imported on the registry's first lookup.
+FAMILY_MODULES = (
     "qwen2_vl",
     "qwen2_5_vl",
     "qwen3_vl",
@@ -25,7 +28,15 @@ _FAMILY_MODULES = (
     "paligemma",
     "toy",
 )
-_loaded = False
+
+ADAPTERS: Registry[type[Adapter]] = Registry(
+    "model adapter", error=UnknownArchitectureError,
+    hint="To add one, write a small Adapter subclass (see docs/adapters.md) and decorate it with @register")
+ADAPTERS.import_on_lookup(*(f"{__name__}.{name}" for name in FAMILY_MODULES))
+
+# Adapter classes whose transformers Auto classes are registered (once each, on the first lookup
+# that finds them: a family of transformers' own registers nothing, the toy registers its model).
+_auto_registered: set[type[Adapter]] = set()
 
 
 def register(cls: type[Adapter]) -> type[Adapter]:
@@ -33,28 +44,31 @@ def register(cls: type[Adapter]) -> type[Adapter]:
     if not cls.model_types:
         raise TypeError(f"{cls.__name__}: set model_types before registering")
     for model_type in cls.model_types:
-        if model_type in _REGISTRY and _REGISTRY[model_type] is not cls:
-            raise TypeError(f"model_type {model_type!r} is served by both {_REGISTRY[model_type].__name__} and {cls.__name__}")
-        _REGISTRY[model_type] = cls
+        try:
+            ADAPTERS.add(model_type, cls)
+        except UnknownArchitectureError as err:
+            # two classes claiming one model type is a programming error, not an unknown architecture
+            raise TypeError(f"{cls.__name__}: {err}") from None
     return cls
 
 
 def registry() -> dict[str, type[Adapter]]:
-    global _loaded
-    if not _loaded:
-        for name in _FAMILY_MODULES:
-            importlib.import_module(f"{__name__}.{name}")
-        for cls in set(_REGISTRY.values()):
+    """Every registered model type -> its adapter class (importing the family modules the first time)."""
+    found = dict(ADAPTERS.items())
+    for cls in dict.fromkeys(found.values()):
+        if cls not in _auto_registered:
             cls.register_auto_classes()
-        _loaded = True
-    return dict(_REGISTRY)
+            _auto_registered.add(cls)
+    return found
 
 
 def supported() -> list[str]:
+    """The model types an adapter serves, sorted."""
     return sorted(registry())
 
 
 def adapter_class(model_type: str) -> type[Adapter]:
+    """The adapter class serving ``model_type``; an unknown one raises :class:`UnknownArchitectureError`."""
     reg = registry()
     if model_type not in reg:
         raise UnknownArchitectureError(
@@ -66,7 +80,9 @@ def adapter_class(model_type: str) -> type[Adapter]:
 
 
 def adapter_for(model) -> Adapter:  # noqa: ANN001 - any transformers PreTrainedModel
+    """The adapter of a loaded model, chosen by its ``config.model_type``."""
     return adapter_class(model.config.model_type)(model)
 
 
-__all__ = ["Adapter", "adapter_class", "adapter_for", "register", "registry", "supported"]
+__all__ = ["ADAPTERS", "FAMILY_MODULES", "Adapter", "adapter_class", "adapter_for", "register", "registry",
+           "supported"]

@@ -1,4 +1,4 @@
-"""The counting lab's toy VLM (``lab/``, model_type ``toy_counter``).
+"""The counting lab's toy VLM (``toyvlm/``, model_type ``toy_counter``).
 
 ``vision.blocks.N`` (pre-LN ViT, one token per board intersection, raster order), ``projector``
 (its input is ``vision.norm``'s output: the "ViT output tokens" the study probes),
@@ -6,8 +6,9 @@
 (``<|bos|> <|user_start|> <|image_start|> <|image|> <|image_end|> <|question_start|> Q ...``),
 not a chat template.
 
-``lab`` is imported only inside methods: the toy's code lives outside extract, and extract reaches it
-through this adapter alone (tests/test_import_graph.py), so importing extract never loads it.
+``toyvlm`` is imported only inside methods: the toy's code lives outside extract, and extract reaches
+it through this adapter alone (tests/test_import_graph.py), so importing extract never loads it.
+Extract never imports ``lab`` (the toy's training tools).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class ToyCounterAdapter(Adapter):
 
     @classmethod
     def register_auto_classes(cls) -> None:
-        import lab  # noqa: F401  (importing lab registers the toy model with the transformers Auto classes)
+        import toyvlm  # noqa: F401  (importing toyvlm registers the toy model with the transformers Auto classes)
 
     def geometry(self, inputs: Mapping[str, Any]) -> list[ImageGeometry]:
         # One patch per board intersection (or grid cell): the counter's boards are always
@@ -53,7 +54,7 @@ class ToyCounterAdapter(Adapter):
         return self.geometry({"pixel_values": torch.empty(1, 3, height, width, device="meta")})[0]
 
     def plain_prompt(self, processor: Any, prompt: str, *, image: bool = True, strings: tuple[str, ...] = ()) -> str:
-        from lab.processor import prompt as study_prompt
+        from toyvlm.processor import prompt as study_prompt
 
         return study_prompt(prompt, strings, image=image)  # strings as the study wrote them, one letter per token
 
@@ -61,9 +62,9 @@ class ToyCounterAdapter(Adapter):
     def build_tiny(cls, seed: int) -> tuple[Any, Any]:
         import torch
 
-        from lab.config import ToyCounterConfig
-        from lab.model import ToyCounterForConditionalGeneration
-        from lab.processor import build_processor
+        from toyvlm.config import ToyCounterConfig
+        from toyvlm.model import ToyCounterForConditionalGeneration
+        from toyvlm.processor import build_processor
 
         torch.manual_seed(seed)
         return ToyCounterForConditionalGeneration(ToyCounterConfig()).eval(), build_processor()

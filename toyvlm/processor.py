@@ -1,4 +1,4 @@
-"""Image processor and processor of the toy VLM, loadable with AutoProcessor after ``import lab``.
+"""Image processor and processor of the toy VLM, loadable with AutoProcessor after ``import toyvlm``.
 
 The image processor only scales to [0, 1] and normalises with ImageNet mean/std, as the study
 does; it never resizes, because one patch must cover exactly one board intersection. The
