@@ -31,12 +31,11 @@ from typing import Any
 import duckdb
 
 _CONNECTS = [0]
-_ATTACHES = [0]
 
 
 def counting(real: Any, box: list[int]) -> Any:
-    """``real``, adding one to ``box[0]`` at each call (put in place of a function the store looks
-    up at each call: ``duckdb.connect``, ``store.db._attach``)."""
+    """``real``, adding one to ``box[0]`` at each call (put in place of ``duckdb.connect``, which the
+    store looks up at each call)."""
     def call(*args: Any, **kwargs: Any) -> Any:
         box[0] += 1
         return real(*args, **kwargs)
@@ -183,7 +182,7 @@ def main() -> None:
     import store.db
 
     duckdb.connect = counting(duckdb.connect, _CONNECTS)
-    store.db._attach = counting(store.db._attach, _ATTACHES)
+    attached = store.db.OPENS.attaches
     steps: dict[str, list[float]] = {}
     if spec.get("steps"):
         _time_steps(steps)
@@ -196,7 +195,7 @@ def main() -> None:
     if threads is not None:
         steps.update({f"CPU of thread {name}": [seconds_, 1] for name, seconds_ in threads.stop().items()})
     print(json.dumps({"seconds": seconds, "cpu_seconds": time.process_time() - cpu, "samples": samples,
-                      "connects": _CONNECTS[0], "attaches": _ATTACHES[0], "steps": steps,
+                      "connects": _CONNECTS[0], "attaches": store.db.OPENS.attaches - attached, "steps": steps,
                       "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
                       "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 

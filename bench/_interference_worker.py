@@ -3,7 +3,7 @@
     python -m bench._interference_worker '{"model": {"path": "/tmp/m"}, "set": "/tmp/g2m", "batch": 1, "samples": 96,
                                            "taps": [...]}'
 
-Every batch's captures are computed first (``extract.run._run_batch``, prompt-only). Then, for
+Every batch's captures are computed first (``extract.run.run_batch``, prompt-only). Then, for
 each batch, the step that follows a hand-over in a run (``prepare_group`` of the next batch; and,
 in a second pass with a writer of its own, the bare forward) is timed twice: once with the writer
 idle, once right after ``write`` handed it that batch's captures (cast, write and checksum of each
@@ -51,7 +51,7 @@ def main() -> None:
     points = run.resolve_points(lm, run.tap_request(lm, manifest), ())
     stop = eos_ids(lm.model)
     groups = [samples[i : i + bs] for i in range(0, len(samples), bs)]
-    done = [run._run_batch(lm, g, points, manifest, stop, "forward", start=i * bs) for i, g in enumerate(groups)]
+    done = [run.run_batch(lm, g, points, manifest, stop, "forward", start=i * bs) for i, g in enumerate(groups)]
     specs = run.specs_of(done[0].res, points, True, str(lm.dtype).removeprefix("torch."), "none")
     assert specs is not None
     batches = [run.prepare_group(lm, g) for g in groups]

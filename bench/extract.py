@@ -175,15 +175,16 @@ def _registration_connects(root: Path) -> int:
     from store import ArraySpec, RunInfo, Workspace
 
     ws = Workspace.open(root / "ws-register")
-    real_connect, real_attach, count = duckdb.connect, store.db._attach, [0]
+    real_connect, count = duckdb.connect, [0]
     with ws.writer(RunInfo(run="register", model="none")) as w:
         w.set_samples(w.register_stimuli([{"id": str(i)} for i in range(16)], dataset="s"))
         specs = [ArraySpec(tap="llm", layer=i, tokens="image", shape=(4, 8), dtype="float32") for i in range(4)]
-        duckdb.connect, store.db._attach = counting(real_connect, count), counting(real_attach, count)
+        duckdb.connect, attached = counting(real_connect, count), store.db.OPENS.attaches
         try:
             w.arrays(specs)
         finally:
-            duckdb.connect, store.db._attach = real_connect, real_attach
+            duckdb.connect = real_connect
+            count[0] += store.db.OPENS.attaches - attached
         w.finish(partial_ok=True)
     return count[0]
 
@@ -361,26 +362,22 @@ def cast() -> None:
     from store.heap import tune_malloc
 
     tune_malloc()  # as run_extraction sets it: each cast's 15 MiB output is then reused heap, not fresh pages
-    if dtypes._halfcast is None:
-        print("   (6) cast: store._halfcast was not built (no C compiler at install): nothing to compare")
+    if not dtypes.HAS_KERNEL:
+        print("   (6) cast: store/_halfcast.c was not built (no C compiler at install): nothing to compare")
         return
     shape, layers = (8, 256, 3584), 28
     rng = np.random.default_rng(0)
     f32 = (rng.standard_normal(shape, dtype=np.float32) * 4).astype(np.float32)
     sources = {"bfloat16": dtypes.float32_to_bf16_bits(f32), "float32": f32}
-    kernel = dtypes._halfcast
-    paths = {"kernel": kernel, "numpy": None}
     print(f"   (6) cast to float16 on the writer thread, one batch {shape[0]} x {shape[1]} x {shape[2]}"
           f" (a 7B model's image tokens), median of 15 alternated; load average {_load()}:")
     for kind, src in sources.items():
         took: dict[str, list[float]] = {"kernel": [], "numpy": []}
         for _ in range(15):
             for path in ("kernel", "numpy"):
-                dtypes._halfcast = paths[path]  # type: ignore[assignment]  # None: numpy's passes
                 started = time.perf_counter()
-                dtypes.cast(src, kind, "float16", "error", "bench")
+                dtypes.cast(src, kind, "float16", "error", "bench", kernel=path == "kernel")
                 took[path].append(time.perf_counter() - started)
-        dtypes._halfcast = kernel
         k, n = median(took["kernel"]), median(took["numpy"])
         per_sample = src.nbytes / shape[0] * layers
         print(f"     from {kind:8s}: kernel {src.nbytes / k / 2**20:6.0f} MiB/s, numpy {src.nbytes / n / 2**20:6.0f}"

@@ -490,12 +490,12 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
     stop = stop_ids(lm)
     # A new workspace's first batch is computed now: its captures give the arrays' shapes, with no
     # forward of their own (a shard or a resume starts elsewhere, so it runs the shapes forward).
-    early: dict[int, _Done] = {}
+    early: dict[int, BatchDone] = {}
     specs = None
     if manifest.shard is None and not (resolve_path(where) / MANIFEST).exists():
         size = min(manifest.batch_size, len(samples))
         offset, group = by_modality(samples[:size])[0]
-        done = _run_batch(lm, group, points, manifest, stop, chosen[0], start=offset)
+        done = run_batch(lm, group, points, manifest, stop, chosen[0], start=offset)
         specs = specs_of(done.res, points, dense_images, dtype, codec)
         early[offset] = done
     if specs is None:
@@ -529,14 +529,14 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
         bar = run_progress(total, manifest.run, progress)
-        pending: list[_Done] = []  # on CUDA: the last batch, its host copy still running
+        pending: list[BatchDone] = []  # on CUDA: the last batch, its host copy still running
         try:
             for rows in todo:
                 for start in range(rows.start, rows.stop, manifest.batch_size):
                     batch_samples = samples[start : min(start + manifest.batch_size, rows.stop)]
                     for offset, group in by_modality(batch_samples):
                         at = start + offset
-                        done = early.pop(at) if at in early else _run_batch(
+                        done = early.pop(at) if at in early else run_batch(
                             lm, group, points, manifest, stop, route[0] if route else "generate", start=at)
                         if done.ready is None:
                             done.write(w, handles, specs)
@@ -563,7 +563,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
     return Extracted(ws, computed, correct / scored if scored else None, len(handles), totals)
 
 
-def _write_pending(pending: list[_Done], w: Writer, handles: dict[CaptureKey, ArrayHandle],
+def _write_pending(pending: list[BatchDone], w: Writer, handles: dict[CaptureKey, ArrayHandle],
                    specs: dict[CaptureKey, ArraySpec]) -> None:
     """Hand ``pending``'s batches to the writer, each taken off the list first: one that failed is not retried."""
     while pending:
@@ -647,7 +647,7 @@ def capture_path(lm: LoadedModel, manifest: Manifest, samples: list[Sample]) -> 
 
 
 @dataclass
-class _Done:
+class BatchDone:
     """One computed batch, ready to hand to the writer once its host copy (CUDA only) has landed."""
 
     start: int
@@ -682,8 +682,8 @@ def batch_values(res: CaptureResult, specs: dict[CaptureKey, ArraySpec], dtype: 
     return out
 
 
-def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: list[Point], manifest: Manifest,
-               stop: set[int], path: str = "generate", *, start: int = 0) -> _Done:
+def run_batch(lm: LoadedModel, batch_samples: list[Sample], request: list[Point], manifest: Manifest,
+               stop: set[int], path: str = "generate", *, start: int = 0) -> BatchDone:
     batch = prepare_group(lm, batch_samples)
     text_only = batch_samples[0].image is None
     budget = manifest.generation.max_new_tokens
@@ -711,5 +711,5 @@ def _run_batch(lm: LoadedModel, batch_samples: list[Sample], request: list[Point
         spans.append(token_spans(res.layouts[b], pad_len, n_keep))
         keep.append(n_keep)
     firsts = [lay.first_position for lay in res.layouts]
-    return _Done(start, gens, spans, res,
+    return BatchDone(start, gens, spans, res,
                  lambda specs: batch_values(res, specs, lm.dtype, text_only, firsts, pad_len, keep), res.ready)

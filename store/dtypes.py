@@ -38,6 +38,7 @@ try:  # built by `make setup` (setup.py); without a C compiler, numpy casts to t
     from store import _halfcast
 except ImportError:  # pragma: no cover - depends on the install
     _halfcast = None  # type: ignore[assignment]
+HAS_KERNEL = _halfcast is not None  # store/_halfcast.c was compiled at install (a C compiler was there)
 
 FP16_MAX = 65504.0
 # Exponent masks: a value is NaN/inf exactly when all its exponent bits are set. Checking bits
@@ -141,9 +142,12 @@ class Cast:
     n_clipped: int
 
 
-def cast(src: np.ndarray, kind: str, stored: str, overflow: str, where: str, array: str | None = None) -> Cast:
+def cast(src: np.ndarray, kind: str, stored: str, overflow: str, where: str, array: str | None = None,
+         *, kernel: bool = True) -> Cast:
     """Cast ``src`` (source kind ``kind``) to the stored dtype under the overflow policy; ``array``
-    (its zarr path) goes with an overflow error, so a caller can store that array wider."""
+    (its zarr path) goes with an overflow error, so a caller can store that array wider. ``kernel``
+    False takes numpy's passes even where the C kernel (``HAS_KERNEL``) would: the same bits, for
+    comparing the two."""
     if stored == "bfloat16":
         if kind != "bfloat16":
             raise StoreError(
@@ -154,7 +158,7 @@ def cast(src: np.ndarray, kind: str, stored: str, overflow: str, where: str, arr
     target = np.dtype(stored)
     if kind == target.name:
         return Cast(src, count_nonfinite(src, kind), 0)
-    if (_halfcast is not None and stored == "float16" and kind in ("float32", "bfloat16")
+    if (kernel and _halfcast is not None and stored == "float16" and kind in ("float32", "bfloat16")
             and src.flags.c_contiguous and src.flags.aligned):  # what the kernel reads; else numpy's passes
         return _cast_kernel(src, kind, overflow, where, array)
     wide = bf16_bits_to_float32(src) if kind == "bfloat16" else src

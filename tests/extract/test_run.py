@@ -161,11 +161,11 @@ def test_interrupted_run_resumes_to_the_same_store(tiny_dir, g2m_set, extracted,
 @pytest.mark.parametrize("copy_fails", [False, True], ids=["copy-lands", "copy-fails"])
 def test_a_crash_keeps_the_batch_whose_host_copy_was_pending(tiny_dir, g2m_set, tmp_path, monkeypatch, copy_fails):
     """On CUDA a batch is written once the next one has run, while its host copy runs beside that
-    (``_Done.ready``); a crash in between still stores it, and a copy that fails too does not hide
+    (``BatchDone.ready``); a crash in between still stores it, and a copy that fails too does not hide
     the crash. Here on any device: each batch's ``ready`` is one of the test's."""
     import extract.run as run
 
-    computed = run._run_batch
+    computed = run.run_batch
 
     def with_copy(*args, **kwargs):
         done = computed(*args, **kwargs)
@@ -181,7 +181,7 @@ def test_a_crash_keeps_the_batch_whose_host_copy_was_pending(tiny_dir, g2m_set, 
         if done >= 4:
             raise KeyboardInterrupt("simulated crash after the first batch")
 
-    monkeypatch.setattr(run, "_run_batch", with_copy)
+    monkeypatch.setattr(run, "run_batch", with_copy)
     manifest = manifest_for(tiny_dir("qwen2_vl"), g2m_set)
     with pytest.raises(KeyboardInterrupt, match="simulated crash"):
         run_extraction(manifest, workspace=tmp_path / "data", progress=False, on_batch=crash)
