@@ -136,7 +136,7 @@ class Plan(_Strict):
     # Iterative kinds (linear, pooled classification, conv_spatial, detect) out of core: auto when
     # their in-memory features exceed memory_limit; trained on at most max_train_rows labelled
     # training units (conv_spatial, detect: samples) per probe batch (None: as many as the limit
-    # holds), see probes/farm_iterative.py.
+    # holds), see probes/trainers/iterative.py.
     out_of_core: Literal["auto", "always", "never"] = "auto"
     max_train_rows: int | None = Field(None, ge=1)
     # Pooled features stored once (probes/derived.py): auto derives, on the client before any group

@@ -84,7 +84,7 @@ class StreamSpec:
     ledoit_wolf: bool = False
     #: ridge in its dual form (probes/ridge_dual.py): the maps keep the union of the Solves'
     #: training and test rows (n×d) instead of accumulating XᵀX (d×d), and the solve scores the
-    #: test rows; chosen when n < d and cheaper (probes/farm_stream.py _spec). Never shared: the
+    #: test rows; chosen when n < d and cheaper (probes/trainers/stream_specs.py _spec). Never shared: the
     #: rows of the union serve every Solve.
     dual: bool = False
 
@@ -192,7 +192,7 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     if spec.dual:   # the test rows too: the solve scores them, so no second pass reads them
         part.rows = _gather(spec, info, _positions(spec, lo, hi, "any"), part)
         part.seconds = time.perf_counter() - t0
-        part.rss_peak = _rss()
+        part.rss_peak = peak_rss()
         return part
     pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
     with one_blas_thread():
@@ -212,7 +212,7 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
             if acc is not None:
                 part.stats[s] = _centre(acc, syr)
     part.seconds = time.perf_counter() - t0
-    part.rss_peak = _rss()
+    part.rss_peak = peak_rss()
     return part
 
 
@@ -245,7 +245,7 @@ def _units(spec: StreamSpec, info: ArrayInfo, pos: np.ndarray, part: Part) -> It
     rank-few XᵀX update streams the whole d×d matrix through memory for them (at d = 3,584,
     three rows per block cost ~8 ms of syrk); from ~256 rows on, the update is compute-bound.
     The rows gathered stay within what the plan counts for one block's float32 tokens
-    (probes/farm_stream.py plan_stream), which pooled reads no longer hold."""
+    (probes/trainers/stream_specs.py plan_stream), which pooled reads no longer hold."""
     tokens = max(1, info.values_per_row // max(info.item_shape[-1], 1))
     batch = spec.block_rows
     if spec.level == "sample":
@@ -389,7 +389,7 @@ def merge(a: Part, b: Part) -> Part:
     a.flops += b.flops
     a.read_bytes += b.read_bytes
     a.seconds += b.seconds
-    a.rss_peak = max(a.rss_peak, b.rss_peak, _rss())
+    a.rss_peak = max(a.rss_peak, b.rss_peak, peak_rss())
     return a
 
 
@@ -441,7 +441,7 @@ def solve(spec: StreamSpec, part: Part) -> Solution:
             out.gcv.append(gcv)
             out.n_train.append(st.n)
             out.flops += flops
-    out.rss_peak = max(part.rss_peak, _rss())
+    out.rss_peak = max(part.rss_peak, peak_rss())
     return out
 
 
@@ -638,7 +638,7 @@ def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) ->
                 if sol.W[s] is not None and mask.any():   # a block holds whole samples (see _exact_counts)
                     _score_units(out, spec, s, sol, U[mask], solve_.Y[idx][mask], solve_.codes[idx][mask],
                                  idx[np.nonzero(mask)[0]], paired[s])
-    out.rss_peak = _rss()
+    out.rss_peak = peak_rss()
     return out
 
 
@@ -789,7 +789,7 @@ def pack(solutions: list[Solution], scores: list[Scores]) -> tuple[list[Solution
 
 def warm() -> int:
     """Worker warm-up of streamed-only plans: numpy, scipy and the store reader, never torch.
-    Returns the worker's RSS after it (probes/farm_stream.py check_base)."""
+    Returns the worker's RSS after it (probes/trainers/base.py check_base)."""
     import scipy.linalg  # noqa: F401
     import zarr  # noqa: F401
 
@@ -805,7 +805,7 @@ def rss_now() -> int:
     return _memory_status("VmRSS")
 
 
-def _rss() -> int:
+def peak_rss() -> int:
     """This process's peak resident set so far, in bytes: Linux's VmHWM (the kernel's high-water
     mark, so transient peaks inside a task count; reset at exec, unlike ru_maxrss, which a Dask
     worker would inherit from the client process that spawned it). Elsewhere: current RSS."""

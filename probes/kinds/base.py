@@ -127,6 +127,13 @@ class Probe:
     uses_grid: ClassVar[bool] = False
     #: reads store.Ragged arrays (variable tokens per sample), not only dense [n, T, d]
     accepts_ragged: ClassVar[bool] = False
+    #: the farm's trainers that may train the kind, in order of preference (probes/trainers/):
+    #: "in_memory" (features read whole, :meth:`evaluate`), "streamed" (statistics streamed chunk by
+    #: chunk), "iterative" (out of core on a capped subsample, taken when in memory does not fit)
+    trains: ClassVar[tuple[str, ...]] = ("in_memory",)
+    #: what fixes a group of this kind over the worker memory limit, where the kind knows better
+    #: than its trainer (said before raising the limit); None: the trainer's own advice
+    memory_fix: ClassVar[str | None] = None
 
     def __init__(self, *, random_state: int = 0, **params: Any) -> None:
         self.params = self.check_params(params)
@@ -225,7 +232,7 @@ class Probe:
     @classmethod
     def evaluate_one(cls, X: Any, job: Job) -> Outcome:
         fold = job.fold
-        y = _wide(job.target.values)
+        y = wide_codes(job.target.values)
         train = fold.train & job.target.labelled()
         test = fold.test & job.target.labelled()
         probe = cls.build(job, fold.seed).fit(take(X, train), y[train])
@@ -237,8 +244,8 @@ class Probe:
         if job.control:
             yc = job.target.permuted(control_permutation(len(y), fold.seed))
             ctr, cte = fold.train & yc.labelled(), fold.test & yc.labelled()
-            ctrl = cls.build(job, fold.seed).fit(take(X, ctr), _wide(yc.values)[ctr])
-            control = float(ctrl.score(take(X, cte), _wide(yc.values)[cte]))
+            ctrl = cls.build(job, fold.seed).fit(take(X, ctr), wide_codes(yc.values)[ctr])
+            control = float(ctrl.score(take(X, cte), wide_codes(yc.values)[cte]))
             # Per sample: the control on the probe's test samples, scored against their real target.
             predictions.control_prediction, _, predictions.control_score = ctrl.sample_predictions(
                 take(X, test), _rows(y, test))
@@ -250,8 +257,19 @@ def _rows(y: Any, index: np.ndarray) -> Any:
     return [y[i] for i in np.flatnonzero(index)] if isinstance(y, list) else y[index]
 
 
-def _wide(y: np.ndarray) -> np.ndarray:
-    # Labels travel as int8/int16; a kind's fit/score gets plain int64 codes.
+def wide_codes(y: np.ndarray) -> np.ndarray:
+    """Labels as a kind's fit/score take them: int8/int16 codes (as labels travel) widened to int64.
+
+    Parameters
+    ----------
+    y
+        A target's values.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``y`` as int64 when it holds integers, else ``y`` itself.
+    """
     return y.astype(np.int64) if y.dtype.kind == "i" else y
 
 

@@ -52,6 +52,9 @@ class HiddenNumberProbe(LinearProbe):
     Params = HiddenNumberParams
     accepts = ("token",)
     metric = "exact_match"
+    # No out-of-core path: its least-squares twin streams the same boards.
+    trains = ("in_memory",)
+    memory_fix = "use kind hidden_number_ridge (N_H from streamed statistics), layers_per_task: 1,"
 
     def _train_tokens(self, y: np.ndarray) -> np.ndarray:
         """Mask [n, T] of the tokens each training board contributes."""

@@ -50,7 +50,6 @@ class CentroidParams(ProbeParams):
 class _ClassMeans(RidgeProbe):
     """In-memory fit from the rows; decision, predict and score are ridge's (linear, arg-max)."""
 
-    streaming = True
 
     def _regress(self, y: np.ndarray) -> bool:
         return False

@@ -98,7 +98,7 @@ class RidgeProbe(Probe):
     Params: ClassVar[type[ProbeParams]] = RidgeParams
     accepts: ClassVar[tuple[Shape, ...]] = ("token", "sample")
     accepts_ragged = True
-    streaming = True
+    trains: ClassVar[tuple[str, ...]] = ("streamed",)
     #: which solve of probes/stream.py turns the streamed statistics into weights
     stream_solver: ClassVar[Literal["ridge", "lda", "centroid"]] = "ridge"
 

@@ -183,9 +183,9 @@ def test_saved_probe_rescores_from_artifact_and_recorded_split(request, run, tar
     split = row["params"]["split"]
     fold = hash_fold(sel.stimuli, split["seed"], split["test_fraction"])
     X = ws.read(run, "vision", 1, rows=sel.rows[fold.test])
-    from probes.farm import _Preparer
+    from probes.prepare import JobBuilder
 
-    prep = _Preparer(ws, parse_plan(PLAN))
+    prep = JobBuilder(ws, parse_plan(PLAN))
     y = prep.target(run, row["params"]["where"], target, X.shape[1]).values[fold.test]
     assert probe.score(X, y) == pytest.approx(row["score"], abs=1e-9)
 

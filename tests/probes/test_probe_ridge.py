@@ -14,13 +14,17 @@ from probetest_lib import build_workspace, python
 from sklearn.linear_model import Ridge, RidgeClassifier
 
 from probes import ProbeError, parse_plan, run_plan
-from probes.farm import _Preparer, plan_tasks
-from probes.farm_stream import build_specs, check_fits, plan_in_memory, run_local
+from probes.farm import plan_tasks
 from probes.kinds import Probe
 from probes.kinds.ridge import RidgeProbe
 from probes.plan import group_tasks
+from probes.prepare import JobBuilder
 from probes.splits import hash_fold
 from probes.stream import accumulate
+from probes.trainers.base import Settings
+from probes.trainers.in_memory import TRAINER as IN_MEMORY
+from probes.trainers.stream_specs import build_specs
+from probes.trainers.streamed import run_local
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
 QUIET = {"progress": False, "log": lambda s: None}
@@ -101,7 +105,7 @@ def test_seeds_share_one_pass_and_give_each_split_its_own_probe(tmp_path):
     plan = parse_plan({"name": "seeds", "probes": [{
         "runs": ["spatial"], "targets": ["truth:relation", "truth:flag_0"], "seeds": [0, 1, 2, 3],
         "kinds": {"ridge": {"alphas": [0.5, 5.0]}, "lda": {"shrinkage": 0.1}}}]})
-    job = _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+    job = JobBuilder(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
     shared = build_specs(job, 7)
     assert [g.spec.shared for g in shared] == [True, True] and [len(g.spec.solves) for g in shared] == [4, 4]
     own = [replace(g, spec=replace(g.spec, shared=False)) for g in shared]
@@ -156,10 +160,10 @@ def test_group_bigger_than_worker_memory_completes_under_the_limit(tmp_path):
     limit = 240 << 20
     plan = parse_plan({"name": "big", "derive": "never", "probes": [{"runs": ["big"], "targets": ["truth:flag_0"],
                                                    "kinds": {"ridge": {"pool": "mean"}}}]})
-    job = _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+    job = JobBuilder(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
     assert len(job.rows) * t * d * 4 > limit
     with pytest.raises(ProbeError, match="use kind ridge"):
-        check_fits(plan_in_memory(job), limit, job, False)
+        IN_MEMORY.check(IN_MEMORY.plan(job, Settings()), Settings(limit=limit), None)
     rep = run_plan(plan, ws.path, workers=2, memory_limit="240MiB", block_rows=16, **QUIET)
     assert rep.trained == 1 and rep.failed == 0, rep.failures
     assert 0 < rep.rss_peak < 0.95 * limit, rep.rss_peak          # measured in the workers (psutil)
