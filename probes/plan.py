@@ -279,7 +279,7 @@ def check_static(plan: Plan, source: str = "plan") -> None:
                     problems.append(f"  {where}.targets: {err}")
                     continue
                 if spec.shape not in cls.accepts:
-                    fits = sorted(k for k, c in _kinds().items() if spec.shape in c.accepts)
+                    fits = sorted(k for k, c in _kinds() if spec.shape in c.accepts)
                     problems.append(
                         f"  {where}: kind {kind} learns {'/'.join(cls.accepts)} targets; {target} is a {spec.shape} target."
                         f" Kinds for {spec.shape} targets: {', '.join(fits)}"
@@ -288,10 +288,10 @@ def check_static(plan: Plan, source: str = "plan") -> None:
         raise PlanError(f"{source} is not a valid probe plan:\n" + "\n".join(dict.fromkeys(problems)))
 
 
-def _kinds() -> dict[str, Any]:
+def _kinds() -> list[tuple[str, Any]]:
     from probes.kinds import KINDS
 
-    return KINDS
+    return KINDS.items()
 
 
 # ----------------------------------------------------------------------------- expansion

@@ -25,6 +25,7 @@ from probes import artifacts
 from probes.errors import ProbeError, did_you_mean
 from probes.splits import Fold, control_permutation
 from probes.targets import Shape, TargetValues
+from stimuli.registry import Registry
 from store.config import StrictModel, validate
 
 
@@ -76,12 +77,31 @@ class PerSample:
     control_score: np.ndarray | None = None
 
 
-KINDS: dict[str, type[Probe]] = {}
+#: Probe kinds by name (stimuli/registry.py, as stimulus families and model adapters are found).
+KINDS: Registry[type[Probe]] = Registry("probe kind", error=ProbeError, hint="a new kind: docs/new-probe.md")
 P = TypeVar("P", bound="type[Probe]")
 
 
 def register_kind(name: str) -> Callable[[P], P]:
-    """Class decorator: make a :class:`Probe` subclass available to plans as ``name``."""
+    """Class decorator: make a :class:`Probe` subclass available to plans as ``name``.
+
+    Parameters
+    ----------
+    name
+        The kind's name in plans and in the probes table.
+
+    Returns
+    -------
+    Callable
+        The decorator; it sets the class's ``name`` and registers it in :data:`KINDS`.
+
+    Raises
+    ------
+    TypeError
+        On anything but a Probe subclass, or one that declares no target shapes (``accepts``).
+    ProbeError
+        When another class is registered under ``name`` already.
+    """
 
     def deco(cls: P) -> P:
         if not (isinstance(cls, type) and issubclass(cls, Probe)):
@@ -89,17 +109,43 @@ def register_kind(name: str) -> Callable[[P], P]:
         if not cls.accepts:
             raise TypeError(f"kind {name!r}: set accepts = ('token' | 'sample' | 'grid' | 'boxes', ...)")
         cls.name = name
-        KINDS[name] = cls
+        if not _reimported(name, cls):
+            KINDS.add(name, cls)
         return cls
 
     return deco
 
 
+def _reimported(name: str, cls: type[Probe]) -> bool:
+    """Whether ``name`` holds this very class from an earlier import of its module (a plugin module
+    imported under two names, or again on a worker): that is no second kind, so no error."""
+    if name not in KINDS:
+        return False
+    known = KINDS.get(name)
+    return known is not cls and (known.__module__, known.__qualname__) == (cls.__module__, cls.__qualname__)
+
+
 def get_kind(name: str) -> type[Probe]:
-    try:
-        return KINDS[name]
-    except KeyError:
-        raise ProbeError(f"unknown probe kind {name!r}{did_you_mean(name, KINDS)}") from None
+    """The kind registered as ``name``.
+
+    Parameters
+    ----------
+    name
+        As a plan or a saved probe names it.
+
+    Returns
+    -------
+    type[Probe]
+        The kind's class.
+
+    Raises
+    ------
+    ProbeError
+        An unknown name, with the closest known one (or every known one).
+    """
+    if name not in KINDS:
+        raise ProbeError(f"unknown probe kind {name!r}{did_you_mean(name, KINDS)}")
+    return KINDS.get(name)
 
 
 def take(X: Any, index: np.ndarray) -> Any:
