@@ -30,6 +30,7 @@ import numpy as np
 from probes.errors import ProbeError
 from probes.moments import Moments
 from probes.ridge_dual import Rows, merge_rows, solve_rows
+from probes.ridge_solve import Stats, solve_stats
 from store.location import ArrayRoot
 from store.records import ArrayInfo
 
@@ -87,19 +88,6 @@ class StreamSpec:
     #: test rows; chosen when n < d and cheaper (probes/trainers/stream_specs.py _spec). Never shared: the
     #: rows of the union serve every Solve.
     dual: bool = False
-
-
-@dataclass
-class Stats:
-    """Centred sufficient statistics of one Solve (``xx``: upper triangle valid, Fortran order)."""
-
-    n: float
-    mx: np.ndarray               # float64 [d]
-    my: np.ndarray               # float64 [c]
-    xx: np.ndarray               # [d, d] precision dtype
-    xy: np.ndarray               # float64 [d, c]
-    yy: np.ndarray               # float64 [c]
-    moments: list[list[Moments | None]] | None = None   # ledoit_wolf: [variant][class]
 
 
 @dataclass
@@ -462,47 +450,6 @@ def _solve_dual(spec: StreamSpec, rows: Rows | None, out: Solution) -> None:
         out.b.append(b)
         out.gcv.append(gcv)
         out.flops += flops
-
-
-def solve_stats(st: Stats, alphas: tuple[float, ...], standardize: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """(W [d, c, A], b [c, A], GCV [c, A], flops) of ridge on centred statistics (sklearn's
-    objective: ‖y - Xw - b‖² + α‖w‖², intercept unpenalised)."""
-    from scipy.linalg import eigh, lapack
-
-    C = st.xx                                  # overwritten: the task owns it
-    d, c = C.shape[0], st.xy.shape[1]
-    scale = np.sqrt(np.maximum(np.diag(C).astype(np.float64), 0) / st.n) if standardize else np.ones(d)
-    scale[scale < 1e-8] = 1.0
-    if standardize:
-        inv = (1.0 / scale).astype(C.dtype)
-        C *= inv[:, None]
-        C *= inv[None, :]
-    xy = (st.xy / scale[:, None]).astype(C.dtype)
-    work = np.empty_like(C, order="F")
-    potrf, potrs = (lapack.dpotrf, lapack.dpotrs) if C.dtype == np.float64 else (lapack.spotrf, lapack.spotrs)
-    eig = None
-    if len(alphas) > 1:
-        np.copyto(work, C)
-        eig = eigh(work, eigvals_only=True, lower=False, overwrite_a=True, check_finite=False).astype(np.float64)
-    W = np.empty((d, c, len(alphas)))
-    gcv = np.full((c, len(alphas)), np.nan)
-    for i, alpha in enumerate(alphas):
-        np.copyto(work, C)
-        work.flat[:: d + 1] += alpha
-        factor, info = potrf(work, lower=0, overwrite_a=1, clean=0)
-        if info != 0:
-            raise ValueError(f"ridge: X'X + {alpha} I is not positive definite (LAPACK info {info}); raise alpha")
-        w, info = potrs(factor, xy, lower=0)
-        w = np.asarray(w, dtype=np.float64)
-        W[:, :, i] = w / scale[:, None]
-        if eig is not None:
-            rss = st.yy - (w * xy).sum(0) - alpha * (w * w).sum(0)
-            df = float((eig / (eig + alpha)).sum())
-            gcv[:, i] = st.n * np.maximum(rss, 0) / max(st.n - df - 1, 1e-12) ** 2
-    b = st.my[:, None] - np.einsum("d,dca->ca", st.mx, W)
-    flops = len(alphas) * (d**3 / 3 + 2.0 * d * d * c) + (4 / 3 * d**3 if eig is not None else 0.0)
-    del work
-    return W, b, gcv, flops
 
 
 def lda_weights(means: np.ndarray, counts: np.ndarray, scatter: np.ndarray,

@@ -14,7 +14,7 @@ import numpy as np
 from probes import stream
 from probes.errors import ProbeError
 from probes.kinds.base import Outcome, PerSample
-from probes.kinds.ridge import gcv_pick
+from probes.ridge_solve import gcv_pick
 from probes.trainers.group import GroupJob, GroupResult, record, tasks_by_signature
 from probes.trainers.stream_specs import SpecGroup, where_of
 

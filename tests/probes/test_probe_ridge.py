@@ -51,6 +51,28 @@ def test_ridge_matches_sklearn_ridge_and_ridge_classifier():
             assert (mine.predict(X[:, None, :]) == ref.predict(X)).all()
 
 
+
+def test_ridge_evaluates_in_memory_with_the_labels_the_farm_reads():
+    """Probe.evaluate (the in-memory trainer's call) regresses a numeric sample target's numbers
+    and classifies codes, as the streamed trainer decides, through the same solver."""
+    from probes.kinds import Job
+    from probes.targets import encode
+
+    rng = np.random.default_rng(4)
+    n, d = 400, 16
+    X = rng.standard_normal((n, d))
+    w = rng.standard_normal(d)
+    quantity = (X @ w * 3 + rng.standard_normal(n)).round(1).tolist()     # many values: a regression
+    classes = (X @ w > 0).astype(int).tolist()
+    fold = hash_fold([f"s/{i}" for i in range(n)], seed=1, test_fraction=0.25)
+    for raw, ref, metric in ((quantity, Ridge(alpha=1.0), "r2"), (classes, RidgeClassifier(alpha=1.0), "accuracy")):
+        (out,), = RidgeProbe.evaluate([X[:, None, :]], [Job("k", encode("t", raw), fold, {"alphas": [1.0]})])
+        y = np.asarray(raw)
+        expected = ref.fit(X[fold.train], y[fold.train]).score(X[fold.test], y[fold.test])
+        assert out.metric == metric and abs(out.score - expected) < 1e-9, (metric, out.score, expected)
+        assert out.control_score is not None and len(out.predictions.positions) == fold.test.sum()
+
+
 def _ridge_plan(**extra):
     return parse_plan({"name": "ridge", **extra, "probes": [
         {"runs": ["go"], "targets": ["go.intersection"], "kinds": {"ridge": {"alphas": [0.5, 5.0, 50.0]}}},
