@@ -40,6 +40,7 @@ from probes.cluster import start as cluster_start
 from probes.errors import ProbeError
 from probes.plan import ArrayRow, Plan, ProbeTask, expand, group_tasks
 from probes.prepare import JobBuilder
+from probes.rss import rss_now
 from probes.trainers.base import DaskRun, Planned, check_base
 from probes.trainers.group import GroupJob, GroupResult
 from probes.trainers.select import TRAINERS, plan_work
@@ -536,7 +537,7 @@ def warm_worker(plugins: Sequence[str] = ()) -> int:
         fit_logistic(torch.randn(1, 8, 2), np.array([[0], [1]] * 4), [2], max_iter=2)
     finally:
         torch.set_num_threads(threads)
-    return stream.rss_now()
+    return rss_now()
 
 
 def _has_bokeh() -> bool:

@@ -197,7 +197,7 @@ def fit_layer(spec: IterSpec, info: ArrayInfo) -> LayerFit:
     from threadpoolctl import threadpool_limits
 
     from probes.logreg import MAX_PRECONDITION_DIM, solve_standardized
-    from probes.stream import peak_rss
+    from probes.rss import peak_rss
 
     tune_malloc()
     t0 = time.perf_counter()

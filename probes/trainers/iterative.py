@@ -318,7 +318,7 @@ def run_dask(client: Any, job: GroupJob, spec: subsample.IterSpec) -> GroupResul
     GroupResult
         Its records and weights, with each worker's peak RSS.
     """
-    from probes.stream import peak_rss
+    from probes.rss import peak_rss
 
     t0 = time.perf_counter()
     shared = client.scatter(spec, hash=False)

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from probes import stream, stream_layer
+from probes import stream_layer
+from probes.rss import peak_rss
 from probes.trainers.base import (
     FIT_FRACTION,
     WORKER_BASE,
@@ -149,7 +150,7 @@ def run_dask(client: Any, work: list[tuple[GroupJob, list[SpecGroup]]], parts: i
         if not remaining[id(layer.group)]:
             scattered.pop(id(layer.group), None)   # its last layer landed: the workers may drop the spec
         layer.sol = layer.done = layer.spec = None
-    return dict(client.run(stream.peak_rss))   # each worker's high-water RSS so far
+    return dict(client.run(peak_rss))   # each worker's high-water RSS so far
 
 
 def _submit(client: Any, layer: _Layer, parts: int, scattered: dict[int, Any]) -> None:
