@@ -45,6 +45,7 @@ class JobBuilder:
         self.derived: dict[str, derived.GroupDerived] = {}  # group key -> what it reads (derived.group_status)
 
     def samples(self, run: str, where: str | None) -> tuple[np.ndarray, list[SampleInfo]]:
+        """The selected rows of ``run`` (array rows, ascending) and what each sample is."""
         key = (run, where)
         if key not in self._samples:
             sql = ("SELECT array_row, stimulus, family, split, truth, params, grid_h, grid_w FROM v_samples"
@@ -61,6 +62,7 @@ class JobBuilder:
         return self._samples[key]
 
     def target(self, run: str, where: str | None, name: str, n_tokens: int | None) -> TargetValues:
+        """The labels of target ``name`` for those rows."""
         key = (run, where, name, n_tokens)
         if key not in self._targets:
             _, infos = self.samples(run, where)
@@ -68,6 +70,7 @@ class JobBuilder:
         return self._targets[key]
 
     def fold(self, run: str, where: str | None, task: ProbeTask) -> Fold:
+        """The task's split of those rows (``train_where`` applied)."""
         key = (run, where, task.fold_id)
         if key not in self._folds:
             rows, infos = self.samples(run, where)
@@ -86,6 +89,7 @@ class JobBuilder:
         return self._folds[key]
 
     def train_mask(self, run: str, where: str | None, train_where: str) -> np.ndarray:
+        """Which of those rows ``train_where`` keeps for training."""
         key = (run, where, train_where)
         if key not in self._masks:
             rows, _ = self.samples(run, where)
@@ -98,6 +102,7 @@ class JobBuilder:
         return self._masks[key]
 
     def committed(self, run: str) -> dict[str, set[int]]:
+        """The committed chunks of ``run``'s arrays, by Zarr path."""
         if run not in self._committed:
             got: dict[str, set[int]] = {}
             for path, chunk in self.ws.rows("SELECT zarr_path, chunk FROM chunks WHERE run = ?", [run]):
@@ -106,12 +111,14 @@ class JobBuilder:
         return self._committed[run]
 
     def array(self, run: str, tap: str, layer: int, site: str, tokens: str) -> Any:
+        """The stored array (run, tap, layer, site, tokens); a StoreError listing what exists if none."""
         if run not in self._arrays:  # one manifest read per run, not one per layer
             self._arrays[run] = {(a.tap, a.layer, a.site, a.tokens): a for a in self.ws.arrays(run)}
         got = self._arrays[run].get((tap, layer, site, tokens))
         return got if got is not None else self.ws.array_info(run, tap, layer, site, tokens)  # raises, listing what exists
 
     def job(self, group: Group) -> GroupJob:
+        """The group's job: rows, labels, folds and arrays, every one of its chunks committed."""
         rows, infos = self.samples(group.run, group.where)
         arrays = [self.array(group.run, group.tap, layer, group.site, group.tokens) for layer in group.layers]
         for info in arrays:

@@ -1,12 +1,6 @@
-"""A group of probes that share features: the job every trainer takes, its result, and the
-probes table's record of each probe (the same for every trainer).
-
-The worker gets paths, array descriptions, row indices and small label arrays, never
-activations: it reads only the Zarr chunks holding its rows, straight from the workspace
-folder or the object store, and never opens the DuckDB manifest (the farm's client is its only
-writer and does all manifest reads). It trains every probe of the group and returns small
-result records plus each probe's weights as safetensors bytes, which the client writes: a worker
-writes nothing, so it needs no access to the workspace folder when the arrays are in a bucket.
+"""A group of probes that share features: the job every trainer takes (:class:`GroupJob`, small
+enough to travel inline with a Dask task: paths, array descriptions, row indices and labels, never
+activations), its result, and the probes table's record of each probe, the same for every trainer.
 """
 
 from __future__ import annotations

@@ -41,6 +41,20 @@ FIX = "set --block-rows lower (plan key block_rows), kind ridge's precision: flo
 
 
 def run_local(job: GroupJob, specs: list[SpecGroup]) -> GroupResult:
+    """Every layer of the job in this process, cut into the partitions a cluster run would use.
+
+    Parameters
+    ----------
+    job
+        The group.
+    specs
+        Its specs (:func:`probes.trainers.stream_specs.build_specs`).
+
+    Returns
+    -------
+    GroupResult
+        Its records and weights.
+    """
     t0 = time.perf_counter()
     sols, scores = [], []
     for g in specs:
