@@ -133,3 +133,19 @@ def test_fused_layers_equal_the_task_graph_and_a_failed_layer_loses_only_its_pro
     broken = run_plan(plan, tmp_path / "broken", workers=2, progress=False, log=lambda s: None)
     assert broken.failed == N_PROBES // LAYERS and broken.trained == N_PROBES - N_PROBES // LAYERS
     assert {r[3] for r in probe_rows(open_workspace(tmp_path / "broken"))} == {0, 1, 3}
+
+
+def test_a_group_whose_kinds_prefer_different_trainers_becomes_one_job_per_trainer(tmp_path):
+    """The farm picks trainers from the kinds' ``trains``, never their types: ridge's part of a
+    group goes to the streamed trainer (group name + "s"), pooled's stays in memory, and a
+    pooled probe over the limit would go to the iterative trainer only under out_of_core."""
+    ws = build_spatial_layers(tmp_path / "ws", layers=1)
+    plan = parse_plan({"name": "mixed", "probes": [{"runs": ["spatial"], "targets": ["spatial.relation"],
+                                                    "kinds": {"ridge": {}, "pooled": {}}}]})
+    (job,) = [JobBuilder(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws))]
+    work = plan_work([job], None, None)
+    assert [(p.trainer.name, p.job.group, sorted({t.kind for t in p.job.tasks})) for p in work] == [
+        ("streamed", f"{job.group}s", ["ridge"]), ("in_memory", job.group, ["pooled"])]
+    assert isinstance(work[0].spec, list) and work[1].spec is None
+    (always,) = plan_work([work[1].job], None, None, "always")
+    assert always.trainer.name == "iterative"
