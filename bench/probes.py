@@ -167,12 +167,11 @@ def _plan(targets: int, kind: dict[str, Any], **extra: Any) -> Any:
 
 def in_process_rate(ws: Workspace, plan: Any, tasks: int) -> float:
     """Probes per second of the solver alone: groups run here, one thread, nothing saved or recorded."""
-    from probes.farm import _Preparer, plan_tasks
-    from probes.plan import group_tasks
-    from probes.worker import run_group
+    from probes.farm import plan_tasks
+    from probes.prepare import group_jobs
+    from probes.trainers.in_memory import run_group
 
-    prep = _Preparer(ws, plan)
-    jobs = [prep.job(g) for g in group_tasks(plan_tasks(plan, ws), plan.layers_per_task)]
+    jobs = group_jobs(plan, ws, plan_tasks(plan, ws))
     for job in jobs:
         job.save = False
     run_group(jobs[0])  # warm: imports and first-call costs
@@ -301,9 +300,10 @@ def seed_sharing(quick: bool) -> None:
     from dataclasses import replace
 
     from probes import parse_plan
-    from probes.farm import _Preparer, plan_tasks
-    from probes.farm_stream import build_specs, run_local
-    from probes.plan import group_tasks
+    from probes.farm import plan_tasks
+    from probes.prepare import group_jobs
+    from probes.trainers.stream_specs import build_specs
+    from probes.trainers.streamed import run_local
 
     n, d, layers, targets, seeds = (500, 256, 1, 2, 5) if quick else (2000, 1024, 2, 4, 5)
     tmp = Path(tempfile.mkdtemp(prefix="bench-seeds-"))
@@ -313,7 +313,7 @@ def seed_sharing(quick: bool) -> None:
         plan = parse_plan({"name": "seeds", "layers_per_task": layers, "probes": [{
             "runs": ["bench"], "taps": ["llm"], "layers": "all", "tokens": ["last"], "seeds": list(range(seeds)),
             "targets": [f"truth:t{j:02d}" for j in range(targets)], "kinds": {"ridge": {"pool": "last"}}}]})
-        (job,) = [_Preparer(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws), plan.layers_per_task)]
+        (job,) = group_jobs(plan, ws, plan_tasks(plan, ws))
         shared = build_specs(job)
         own = [replace(g, spec=replace(g.spec, shared=False)) for g in shared]
         assert all(g.spec.shared for g in shared)
@@ -385,17 +385,17 @@ def pooled_read_rate(ws: Workspace, layer: int = 0, rounds: int = 3) -> dict[str
     from threadpoolctl import threadpool_limits
 
     from probes import parse_plan
-    from probes.farm import _Preparer, plan_tasks
-    from probes.farm_stream import build_specs
-    from probes.plan import group_tasks
+    from probes.farm import plan_tasks
+    from probes.prepare import group_jobs
     from probes.stream import accumulate, read_block
+    from probes.trainers.stream_specs import build_specs
     from store.heap import tune_malloc
 
     tune_malloc()   # as a farm worker does: block buffers then stay on the heap, not mmap'd afresh per block
     plan = parse_plan({"name": "read", "probes": [{"runs": ["real"], "tokens": ["image"], "layers": [layer],
                                                    "targets": ["truth:dominant"],
                                                    "kinds": {"ridge": {"pool": "mean", "precision": "float32"}}}]})
-    (job,) = [_Preparer(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws), plan.layers_per_task)]
+    (job,) = group_jobs(plan, ws, plan_tasks(plan, ws))
     spec, info = build_specs(job)[0].spec, job.arrays[0]
     files = _chunk_files(ws, info)
     stored = sum(p.stat().st_size for p in files)
@@ -436,9 +436,9 @@ SWEEP_SAMPLES, SWEEP_TOKENS = 6400, 324
 def scale_rows(gflops: float, read_mib_s: float, workers: tuple[int, ...] = (1, 16, 64)) -> list[str]:
     """docs/scale.md's probe rows from the constants per worker: ``gflops`` (achieved XᵀX GFLOP/s of
     the per-token pass) and ``read_mib_s`` (feature MiB/s of the pooled pass). Time = work / (N x
-    constant); memory per worker = probes/farm_stream.py's plan of one ridge design (float32 /
+    constant); memory per worker = probes/trainers/stream_specs.py's plan of one ridge design (float32 /
     float64 XᵀX, a 32 MiB block) and of nearest_centroid (no XᵀX)."""
-    from probes.farm_stream import BLOCK_BYTES, WORKER_BASE
+    from probes.trainers.base import BLOCK_BYTES, WORKER_BASE
 
     out = []
     rows = SWEEP_SAMPLES * SWEEP_TOKENS
@@ -538,23 +538,23 @@ def demo_store(tmp: Path) -> Path:
 
 def shared_passes(plan: Any, data: Path) -> tuple[int, int]:
     """(streamed parameter sets whose seeds share one XᵀX pass, all of them) over the plan's groups."""
-    from probes.farm import _Preparer, open_workspace, plan_tasks, split_streaming
-    from probes.farm_stream import build_specs, is_streaming
-    from probes.plan import group_tasks
+    from probes.farm import open_workspace, plan_tasks
+    from probes.prepare import group_jobs
+    from probes.trainers.select import preferences, split_by_trainer
+    from probes.trainers.stream_specs import build_specs
 
     ws = open_workspace(data)
-    prep = _Preparer(ws, plan)
     specs = []
-    for group in group_tasks(plan_tasks(plan, ws), plan.layers_per_task):
-        for job in split_streaming(prep.job(group)):
-            if all(is_streaming(job.kinds[t.kind]) for t in job.tasks):
+    for whole in group_jobs(plan, ws, plan_tasks(plan, ws)):
+        for job in split_by_trainer(whole):
+            if preferences(job)[0].name == "streamed":
                 specs += [g.spec for g in build_specs(job)]
     return sum(sp.shared for sp in specs), len(specs)
 
 
 def many_probes(quick: bool) -> None:
     """(c) Thousands: layers x token positions x targets x seeds (each with its control) over the
-    demo store; the seeds of a parameter set share one XᵀX pass (probes/farm_stream.py shares_pass)."""
+    demo store; the seeds of a parameter set share one XᵀX pass (probes/trainers/stream_specs.py shares_pass)."""
     from probes import parse_plan, run_plan
     from probes.farm import open_workspace, plan_tasks
 

@@ -229,10 +229,11 @@ def _dry_run(plan: Plan, args: argparse.Namespace) -> None:
 
 def _memory_plan(ws, plan, groups, args) -> None:
     """Each Dask task's bytes read and planned peak (manifest reads only; refuses what cannot fit)."""
-    from probes.farm import _Preparer, parse_bytes, plan_work
+    from probes.farm import parse_bytes, plan_work
+    from probes.prepare import JobBuilder
 
     limit = parse_bytes(args.memory_limit if args.memory_limit is not None else plan.memory_limit)
-    prep = _Preparer(ws, plan)
+    prep = JobBuilder(ws, plan)
     prep.prospective = plan.derive == "auto"  # reads what the run will read once it has derived (writes nothing)
     jobs = [prep.job(g) for g in groups if len(prep.samples(g.run, g.where)[0])]
     rows = args.block_rows or plan.block_rows
@@ -241,14 +242,15 @@ def _memory_plan(ws, plan, groups, args) -> None:
     print(f"memory plan (worker limit {cap}; a task must fit 80% of it):")
     print(f"  {'group':18} {'path':9} {'derived':10} {'layers':>6} {'rows':>7} {'reads MiB':>10} {'peak MiB':>9}"
           "  peak set by")
-    for job, specs, mem in work[: None if args.verbose else 40]:
-        path = "in-memory" if specs is None else "streamed" if isinstance(specs, list) else "subsample"
+    for planned in work[: None if args.verbose else 40]:
+        job, mem = planned.job, planned.memory
+        path = PATH_NAMES.get(planned.trainer.name, planned.trainer.name)
         reads = _derived_status(prep, jobs, job)
         print(f"  {job.group:18} {path:9} {reads:10} {len(job.arrays):6d} {len(job.rows):7d}"
               f" {mem.read_bytes / 2**20:10.1f} {mem.peak_bytes / 2**20:9.1f}  {mem.what}")
     if work:
-        print(f"  total read {sum(m.read_bytes for _, _, m in work) / 2**20:.1f} MiB;"
-              f" largest peak {max(m.peak_bytes for _, _, m in work) / 2**20:.1f} MiB")
+        print(f"  total read {sum(p.memory.read_bytes for p in work) / 2**20:.1f} MiB;"
+              f" largest peak {max(p.memory.peak_bytes for p in work) / 2**20:.1f} MiB")
     todo = {(s.zarr_path, g.how): s for g in prep.derived.values() for s in g.todo}
     if todo:
         print(f"derive: auto first derives {len(todo)} array(s) on this client, reading"
@@ -256,6 +258,8 @@ def _memory_plan(ws, plan, groups, args) -> None:
     plan_work(jobs, rows, limit, plan.out_of_core, plan.max_train_rows)
 
 
+#: How the dry run names each trainer's path (a plugin trainer by its own name).
+PATH_NAMES = {"in_memory": "in-memory", "streamed": "streamed", "iterative": "subsample"}
 _STATUS_ORDER = ("to refresh", "to derive", "stale", "fresh")
 
 

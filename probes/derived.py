@@ -73,7 +73,7 @@ def pooling_of(tasks: list[Any]) -> str | None:
         kind = get_kind(t.kind)
         params = kind.check_params(t.params)
         how = getattr(params, "pool", None)
-        streamed = getattr(kind, "streaming", False) and getattr(kind, "stream_solver", None) in STREAM_SOLVERS
+        streamed = "streamed" in kind.trains and getattr(kind, "stream_solver", None) in STREAM_SOLVERS
         if how not in POOLS or not (t.kind in POOLING_KINDS or (streamed and get_target(t.target).shape == "sample")):
             return None
         hows.add(how)

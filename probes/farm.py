@@ -23,7 +23,6 @@ recorded.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -31,23 +30,24 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from probes import artifacts, derived, farm_iterative, farm_stream
+from probes import artifacts, derived, stream
 from probes.cluster import start as cluster_start
 from probes.errors import ProbeError
-from probes.kinds import get_kind
-from probes.plan import ArrayRow, Group, Plan, ProbeTask, expand, group_tasks
-from probes.splits import Fold, column_fold, hash_fold, kfold_fold
-from probes.targets import SampleInfo, TargetValues, get_target, token_grid
-from probes.worker import GroupJob, GroupResult, run_group
+from probes.plan import ArrayRow, Plan, ProbeTask, expand, group_tasks
+from probes.prepare import JobBuilder
+from probes.rss import rss_now
+from probes.trainers.base import DaskRun, Planned, check_base
+from probes.trainers.group import GroupJob, GroupResult
+from probes.trainers.select import TRAINERS, plan_work
 from stimuli.progress import progress_bar
 from store import ProbeResult, Workspace
 from store.db import HeldConnection
-from store.errors import ManifestBusyError, StoreError
+from store.errors import ManifestBusyError
 
 ENV_SCHEDULER = "DASK_SCHEDULER_ADDRESS"
 
@@ -108,138 +108,6 @@ def done_keys(ws: Workspace, runs: Sequence[str]) -> set[str]:
     return {r[0] for r in rows}
 
 
-class _Preparer:
-    """Builds GroupJobs; caches what layers of the same rows share (samples, labels, splits)."""
-
-    def __init__(self, ws: Workspace, plan: Plan) -> None:
-        self.ws, self.plan = ws, plan
-        self._samples: dict[tuple[str, str | None], tuple[np.ndarray, list[SampleInfo]]] = {}
-        self._targets: dict[tuple[Any, ...], TargetValues] = {}
-        self._folds: dict[tuple[Any, ...], Fold] = {}
-        self._masks: dict[tuple[Any, ...], np.ndarray] = {}
-        self._committed: dict[str, dict[str, set[int]]] = {}
-        self._arrays: dict[str, dict[tuple[str, int, str, str], Any]] = {}
-        self.notes: list[str] = []  # said in the log once the jobs are built (e.g. a stale derived array)
-        self.prospective = False    # a dry run of derive: auto: missing derived arrays count as to be derived
-        self.derived: dict[str, derived.GroupDerived] = {}  # group key -> what it reads (derived.group_status)
-
-    def samples(self, run: str, where: str | None) -> tuple[np.ndarray, list[SampleInfo]]:
-        key = (run, where)
-        if key not in self._samples:
-            sql = ("SELECT array_row, stimulus, family, split, truth, params, grid_h, grid_w FROM v_samples"
-                   " WHERE run = ?" + (f" AND ({where})" if where else "") + " ORDER BY array_row")
-            try:
-                got = self.ws.rows(sql, [run])
-            except Exception as err:
-                raise ProbeError(f"where {where!r} is not valid SQL over v_samples ({err}); columns: family, split,"
-                                 " truth, params (JSON: truth->>'count'), grid_h, correct, ...") from None
-            rows = np.array([g[0] for g in got], dtype=np.int64)
-            infos = [SampleInfo(g[1], g[2], g[3], json.loads(g[4]) if g[4] else {}, json.loads(g[5]) if g[5] else {},
-                                g[6], g[7]) for g in got]
-            self._samples[key] = (rows, infos)
-        return self._samples[key]
-
-    def target(self, run: str, where: str | None, name: str, n_tokens: int | None) -> TargetValues:
-        key = (run, where, name, n_tokens)
-        if key not in self._targets:
-            _, infos = self.samples(run, where)
-            self._targets[key] = get_target(name)(infos, n_tokens)
-        return self._targets[key]
-
-    def fold(self, run: str, where: str | None, task: ProbeTask) -> Fold:
-        key = (run, where, task.fold_id)
-        if key not in self._folds:
-            rows, infos = self.samples(run, where)
-            if task.split == "hash":
-                fold = hash_fold([i.stimulus for i in infos], task.seed, task.test_fraction)
-            elif task.split == "kfold":
-                assert task.folds is not None and task.fold is not None, "a kfold task names its fold"
-                fold = kfold_fold([i.stimulus for i in infos], task.seed, task.folds, task.fold)
-            else:
-                fold = column_fold([i.split for i in infos], task.seed)
-            if task.train_where:
-                fold = fold.restrict_train(self.train_mask(run, where, task.train_where))
-                if not fold.train.any():
-                    raise ProbeError(f"run {run}: train_where {task.train_where!r} leaves no training rows")
-            self._folds[key] = fold
-        return self._folds[key]
-
-    def train_mask(self, run: str, where: str | None, train_where: str) -> np.ndarray:
-        key = (run, where, train_where)
-        if key not in self._masks:
-            rows, _ = self.samples(run, where)
-            combined = f"({where}) AND ({train_where})" if where else train_where
-            try:
-                keep = self.ws.select(run, combined).rows
-            except StoreError as err:
-                raise ProbeError(f"train_where {train_where!r}: {err}") from None
-            self._masks[key] = np.isin(rows, keep)
-        return self._masks[key]
-
-    def committed(self, run: str) -> dict[str, set[int]]:
-        if run not in self._committed:
-            got: dict[str, set[int]] = {}
-            for path, chunk in self.ws.rows("SELECT zarr_path, chunk FROM chunks WHERE run = ?", [run]):
-                got.setdefault(path, set()).add(int(chunk))
-            self._committed[run] = got
-        return self._committed[run]
-
-    def array(self, run: str, tap: str, layer: int, site: str, tokens: str) -> Any:
-        if run not in self._arrays:  # one manifest read per run, not one per layer
-            self._arrays[run] = {(a.tap, a.layer, a.site, a.tokens): a for a in self.ws.arrays(run)}
-        got = self._arrays[run].get((tap, layer, site, tokens))
-        return got if got is not None else self.ws.array_info(run, tap, layer, site, tokens)  # raises, listing what exists
-
-    def job(self, group: Group) -> GroupJob:
-        rows, infos = self.samples(group.run, group.where)
-        arrays = [self.array(group.run, group.tap, layer, group.site, group.tokens) for layer in group.layers]
-        for info in arrays:
-            need = set(np.unique(rows // info.chunk_samples).tolist())
-            missing = need - self.committed(group.run).get(info.zarr_path, set())
-            if missing:
-                raise ProbeError(
-                    f"{info.key()}: {len(missing)} chunk(s) holding selected rows are not committed"
-                    f" (first {sorted(missing)[:3]});"
-                    " the extraction is still running or was interrupted: finish it, or narrow where:"
-                )
-        first = arrays[0]
-        kinds = {t.kind: get_kind(t.kind) for t in group.tasks}
-        n_tokens = first.shape[1] if first.layout == "dense" and len(first.shape) >= 3 else None
-        dense_tokens = None
-        if first.layout == "ragged" and not all(k.accepts_ragged for k in kinds.values()):
-            dense_tokens = n_tokens = self._uniform_image_tokens(group, infos)
-        targets = {t.target: self.target(group.run, group.where, t.target, n_tokens) for t in group.tasks}
-        folds = {t.fold_id: self.fold(group.run, group.where, t) for t in group.tasks}
-        grid = None
-        if n_tokens and any(k.uses_grid for k in kinds.values()):
-            grids = {token_grid(i, n_tokens) for i in {(i.grid_h, i.grid_w): i for i in infos}.values()}
-            grid = grids.pop() if len(grids) == 1 else None
-        pooled = derived.group_status(self.ws, arrays, group.tasks, self.prospective)  # stored pooled features
-        if pooled.note:
-            self.notes.append(pooled.note)
-        self.derived[group.key] = pooled
-        return GroupJob(workspace=str(self.ws.path), root=self.ws.root, group=group.key, arrays=pooled.arrays or arrays,
-                        rows=rows,
-                        tasks=group.tasks,
-                        kinds=kinds, targets=targets, folds=folds, grid=grid, plan=self.plan.name,
-                        dense_tokens=dense_tokens)
-
-    @staticmethod
-    def _uniform_image_tokens(group: Group, infos: list[SampleInfo]) -> int:
-        """Image tokens per sample when every selected sample has the same number (then a ragged
-        image array reads as dense [n, T, d]); else a ProbeError that says how to select one size."""
-        counts = sorted({(i.grid_h or 0) * (i.grid_w or 0) for i in infos})
-        if len(counts) != 1 or not counts[0]:
-            kinds = sorted({t.kind for t in group.tasks})
-            raise ProbeError(
-                f"{group.run} {group.tap}/{group.site}/{group.tokens}: kind {', '.join(kinds)} needs the same number of"
-                f" image tokens in every selected sample, but the selection ({group.where or 'every sample'}) has"
-                f" {counts[:6]}: select one image size per plan entry, e.g. where: \"(params->>'grid_size')::INT = 6\","
-                " or use kind pooled"
-            )
-        return counts[0]
-
-
 @dataclass
 class Triage:
     """What a plan would do now, decided once for the run and its dry run alike: every probe, and
@@ -261,12 +129,12 @@ class Triage:
         return self._status.get(task.key, "todo")
 
 
-def triage(plan: Plan, ws: Workspace, force: bool = False, prep: _Preparer | None = None) -> Triage:
+def triage(plan: Plan, ws: Workspace, force: bool = False, prep: JobBuilder | None = None) -> Triage:
     """Expand ``plan`` and sort its probes into done, empty (no samples) and to-do."""
     tasks = plan_tasks(plan, ws)
     recorded = set() if force else done_keys(ws, sorted({t.run for t in tasks}))
     rest = [t for t in tasks if t.key not in recorded]
-    prep = prep or _Preparer(ws, plan)
+    prep = prep or JobBuilder(ws, plan)
     pairs = sorted({(t.run, t.where) for t in rest}, key=lambda p: (p[0], p[1] or ""))
     no_samples = [p for p in pairs if len(prep.samples(*p)[0]) == 0]  # e.g. runs: all with a where for some runs
     empty = [t for t in rest if (t.run, t.where) in no_samples]
@@ -409,7 +277,7 @@ def _jobs_to_train(plan: Plan, ws: Workspace, force: bool, report: FarmReport,
                    log: Callable[[str], None]) -> list[GroupJob]:
     """The triage, said in the log and counted in ``report``; the group jobs left to train (every
     manifest read happens here, before any training)."""
-    prep = _Preparer(ws, plan)
+    prep = JobBuilder(ws, plan)
     tri = triage(plan, ws, force, prep)
     report.tasks, report.skipped, report.empty = len(tri.tasks), len(tri.done), len(tri.empty)
     report.groups = len(group_tasks(tri.todo + tri.empty, plan.layers_per_task))
@@ -485,18 +353,15 @@ def killed_worker_message(err: BaseException, limit: int | None) -> str | None:
             " or layers_per_task:; if memory is not the cause, the workers' logs say what killed them")
 
 
-def _run_here(work: Work, report: FarmReport, sink: _Collector) -> None:
+def _run_here(work: list[Planned], report: FarmReport, sink: _Collector) -> None:
     """Every group in this process, one after another (tests, debugging)."""
     report.workers = 1
     t0 = time.perf_counter()
-    for job, specs, _ in work:
+    for planned in work:
         try:
-            if isinstance(specs, farm_iterative.subsample.IterSpec):
-                sink.take(farm_iterative.run_local(job, specs))
-            else:
-                sink.take(run_group(job) if specs is None else farm_stream.run_local(job, specs))
+            sink.take(planned.trainer.run_local(planned))
         except Exception as err:
-            sink.lost(job, err)
+            sink.lost(planned.job, err)
     sink.recorder.flush()   # the last rows and weights belong to the timed phase
     report.seconds = time.perf_counter() - t0
 
@@ -511,10 +376,6 @@ def _progress(total: int, enabled: bool) -> Any:
     return progress_bar(total, unit="probe", enabled=enabled, smoothing=0.1)
 
 
-# (job, stream specs | an out-of-core IterSpec | None for in-memory kinds, MemoryPlan)
-Work = list[tuple[GroupJob, Any, Any]]
-
-
 def parse_bytes(value: str | int | None) -> int | None:
     """``384MiB`` / ``2GB`` / an int -> bytes; None stays None."""
     if value is None or isinstance(value, int):
@@ -527,49 +388,15 @@ def parse_bytes(value: str | int | None) -> int | None:
         raise ProbeError(f"memory limit {value!r} is not a size: write e.g. 384MiB, 2GiB or a number of bytes") from None
 
 
-def split_streaming(job: GroupJob) -> list[GroupJob]:
-    """A group's streamed kinds (ridge) and in-memory kinds become separate jobs."""
-    streamed = [t for t in job.tasks if farm_stream.is_streaming(job.kinds[t.kind])]
-    if not streamed or len(streamed) == len(job.tasks):
-        return [job]
-    rest = [t for t in job.tasks if not farm_stream.is_streaming(job.kinds[t.kind])]
-    return [replace(job, tasks=streamed, group=f"{job.group}s"), replace(job, tasks=rest)]
-
-
-def plan_work(jobs: list[GroupJob], block_rows: int | None, limit: int | None, out_of_core: str = "auto",
-              max_train_rows: int | None = None, check: bool = True) -> Work:
-    """Each job with its stream specs and planned peak; a ProbeError before training if one
-    cannot fit (``check``). Iterative kinds go out of core by ``out_of_core`` (auto: when their
-    in-memory features exceed ``limit``)."""
-    work: Work = []
-    # Streamed groups that differ only in their layers run as one: each layer is its own
-    # map-reduce anyway, so one spec serves them all and their layers pipeline on the cluster.
-    for job in farm_stream.merge_layers([part for whole in jobs for part in split_streaming(whole)]):
-        specs: Any
-        if all(farm_stream.is_streaming(job.kinds[t.kind]) for t in job.tasks):
-            specs = farm_stream.build_specs(job, block_rows)
-            mem = farm_stream.plan_stream(specs, job)
-        else:
-            specs, mem = None, farm_stream.plan_in_memory(job)
-        if specs is None and farm_iterative.chosen(job, out_of_core, mem, limit):
-            specs, mem = farm_iterative.build_spec(job, block_rows, max_train_rows, limit)
-            if check:
-                farm_iterative.check_fits(mem, limit, job)
-        elif check:
-            farm_stream.check_fits(mem, limit, job, specs is not None,
-                                   None if specs is not None else farm_iterative.in_memory_fix(job))
-        work.append((job, specs, mem))
-    return work
-
-
-def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None],
+def _run_dask(work: list[Planned], report: FarmReport, take: Callable[[GroupResult], None],
               lost: Callable[[GroupJob, BaseException], None], scheduler: str | None, workers: int | None,
               window: int | None, log: Callable[[str], None], plugins: Sequence[str] = (),
               memory_limit: int | None = None, drain: Callable[[], None] | None = None) -> None:
-    """Every group on Dask: streamed layers in one pipeline, then out-of-core groups, then in-memory
-    groups in a bounded window. ``drain`` (the recorder's last flush) ends the timed phase."""
+    """Every group on Dask, by trainer in the registry's order (streamed layers in one pipeline,
+    then out-of-core groups, then in-memory groups in a bounded window). ``drain`` (the recorder's
+    last flush) ends the timed phase."""
     started = time.perf_counter()
-    n_probes = sum(len(job.tasks) for job, _, _ in work)
+    n_probes = sum(len(p.job.tasks) for p in work)
     client, cluster = cluster_start(scheduler, workers, len(work), n_probes, memory_limit, report, log)
     watch = _SchedulerWatch(client, report).start()
     try:
@@ -586,15 +413,15 @@ def _run_dask(work: Work, report: FarmReport, take: Callable[[GroupResult], None
             cluster.close()
 
 
-def _run_dask_with(client: Any, work: Work, report: FarmReport, take: Callable[[GroupResult], None],
+def _run_dask_with(client: Any, work: list[Planned], report: FarmReport, take: Callable[[GroupResult], None],
                    lost: Callable[[GroupJob, BaseException], None], window: int | None, log: Callable[[str], None],
                    plugins: Sequence[str], memory_limit: int | None, drain: Callable[[], None] | None,
                    started: float) -> None:
     report.dashboard = client.dashboard_link
-    light = all(isinstance(specs, list) for _, specs, _ in work)  # streamed only: workers never import torch
+    light = not any(p.trainer.needs_torch for p in work)  # streamed only: workers never import torch
     # Imports and first-call costs belong to start-up, not to the probes. Streamed-only plans warm
     # through probes.stream: unpickling a function of this module would import torch there.
-    based = client.run(farm_stream.stream.warm) if light else client.run(warm_worker, list(plugins))
+    based = client.run(stream.warm) if light else client.run(warm_worker, list(plugins))
     report.worker_base = max(based.values(), default=0)
     report.startup_seconds = time.perf_counter() - started
     log(f"dask: {report.workers} worker(s) at {client.scheduler.address} ready in {report.startup_seconds:.1f} s,"
@@ -603,22 +430,13 @@ def _run_dask_with(client: Any, work: Work, report: FarmReport, take: Callable[[
     t0 = time.perf_counter()
     try:
         # The plans assumed an idle worker's RSS: check the measured one, before any training.
-        stream_limit = farm_stream.check_base(work, report.worker_base, memory_limit)
-        streamed = [(job, specs) for job, specs, _ in work if isinstance(specs, list)]
-        if streamed:   # every streamed layer in one pipeline, recorded as each lands
-            peaks = farm_stream.run_dask(client, streamed, max(report.workers, 1), stream_limit, take, lost)
-            for w, peak in peaks.items():
-                report.worker_peaks[w] = max(report.worker_peaks.get(w, 0), peak)
-        for job, specs, _ in work:
-            if isinstance(specs, farm_iterative.subsample.IterSpec):   # one task per layer
-                try:
-                    take(farm_iterative.run_dask(client, job, specs))
-                except Exception as err:
-                    lost(job, err)
-        # A bounded window keeps only a few groups' labels in the scheduler's memory at a time;
-        # three per worker keeps every worker busy while the next one queues.
-        _run_windowed(client, [job for job, specs, _ in work if specs is None],
-                      window or max(3 * max(report.workers, 1), 4), take, lost)
+        run = DaskRun(client, max(report.workers, 1), check_base(work, report.worker_base, memory_limit), window,
+                      take, lost)
+        for name in TRAINERS.names():
+            mine = [p for p in work if p.trainer.name == name]
+            if mine:
+                for w, peak in mine[0].trainer.run_dask(run, mine).items():
+                    report.worker_peaks[w] = max(report.worker_peaks.get(w, 0), peak)
         if drain is not None:
             drain()
     finally:
@@ -693,41 +511,10 @@ class _SchedulerWatch:
             raise SchedulerLostError(self.lost)
 
 
-def _run_windowed(client: Any, jobs: list[GroupJob], limit: int, take: Callable[[GroupResult], None],
-                  lost: Callable[[GroupJob, BaseException], None]) -> None:
-    """In-memory groups on Dask, at most ``limit`` in flight, each taken as it completes."""
-    from dask.distributed import as_completed
-
-    pending = iter(jobs)
-    by_key: dict[str, GroupJob] = {}
-    ac = as_completed(loop=client.loop)  # the farm's client is not the default one
-
-    def submit_next() -> bool:
-        job = next(pending, None)
-        if job is None:
-            return False
-        fut = client.submit(run_group, job, key=f"probes-{job.group}", pure=False, retries=1)
-        by_key[fut.key] = job
-        ac.add(fut)
-        return True
-
-    for _ in range(limit):
-        if not submit_next():
-            break
-    for fut in ac:
-        job = by_key.pop(fut.key)
-        try:
-            take(fut.result())
-        except Exception as err:
-            lost(job, err)
-        fut.release()
-        submit_next()
-
-
 def warm_worker(plugins: Sequence[str] = ()) -> int:
     """Import the kinds, the reader and the plan's plugins and run one tiny batched fit, so a
     worker's first group runs warm (imports cost seconds on a busy 2-core machine). Returns the
-    worker's RSS after it (probes/farm_stream.py check_base)."""
+    worker's RSS after it (probes/trainers/base.py check_base)."""
     import importlib
 
     import torch
@@ -750,7 +537,7 @@ def warm_worker(plugins: Sequence[str] = ()) -> int:
         fit_logistic(torch.randn(1, 8, 2), np.array([[0], [1]] * 4), [2], max_iter=2)
     finally:
         torch.set_num_threads(threads)
-    return farm_stream.stream.rss_now()
+    return rss_now()
 
 
 def _has_bokeh() -> bool:

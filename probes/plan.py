@@ -136,7 +136,7 @@ class Plan(_Strict):
     # Iterative kinds (linear, pooled classification, conv_spatial, detect) out of core: auto when
     # their in-memory features exceed memory_limit; trained on at most max_train_rows labelled
     # training units (conv_spatial, detect: samples) per probe batch (None: as many as the limit
-    # holds), see probes/farm_iterative.py.
+    # holds), see probes/trainers/iterative.py.
     out_of_core: Literal["auto", "always", "never"] = "auto"
     max_train_rows: int | None = Field(None, ge=1)
     # Pooled features stored once (probes/derived.py): auto derives, on the client before any group
@@ -279,7 +279,7 @@ def check_static(plan: Plan, source: str = "plan") -> None:
                     problems.append(f"  {where}.targets: {err}")
                     continue
                 if spec.shape not in cls.accepts:
-                    fits = sorted(k for k, c in _kinds().items() if spec.shape in c.accepts)
+                    fits = sorted(k for k, c in _kinds() if spec.shape in c.accepts)
                     problems.append(
                         f"  {where}: kind {kind} learns {'/'.join(cls.accepts)} targets; {target} is a {spec.shape} target."
                         f" Kinds for {spec.shape} targets: {', '.join(fits)}"
@@ -288,10 +288,10 @@ def check_static(plan: Plan, source: str = "plan") -> None:
         raise PlanError(f"{source} is not a valid probe plan:\n" + "\n".join(dict.fromkeys(problems)))
 
 
-def _kinds() -> dict[str, Any]:
+def _kinds() -> list[tuple[str, Any]]:
     from probes.kinds import KINDS
 
-    return KINDS
+    return KINDS.items()
 
 
 # ----------------------------------------------------------------------------- expansion

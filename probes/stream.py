@@ -27,9 +27,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from probes.errors import ProbeError
+from probes.class_solve import solve_classes
 from probes.moments import Moments
 from probes.ridge_dual import Rows, merge_rows, solve_rows
+from probes.ridge_solve import Stats, solve_stats
+from probes.rss import peak_rss, rss_now
 from store.location import ArrayRoot
 from store.records import ArrayInfo
 
@@ -84,22 +86,9 @@ class StreamSpec:
     ledoit_wolf: bool = False
     #: ridge in its dual form (probes/ridge_dual.py): the maps keep the union of the Solves'
     #: training and test rows (n×d) instead of accumulating XᵀX (d×d), and the solve scores the
-    #: test rows; chosen when n < d and cheaper (probes/farm_stream.py _spec). Never shared: the
+    #: test rows; chosen when n < d and cheaper (probes/trainers/stream_specs.py _spec). Never shared: the
     #: rows of the union serve every Solve.
     dual: bool = False
-
-
-@dataclass
-class Stats:
-    """Centred sufficient statistics of one Solve (``xx``: upper triangle valid, Fortran order)."""
-
-    n: float
-    mx: np.ndarray               # float64 [d]
-    my: np.ndarray               # float64 [c]
-    xx: np.ndarray               # [d, d] precision dtype
-    xy: np.ndarray               # float64 [d, c]
-    yy: np.ndarray               # float64 [c]
-    moments: list[list[Moments | None]] | None = None   # ledoit_wolf: [variant][class]
 
 
 @dataclass
@@ -192,7 +181,7 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
     if spec.dual:   # the test rows too: the solve scores them, so no second pass reads them
         part.rows = _gather(spec, info, _positions(spec, lo, hi, "any"), part)
         part.seconds = time.perf_counter() - t0
-        part.rss_peak = _rss()
+        part.rss_peak = peak_rss()
         return part
     pos = _positions(spec, lo, hi, "train")   # test-only samples are read by the score pass, not here
     with one_blas_thread():
@@ -212,7 +201,7 @@ def accumulate(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int) -> Part:
             if acc is not None:
                 part.stats[s] = _centre(acc, syr)
     part.seconds = time.perf_counter() - t0
-    part.rss_peak = _rss()
+    part.rss_peak = peak_rss()
     return part
 
 
@@ -245,7 +234,7 @@ def _units(spec: StreamSpec, info: ArrayInfo, pos: np.ndarray, part: Part) -> It
     rank-few XᵀX update streams the whole d×d matrix through memory for them (at d = 3,584,
     three rows per block cost ~8 ms of syrk); from ~256 rows on, the update is compute-bound.
     The rows gathered stay within what the plan counts for one block's float32 tokens
-    (probes/farm_stream.py plan_stream), which pooled reads no longer hold."""
+    (probes/trainers/stream_specs.py plan_stream), which pooled reads no longer hold."""
     tokens = max(1, info.values_per_row // max(info.item_shape[-1], 1))
     batch = spec.block_rows
     if spec.level == "sample":
@@ -389,7 +378,7 @@ def merge(a: Part, b: Part) -> Part:
     a.flops += b.flops
     a.read_bytes += b.read_bytes
     a.seconds += b.seconds
-    a.rss_peak = max(a.rss_peak, b.rss_peak, _rss())
+    a.rss_peak = max(a.rss_peak, b.rss_peak, peak_rss())
     return a
 
 
@@ -441,7 +430,7 @@ def solve(spec: StreamSpec, part: Part) -> Solution:
             out.gcv.append(gcv)
             out.n_train.append(st.n)
             out.flops += flops
-    out.rss_peak = max(part.rss_peak, _rss())
+    out.rss_peak = max(part.rss_peak, peak_rss())
     return out
 
 
@@ -462,116 +451,6 @@ def _solve_dual(spec: StreamSpec, rows: Rows | None, out: Solution) -> None:
         out.b.append(b)
         out.gcv.append(gcv)
         out.flops += flops
-
-
-def solve_stats(st: Stats, alphas: tuple[float, ...], standardize: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """(W [d, c, A], b [c, A], GCV [c, A], flops) of ridge on centred statistics (sklearn's
-    objective: ‖y - Xw - b‖² + α‖w‖², intercept unpenalised)."""
-    from scipy.linalg import eigh, lapack
-
-    C = st.xx                                  # overwritten: the task owns it
-    d, c = C.shape[0], st.xy.shape[1]
-    scale = np.sqrt(np.maximum(np.diag(C).astype(np.float64), 0) / st.n) if standardize else np.ones(d)
-    scale[scale < 1e-8] = 1.0
-    if standardize:
-        inv = (1.0 / scale).astype(C.dtype)
-        C *= inv[:, None]
-        C *= inv[None, :]
-    xy = (st.xy / scale[:, None]).astype(C.dtype)
-    work = np.empty_like(C, order="F")
-    potrf, potrs = (lapack.dpotrf, lapack.dpotrs) if C.dtype == np.float64 else (lapack.spotrf, lapack.spotrs)
-    eig = None
-    if len(alphas) > 1:
-        np.copyto(work, C)
-        eig = eigh(work, eigvals_only=True, lower=False, overwrite_a=True, check_finite=False).astype(np.float64)
-    W = np.empty((d, c, len(alphas)))
-    gcv = np.full((c, len(alphas)), np.nan)
-    for i, alpha in enumerate(alphas):
-        np.copyto(work, C)
-        work.flat[:: d + 1] += alpha
-        factor, info = potrf(work, lower=0, overwrite_a=1, clean=0)
-        if info != 0:
-            raise ValueError(f"ridge: X'X + {alpha} I is not positive definite (LAPACK info {info}); raise alpha")
-        w, info = potrs(factor, xy, lower=0)
-        w = np.asarray(w, dtype=np.float64)
-        W[:, :, i] = w / scale[:, None]
-        if eig is not None:
-            rss = st.yy - (w * xy).sum(0) - alpha * (w * w).sum(0)
-            df = float((eig / (eig + alpha)).sum())
-            gcv[:, i] = st.n * np.maximum(rss, 0) / max(st.n - df - 1, 1e-12) ** 2
-    b = st.my[:, None] - np.einsum("d,dca->ca", st.mx, W)
-    flops = len(alphas) * (d**3 / 3 + 2.0 * d * d * c) + (4 / 3 * d**3 if eig is not None else 0.0)
-    del work
-    return W, b, gcv, flops
-
-
-def lda_weights(means: np.ndarray, counts: np.ndarray, scatter: np.ndarray,
-                shrinkage: float) -> tuple[np.ndarray, np.ndarray]:
-    """(W [d, K], b [K]) of LDA from class means [K, d], counts [K] and the within-class scatter."""
-    n, d = float(counts.sum()), scatter.shape[0]
-    cov = scatter / n
-    if shrinkage:
-        cov = (1.0 - shrinkage) * cov
-        cov.flat[:: d + 1] += shrinkage * np.trace(scatter / n) / d
-    return lda_solve(means, counts, cov)
-
-
-def lda_solve(means: np.ndarray, counts: np.ndarray, cov: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(W [d, K], b [K]) of LDA from class means, counts and the (shrunk) within-class covariance."""
-    from scipy.linalg import LinAlgError, cho_factor, cho_solve
-
-    n, d = float(counts.sum()), cov.shape[0]
-    try:
-        W = cho_solve(cho_factor(cov, lower=False, check_finite=False), means.T, check_finite=False)
-    except LinAlgError:
-        raise ProbeError(f"lda: the within-class covariance ({d} features, {int(n)} rows) is singular:"
-                         " set the kind's shrinkage above 0 (e.g. 0.1)") from None
-    return W, -0.5 * np.einsum("kd,dk->k", means, W) + np.log(counts / n)
-
-
-def lw_covariance(moments: list[Moments | None], counts: np.ndarray) -> np.ndarray:
-    """Σ_k (n_k / n) Σ_k with Σ_k each class's Ledoit–Wolf-shrunk covariance (scikit-learn's ``_class_cov``)."""
-    cov = np.zeros((len(moments[0].shift),) * 2) if moments and moments[0] is not None else None
-    for m, n_k in zip(moments, counts, strict=True):
-        if m is None or cov is None:
-            raise ProbeError("lda shrinkage auto: a class has no training rows; select rows holding every class")
-        cov += (n_k / counts.sum()) * m.covariance()[1]
-    assert cov is not None, "at least one class"
-    return cov
-
-
-def centroid_weights(means: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(W [d, K], b [K]): arg-max of 2 xᵀμ_k - ‖μ_k‖² is the nearest mean."""
-    return 2.0 * means.T, -(means * means).sum(1)
-
-
-def solve_classes(st: Stats, solve_: Solve, method: str,
-                  shrinkage: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """(W [d, c, 1], b [c, 1], GCV zeros, flops) of LDA or nearest centroid per variant of a
-    Solve, from ridge's statistics: a ±1 class column's centred XᵀY is 2 n_k (μ_k - μ) and its
-    mean 2 n_k / n - 1 (probes/kinds/lda.py)."""
-    d, c = st.xy.shape
-    W, b = np.zeros((d, c, 1)), np.zeros((c, 1))
-    flops = 0.0
-    full = None
-    for v, var in enumerate(solve_.variants):
-        cols = slice(var.start, var.stop)
-        counts = np.maximum(np.round(st.n * (st.my[cols] + 1.0) / 2.0), 1.0)
-        between = st.xy[:, cols] / 2.0                       # [d, K]: n_k (μ_k - μ)
-        means = st.mx[None, :] + (between / counts).T        # [K, d]
-        if method == "centroid":
-            w, bias = centroid_weights(means)
-        elif st.moments is not None:      # Ledoit–Wolf: each class's own shrunk covariance, prior-weighted
-            w, bias = lda_solve(means, counts, lw_covariance(st.moments[v], counts))
-            flops += d**3 / 3 + 2.0 * d * d * (var.stop - var.start)
-        else:
-            if full is None:
-                upper = np.triu(st.xx.astype(np.float64))
-                full = upper + np.triu(upper, 1).T
-            w, bias = lda_weights(means, counts, full - (between / counts) @ between.T, shrinkage)
-            flops += d**3 / 3 + 2.0 * d * d * (var.stop - var.start)
-        W[:, cols, 0], b[cols, 0] = w, bias
-    return W, b, np.zeros((c, 1)), flops
 
 
 @dataclass
@@ -638,7 +517,7 @@ def score(spec: StreamSpec, info: ArrayInfo, lo: int, hi: int, sol: Solution) ->
                 if sol.W[s] is not None and mask.any():   # a block holds whole samples (see _exact_counts)
                     _score_units(out, spec, s, sol, U[mask], solve_.Y[idx][mask], solve_.codes[idx][mask],
                                  idx[np.nonzero(mask)[0]], paired[s])
-    out.rss_peak = _rss()
+    out.rss_peak = peak_rss()
     return out
 
 
@@ -789,7 +668,7 @@ def pack(solutions: list[Solution], scores: list[Scores]) -> tuple[list[Solution
 
 def warm() -> int:
     """Worker warm-up of streamed-only plans: numpy, scipy and the store reader, never torch.
-    Returns the worker's RSS after it (probes/farm_stream.py check_base)."""
+    Returns the worker's RSS after it (probes/trainers/base.py check_base)."""
     import scipy.linalg  # noqa: F401
     import zarr  # noqa: F401
 
@@ -798,32 +677,3 @@ def warm() -> int:
 
     tune_malloc()
     return rss_now()
-
-
-def rss_now() -> int:
-    """This process's resident set now, in bytes (Linux's VmRSS; elsewhere psutil's, else 0)."""
-    return _memory_status("VmRSS")
-
-
-def _rss() -> int:
-    """This process's peak resident set so far, in bytes: Linux's VmHWM (the kernel's high-water
-    mark, so transient peaks inside a task count; reset at exec, unlike ru_maxrss, which a Dask
-    worker would inherit from the client process that spawned it). Elsewhere: current RSS."""
-    return _memory_status("VmHWM")
-
-
-def _memory_status(field: str) -> int:
-    """``field`` of /proc/self/status in bytes; where there is none, psutil's current RSS, else 0."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except ImportError:
-        return 0

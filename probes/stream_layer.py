@@ -4,7 +4,7 @@ dual spec's solve does itself, over the test rows its maps gathered).
 The same functions run a layer as many Dask tasks (``call`` submits each step, so a large
 layer's partitions spread over the workers) or as one task (:func:`run_layer`: the same steps,
 partitions and merge order inside one worker, so its results are bit for bit the graph's). The
-farm picks the single task when a layer is small (probes/farm_stream.py ``fuses``): then the
+farm picks the single task when a layer is small (probes/trainers/streamed.py ``fuses``): then the
 per-task round trips, not the arithmetic, would set the pace. Imports numpy and
 probes/stream.py only, so a streamed-only worker never imports torch.
 """

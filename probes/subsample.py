@@ -197,7 +197,7 @@ def fit_layer(spec: IterSpec, info: ArrayInfo) -> LayerFit:
     from threadpoolctl import threadpool_limits
 
     from probes.logreg import MAX_PRECONDITION_DIM, solve_standardized
-    from probes.stream import _rss
+    from probes.rss import peak_rss
 
     tune_malloc()
     t0 = time.perf_counter()
@@ -222,7 +222,7 @@ def fit_layer(spec: IterSpec, info: ArrayInfo) -> LayerFit:
     finally:
         torch.set_num_threads(threads)
     out.seconds = time.perf_counter() - t0
-    out.rss_peak = _rss()
+    out.rss_peak = peak_rss()
     return out
 
 
@@ -347,11 +347,11 @@ def sample_pass(spec: IterSpec, info: ArrayInfo, out: LayerFit) -> tuple[list[li
 def _fit_column(spec: IterSpec, solve: IterSolve, col: Column, sub: np.ndarray, at: np.ndarray, mom: Moments) -> Any:
     """One model on the buffer's samples this column has labels for (the buffer itself when all)."""
     from probes.kinds import _torch as T
-    from probes.kinds.base import _wide
+    from probes.kinds.base import wide_codes
 
     has = labelled_of(col)[at]
     probe = spec.kind(random_state=solve.seed, **solve.params)
     mean, var = mom.mean_cov()
     X = sub if has.all() else sub[has]
-    y = _wide(col.labels[at[has]])
+    y = wide_codes(col.labels[at[has]])
     return probe.fit_scaled(X, y, *T.standardizer(mean, var, probe.standardizes))

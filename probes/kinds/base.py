@@ -25,6 +25,7 @@ from probes import artifacts
 from probes.errors import ProbeError, did_you_mean
 from probes.splits import Fold, control_permutation
 from probes.targets import Shape, TargetValues
+from stimuli.registry import Registry
 from store.config import StrictModel, validate
 
 
@@ -76,12 +77,31 @@ class PerSample:
     control_score: np.ndarray | None = None
 
 
-KINDS: dict[str, type[Probe]] = {}
+#: Probe kinds by name (stimuli/registry.py, as stimulus families and model adapters are found).
+KINDS: Registry[type[Probe]] = Registry("probe kind", error=ProbeError, hint="a new kind: docs/new-probe.md")
 P = TypeVar("P", bound="type[Probe]")
 
 
 def register_kind(name: str) -> Callable[[P], P]:
-    """Class decorator: make a :class:`Probe` subclass available to plans as ``name``."""
+    """Class decorator: make a :class:`Probe` subclass available to plans as ``name``.
+
+    Parameters
+    ----------
+    name
+        The kind's name in plans and in the probes table.
+
+    Returns
+    -------
+    Callable
+        The decorator; it sets the class's ``name`` and registers it in :data:`KINDS`.
+
+    Raises
+    ------
+    TypeError
+        On anything but a Probe subclass, or one that declares no target shapes (``accepts``).
+    ProbeError
+        When another class is registered under ``name`` already.
+    """
 
     def deco(cls: P) -> P:
         if not (isinstance(cls, type) and issubclass(cls, Probe)):
@@ -89,17 +109,43 @@ def register_kind(name: str) -> Callable[[P], P]:
         if not cls.accepts:
             raise TypeError(f"kind {name!r}: set accepts = ('token' | 'sample' | 'grid' | 'boxes', ...)")
         cls.name = name
-        KINDS[name] = cls
+        if not _reimported(name, cls):
+            KINDS.add(name, cls)
         return cls
 
     return deco
 
 
+def _reimported(name: str, cls: type[Probe]) -> bool:
+    """Whether ``name`` holds this very class from an earlier import of its module (a plugin module
+    imported under two names, or again on a worker): that is no second kind, so no error."""
+    if name not in KINDS:
+        return False
+    known = KINDS.get(name)
+    return known is not cls and (known.__module__, known.__qualname__) == (cls.__module__, cls.__qualname__)
+
+
 def get_kind(name: str) -> type[Probe]:
-    try:
-        return KINDS[name]
-    except KeyError:
-        raise ProbeError(f"unknown probe kind {name!r}{did_you_mean(name, KINDS)}") from None
+    """The kind registered as ``name``.
+
+    Parameters
+    ----------
+    name
+        As a plan or a saved probe names it.
+
+    Returns
+    -------
+    type[Probe]
+        The kind's class.
+
+    Raises
+    ------
+    ProbeError
+        An unknown name, with the closest known one (or every known one).
+    """
+    if name not in KINDS:
+        raise ProbeError(f"unknown probe kind {name!r}{did_you_mean(name, KINDS)}")
+    return KINDS.get(name)
 
 
 def take(X: Any, index: np.ndarray) -> Any:
@@ -127,6 +173,13 @@ class Probe:
     uses_grid: ClassVar[bool] = False
     #: reads store.Ragged arrays (variable tokens per sample), not only dense [n, T, d]
     accepts_ragged: ClassVar[bool] = False
+    #: the farm's trainers that may train the kind, in order of preference (probes/trainers/):
+    #: "in_memory" (features read whole, :meth:`evaluate`), "streamed" (statistics streamed chunk by
+    #: chunk), "iterative" (out of core on a capped subsample, taken when in memory does not fit)
+    trains: ClassVar[tuple[str, ...]] = ("in_memory",)
+    #: what fixes a group of this kind over the worker memory limit, where the kind knows better
+    #: than its trainer (said before raising the limit); None: the trainer's own advice
+    memory_fix: ClassVar[str | None] = None
 
     def __init__(self, *, random_state: int = 0, **params: Any) -> None:
         self.params = self.check_params(params)
@@ -225,7 +278,7 @@ class Probe:
     @classmethod
     def evaluate_one(cls, X: Any, job: Job) -> Outcome:
         fold = job.fold
-        y = _wide(job.target.values)
+        y = wide_codes(job.target.values)
         train = fold.train & job.target.labelled()
         test = fold.test & job.target.labelled()
         probe = cls.build(job, fold.seed).fit(take(X, train), y[train])
@@ -237,8 +290,8 @@ class Probe:
         if job.control:
             yc = job.target.permuted(control_permutation(len(y), fold.seed))
             ctr, cte = fold.train & yc.labelled(), fold.test & yc.labelled()
-            ctrl = cls.build(job, fold.seed).fit(take(X, ctr), _wide(yc.values)[ctr])
-            control = float(ctrl.score(take(X, cte), _wide(yc.values)[cte]))
+            ctrl = cls.build(job, fold.seed).fit(take(X, ctr), wide_codes(yc.values)[ctr])
+            control = float(ctrl.score(take(X, cte), wide_codes(yc.values)[cte]))
             # Per sample: the control on the probe's test samples, scored against their real target.
             predictions.control_prediction, _, predictions.control_score = ctrl.sample_predictions(
                 take(X, test), _rows(y, test))
@@ -250,8 +303,19 @@ def _rows(y: Any, index: np.ndarray) -> Any:
     return [y[i] for i in np.flatnonzero(index)] if isinstance(y, list) else y[index]
 
 
-def _wide(y: np.ndarray) -> np.ndarray:
-    # Labels travel as int8/int16; a kind's fit/score gets plain int64 codes.
+def wide_codes(y: np.ndarray) -> np.ndarray:
+    """Labels as a kind's fit/score take them: int8/int16 codes (as labels travel) widened to int64.
+
+    Parameters
+    ----------
+    y
+        A target's values.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``y`` as int64 when it holds integers, else ``y`` itself.
+    """
     return y.astype(np.int64) if y.dtype.kind == "i" else y
 
 

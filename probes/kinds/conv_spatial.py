@@ -79,8 +79,8 @@ class ConvSpatialProbe(Probe):
     accepts = ("grid",)
     metric = "cell_accuracy"
     uses_grid = True
-    #: trained out of core on a subsample of training samples (probes/farm_iterative.py)
-    out_of_core: ClassVar[bool] = True
+    #: trained out of core on a subsample of training samples (probes/trainers/iterative.py)
+    trains: ClassVar[tuple[str, ...]] = ("in_memory", "iterative")
 
     def _check(self, X: Any, y: Any = None) -> tuple[np.ndarray, np.ndarray | None]:
         X = np.asarray(X, dtype=np.float32)

@@ -185,8 +185,8 @@ class DetectProbe(Probe):
     accepts = ("boxes",)
     metric = "ap50"
     uses_grid = True
-    #: trained out of core on a subsample of training samples (probes/farm_iterative.py)
-    out_of_core: ClassVar[bool] = True
+    #: trained out of core on a subsample of training samples (probes/trainers/iterative.py)
+    trains: ClassVar[tuple[str, ...]] = ("in_memory", "iterative")
 
     def fit(self, X: Any, y: Any) -> DetectProbe:
         X = _dense(X)

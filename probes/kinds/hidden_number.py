@@ -23,8 +23,9 @@ from pydantic import Field
 from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, PerSample, register_kind
 from probes.kinds.linear import LinearParams, LinearProbe
-from probes.kinds.ridge import RidgeParams, RidgeProbe, closed_form, one_hot
+from probes.kinds.ridge import RidgeParams, RidgeProbe, one_hot
 from probes.logreg import solve_columns
+from probes.ridge_solve import fit_rows
 from probes.splits import control_permutation
 from probes.targets import Shape
 
@@ -52,6 +53,9 @@ class HiddenNumberProbe(LinearProbe):
     Params = HiddenNumberParams
     accepts = ("token",)
     metric = "exact_match"
+    # No out-of-core path: its least-squares twin streams the same boards.
+    trains = ("in_memory",)
+    memory_fix = "use kind hidden_number_ridge (N_H from streamed statistics), layers_per_task: 1,"
 
     def _train_tokens(self, y: np.ndarray) -> np.ndarray:
         """Mask [n, T] of the tokens each training board contributes."""
@@ -205,7 +209,7 @@ class HiddenNumberRidgeProbe(RidgeProbe):
         if len(F) < 2:
             raise ProbeError(f"{self.name} needs at least 2 training tokens, got {len(F)}")
         classes = np.unique(labels)
-        W, b, gcv, alpha = closed_form(F, one_hot(labels, classes), self.params.alphas, self.params.standardize)
+        W, b, gcv, alpha = fit_rows(F, one_hot(labels, classes), self.params.alphas, self.params.standardize)
         self.state_ = {"coef": W.T.copy(), "intercept": b, "classes": classes}
         self.meta_ = {"task": "classify", "alpha": alpha, "gcv": gcv.tolist()}
         return self

@@ -27,11 +27,11 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import Field
 
+from probes.class_solve import centroid_weights, lda_solve, lda_weights, lw_covariance
 from probes.errors import ProbeError
 from probes.kinds.base import ProbeParams, register_kind
 from probes.kinds.ridge import RidgeProbe
 from probes.moments import Moments
-from probes.stream import centroid_weights, lda_solve, lda_weights, lw_covariance
 
 
 class LDAParams(ProbeParams):
@@ -50,7 +50,6 @@ class CentroidParams(ProbeParams):
 class _ClassMeans(RidgeProbe):
     """In-memory fit from the rows; decision, predict and score are ridge's (linear, arg-max)."""
 
-    streaming = True
 
     def _regress(self, y: np.ndarray) -> bool:
         return False

@@ -40,9 +40,9 @@ class LinearProbe(Probe):
     Params: ClassVar[type[ProbeParams]] = LinearParams
     accepts: ClassVar[tuple[Shape, ...]] = ("token",)
     metric = "accuracy"
-    #: trained out of core (probes/farm_iterative.py) when its features exceed the worker limit;
+    #: trained out of core (probes/trainers/iterative.py) when its features exceed the worker limit;
     #: read from the class itself, not inherited: a subclass that changes evaluate opts in itself
-    out_of_core: ClassVar[bool] = True
+    trains: ClassVar[tuple[str, ...]] = ("in_memory", "iterative")
 
     # What one sample contributes: rows [n, R, d] and labels [n, R]. pooled overrides these.
     @classmethod

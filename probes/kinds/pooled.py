@@ -34,7 +34,24 @@ class PooledParams(LinearParams):
     alpha: float = Field(1.0, gt=0, description="ridge strength when regressing")
 
 
-def _regress(params: Any, y: np.ndarray | None, numeric: np.ndarray | None) -> bool:
+def regresses_values(params: Any, y: np.ndarray | None, numeric: np.ndarray | None) -> bool:
+    """Whether kind pooled regresses (rather than classifies) a target.
+
+    Parameters
+    ----------
+    params
+        The kind's checked parameters (``task``).
+    y
+        The labels fit gets, used when ``numeric`` is None.
+    numeric
+        The target's numbers, if it has any.
+
+    Returns
+    -------
+    bool
+        True for ``task: regress``, or under ``task: auto`` for numbers that are not whole or take
+        more than MAX_AUTO_CLASSES values.
+    """
     if params.task != "auto":
         return params.task == "regress"
     vals = numeric if numeric is not None else (y if y is not None and np.asarray(y).dtype.kind in "iuf" else None)
@@ -52,7 +69,6 @@ class PooledProbe(LinearProbe):
     Params = PooledParams
     accepts = ("sample",)
     accepts_ragged = True
-    out_of_core = True   # classification only: pooled regression is kind ridge's, streamed
 
     @classmethod
     def sample_rows(cls, X: Any, params: Any) -> np.ndarray:
@@ -71,7 +87,7 @@ class PooledProbe(LinearProbe):
 
     def fit(self, X: Any, y: Any) -> PooledProbe:
         y = np.asarray(y)
-        if not _regress(self.params, y, None):
+        if not regresses_values(self.params, y, None):
             super().fit(X, y)
             self.meta_["task"] = "classify"
             return self
@@ -101,7 +117,7 @@ class PooledProbe(LinearProbe):
 
     @classmethod
     def evaluate(cls, Xs: list[Any], jobs: list[Job]) -> list[list[Outcome]]:
-        regress = [_regress(cls.check_params(j.params), None, j.target.numeric) or j.target.classes is None for j in jobs]
+        regress = [regresses_values(cls.check_params(j.params), None, j.target.numeric) or j.target.classes is None for j in jobs]
         out: list[list[Outcome | None]] = [[None] * len(jobs) for _ in Xs]
         classify = [j for j, r in enumerate(regress) if not r]
         if classify:

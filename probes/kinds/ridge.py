@@ -11,12 +11,13 @@ sums chunk by chunk in a Dask map-reduce and solves every target, every shuffled
 and every alpha of the layer from that one pass. With several ``alphas`` each probe takes the
 one with the lowest generalised cross-validation error on its *training* rows (GCV, from the
 eigenvalues of the same XᵀX); every alpha's test score is kept in the probe's metrics.
-``fit``/``predict``/``score`` here are the plain in-memory solver (an eigendecomposition of the
-centred XᵀX), the reference the streamed result is tested against.
+``fit``/``predict``/``score`` here solve the same statistics with the same solver
+(probes/ridge_solve.py), computed from the rows in memory.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -26,6 +27,7 @@ from probes.errors import ProbeError
 from probes.kinds.base import Job, Outcome, Probe, ProbeParams, register_kind
 from probes.kinds.pooled import MAX_AUTO_CLASSES
 from probes.pooling import pool
+from probes.ridge_solve import fit_rows
 from probes.targets import Shape
 
 
@@ -85,12 +87,6 @@ def one_hot(codes: np.ndarray, classes: np.ndarray) -> np.ndarray:
     return np.where(codes[..., None] == classes, 1.0, -1.0)
 
 
-def gcv_pick(gcv: np.ndarray) -> int:
-    """Index of the alpha a probe keeps: least GCV summed over its columns (the first when tied)."""
-    total = np.nansum(gcv, axis=0) if gcv.ndim == 2 else gcv
-    return int(np.argmin(total)) if np.isfinite(total).any() else 0
-
-
 @register_kind("ridge")
 class RidgeProbe(Probe):
     """X ``[n, T, d]`` (or Ragged for sample targets); y ``[n]`` or ``[n, T]`` codes or numbers."""
@@ -98,7 +94,7 @@ class RidgeProbe(Probe):
     Params: ClassVar[type[ProbeParams]] = RidgeParams
     accepts: ClassVar[tuple[Shape, ...]] = ("token", "sample")
     accepts_ragged = True
-    streaming = True
+    trains: ClassVar[tuple[str, ...]] = ("streamed",)
     #: which solve of probes/stream.py turns the streamed statistics into weights
     stream_solver: ClassVar[Literal["ridge", "lda", "centroid"]] = "ridge"
 
@@ -146,7 +142,7 @@ class RidgeProbe(Probe):
         regress = self._regress(np.asarray(y))
         classes = np.zeros(0, np.int64) if regress else np.unique(labels).astype(np.int64)
         Y = labels.astype(np.float64)[:, None] if regress else one_hot(labels.astype(np.int64), classes)
-        W, b, gcv, alpha = closed_form(F, Y, self.params.alphas, self.params.standardize)
+        W, b, gcv, alpha = fit_rows(F, Y, self.params.alphas, self.params.standardize)
         self.state_ = {"coef": W.T.copy(), "intercept": b, "classes": classes}
         self.meta_ = {"task": "regress" if regress else "classify", "alpha": alpha, "gcv": gcv.tolist()}
         return self
@@ -179,28 +175,19 @@ class RidgeProbe(Probe):
         return float((pred[ok] == flat[ok]).mean()) if ok.any() else float("nan")
 
     @classmethod
-    def evaluate(cls, Xs: list[Any], jobs: list[Job]) -> list[list[Outcome]]:
-        raise ProbeError(f"kind {cls.name} trains from streamed statistics; the farm runs it through probes/stream.py")
-
-
-def closed_form(F: np.ndarray, Y: np.ndarray, alphas: list[float],
-                standardize: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """Ridge in memory: (W [d, c], b [c], GCV [A], chosen alpha), every alpha from one eigh."""
-    mx, my = F.mean(0), Y.mean(0)
-    Xc, Yc = F - mx, Y - my
-    scale = Xc.std(0) if standardize else np.ones(F.shape[1])
-    scale[scale < 1e-8] = 1.0
-    Xc = Xc / scale
-    lam, V = np.linalg.eigh(Xc.T @ Xc)
-    Q = V.T @ (Xc.T @ Yc)                                     # [d, c]
-    n = len(F)
-    ws, gcv = [], []
-    for alpha in alphas:
-        w = V @ (Q / (lam + alpha)[:, None])
-        rss = ((Yc - Xc @ w) ** 2).sum(0)
-        df = float((lam / (lam + alpha)).sum())
-        gcv.append(float((n * rss / max(n - df - 1, 1e-12) ** 2).sum()))
-        ws.append(w)
-    pick = 0 if len(alphas) == 1 else int(np.argmin(gcv))
-    W = ws[pick] / scale[:, None]
-    return W, my - mx @ W, np.array(gcv), float(alphas[pick])
+    def evaluate_one(cls, X: Any, job: Job) -> Outcome:
+        """In memory, as every kind (fit on the fold's training rows, score on its test rows, the
+        control on shuffled labels), on the labels the farm's streamed trainer reads: a regressed
+        sample target's numbers, else its class codes, the task decided as there (:func:`regresses`)."""
+        if "task" not in cls.Params.model_fields:   # lda, nearest_centroid: classes only
+            return super().evaluate_one(X, job)
+        target = job.target
+        regress = regresses(cls.check_params(job.params), target)
+        if regress and target.shape == "sample":
+            numbers = target.as_numeric() if target.numeric is not None else target.values
+            target = replace(target, values=np.asarray(numbers, dtype=np.float64))
+        out = super().evaluate_one(X, replace(job, target=target,
+                                              params={**job.params, "task": "regress" if regress else "classify"}))
+        if regress:
+            out.metric = "r2"   # as the streamed trainer records it
+        return out

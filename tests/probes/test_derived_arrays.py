@@ -280,7 +280,7 @@ def test_dry_run_shows_what_each_group_reads_and_writes_nothing(ws, capsys):
 
     got, out = groups()
     assert ws.rows("SELECT count(*) FROM derived_arrays") == [(0,)]            # the dry run derived nothing
-    # The streamed entry's two layers differ only in their layer: one job (probes/farm_stream.py merge_layers).
+    # The streamed entry's two layers differ only in their layer: one job (probes/trainers/select.py merge_layers).
     assert got == [("-", 50, round(50 * 4 * D * 2 / 2**20, 1)),                  # T = 4 float16 values per feature
                    ("to derive", N, round(2 * N * D * 4 / 2**20, 1))]
     assert f"derive: auto first derives 2 array(s) on this client, reading {2 * N * 4 * D * 2 / 2**20:.1f} MiB" in out

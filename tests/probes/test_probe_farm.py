@@ -265,13 +265,13 @@ def test_workers_write_nothing_the_client_writes_each_weight_file(tmp_path):
     import dataclasses
 
     from probes import Probe
-    from probes.farm import _Preparer
-    from probes.worker import run_group
+    from probes.prepare import JobBuilder
+    from probes.trainers.in_memory import run_group
 
     ws = build_workspace(tmp_path / "ws", n=64, families=("go",))
     plan = parse_plan({"name": "w", "defaults": {"seeds": [0]},
                        "probes": [{"taps": ["vision"], "targets": ["go.intersection"], "kinds": ["linear"]}]})
-    prep = _Preparer(ws, plan)
+    prep = JobBuilder(ws, plan)
     (tmp_path / "file").write_text("not a folder")
     group = group_tasks(plan_tasks(plan, ws), plan.layers_per_task)[0]
     job = dataclasses.replace(prep.job(group), workspace=str(tmp_path / "file" / "ws"))

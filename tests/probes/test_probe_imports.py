@@ -7,8 +7,9 @@ from probetest_lib import python
 
 CHECK = """
 import sys
-import probes, probes.farm, probes.worker, probes.cli, probes.plan, probes.logreg, probes.targets
+import probes, probes.farm, probes.cli, probes.plan, probes.logreg, probes.targets
 from probes.kinds import conv_spatial, detect, hidden_number, linear, pooled
+from probes.trainers import in_memory, iterative, streamed
 bad = sorted(m for m in sys.modules if m == 'transformers' or m.startswith(('transformers.', 'extract', 'lab.', 'queries')))
 assert not bad, bad
 assert 'store' in sys.modules

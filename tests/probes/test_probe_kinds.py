@@ -183,9 +183,9 @@ def test_saved_probe_rescores_from_artifact_and_recorded_split(request, run, tar
     split = row["params"]["split"]
     fold = hash_fold(sel.stimuli, split["seed"], split["test_fraction"])
     X = ws.read(run, "vision", 1, rows=sel.rows[fold.test])
-    from probes.farm import _Preparer
+    from probes.prepare import JobBuilder
 
-    prep = _Preparer(ws, parse_plan(PLAN))
+    prep = JobBuilder(ws, parse_plan(PLAN))
     y = prep.target(run, row["params"]["where"], target, X.shape[1]).values[fold.test]
     assert probe.score(X, y) == pytest.approx(row["score"], abs=1e-9)
 
@@ -252,3 +252,16 @@ def test_pooled_regresses_on_counts_by_default_and_classifies_few_values():
     assert probe.regressor and abs(probe.predict(X[:5]) - counts[:5]).max() < 3  # a number, not one of 121 classes
     flags = counts % 2
     assert not PooledProbe().fit(X, flags).regressor
+
+
+def test_kinds_registry_refuses_a_second_class_under_one_name_and_inherits_how_a_kind_trains():
+    from probes import KINDS, ProbeError, get_kind, register_kind
+    from probes.kinds import HiddenNumberProbe, LinearProbe, PooledProbe
+
+    with pytest.raises(ProbeError, match="already registered"):
+        register_kind("linear")(type("Other", (LinearProbe,), {}))
+    assert get_kind("linear") is LinearProbe and "linear" in KINDS
+    with pytest.raises(ProbeError, match="unknown probe kind 'linaer' — did you mean 'linear'"):
+        get_kind("linaer")
+    assert PooledProbe.trains == LinearProbe.trains == ("in_memory", "iterative")   # inherited
+    assert HiddenNumberProbe.trains == ("in_memory",) and HiddenNumberProbe.memory_fix

@@ -1,4 +1,4 @@
-"""Iterative kinds out of core (probes/farm_iterative.py, probes/subsample.py): the same probes as
+"""Iterative kinds out of core (probes/trainers/iterative.py, probes/subsample.py): the same probes as
 in memory when the subsample holds every row, a recorded and deterministic subsample under a cap,
 the split by stimulus, a planned and enforced worker memory (measured RSS)."""
 
@@ -15,11 +15,12 @@ from probetest_lib import build_workspace
 
 from probes import ProbeError, parse_plan, run_plan
 from probes.cli import main
-from probes.farm import _Preparer, parse_bytes, plan_tasks, plan_work
-from probes.farm_stream import plan_in_memory
+from probes.farm import parse_bytes, plan_tasks, plan_work
 from probes.kinds import Probe
 from probes.plan import group_tasks
+from probes.prepare import JobBuilder
 from probes.subsample import IterSpec
+from probes.trainers.in_memory import plan_in_memory
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
 QUIET = {"progress": False, "log": lambda s: None}
@@ -83,8 +84,9 @@ def test_out_of_core_equals_in_memory_when_the_subsample_holds_every_row(ws):
 @pytest.mark.slow
 def test_a_capped_subsample_is_recorded_deterministic_by_stimulus_and_within_a_point(ws):
     plan = _plan("always", max_train_rows=2000)
-    job = next(_Preparer(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws)) if g.run == "go")
-    ((_, spec, _),) = plan_work([job], 7, None, "always", 2000)
+    job = next(JobBuilder(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws)) if g.run == "go")
+    (planned,) = plan_work([job], 7, None, "always", 2000)
+    spec = planned.spec
     for solve in spec.solves:
         assert solve.pick.sum() == 2000 and solve.candidates == 7200
         assert not solve.pick[~solve.train].any()          # drawn inside training boards only: split by stimulus
@@ -108,13 +110,16 @@ def test_a_capped_subsample_is_recorded_deterministic_by_stimulus_and_within_a_p
 
 def test_auto_goes_out_of_core_only_over_the_limit_and_the_dry_run_shows_its_plan(ws, tmp_path, capsys):
     plan = _plan("auto")
-    job = next(_Preparer(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws)) if g.run == "go")
+    job = next(JobBuilder(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws)) if g.run == "go")
     peak = plan_in_memory(job).peak_bytes
-    ((_, spec, _),) = plan_work([job], None, 2 * peak, "auto")
+    (planned,) = plan_work([job], None, 2 * peak, "auto")
+    spec = planned.spec
     assert spec is None                                    # fits in memory: the in-memory path
-    ((_, spec, mem),) = plan_work([job], None, int(peak / 0.8) - (1 << 20), "auto", check=False)
+    (planned,) = plan_work([job], None, int(peak / 0.8) - (1 << 20), "auto", check=False)
+    spec, mem = planned.spec, planned.memory
     assert isinstance(spec, IterSpec) and "out-of-core L-BFGS" in mem.what     # just over: out of core
-    ((_, spec, _),) = plan_work([job], None, int(peak / 0.8) - (1 << 20), "never", check=False)
+    (planned,) = plan_work([job], None, int(peak / 0.8) - (1 << 20), "never", check=False)
+    spec = planned.spec
     assert spec is None
     with pytest.raises(ProbeError, match="out_of_core: auto"):    # kept in memory over the limit: the fix named
         plan_work([job], None, int(peak / 0.8) - (1 << 20), "never")
@@ -156,9 +161,10 @@ def test_per_token_group_bigger_than_worker_memory_completes_under_the_limit(tmp
     limit = parse_bytes("600MiB")
     plan = parse_plan({"name": "big", "memory_limit": "600MiB",
                        "probes": [{"runs": ["big"], "targets": ["go.intersection"], "kinds": ["linear"]}]})
-    job = _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+    job = JobBuilder(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
     assert len(job.rows) * board * board * d * 4 > limit
-    ((_, spec, mem),) = plan_work([job], 8, limit)        # auto: out of core, a cap the limit holds
+    (planned,) = plan_work([job], 8, limit)        # auto: out of core, a cap the limit holds
+    spec, mem = planned.spec, planned.memory
     assert isinstance(spec, IterSpec) and mem.peak_bytes <= 0.8 * limit
     cap = spec.solves[0].cap
     assert 1000 < cap < spec.solves[0].candidates

@@ -1,4 +1,4 @@
-"""The per-sample kinds out of core (conv_spatial, detect: probes/farm_iterative.py, probes/subsample.py
+"""The per-sample kinds out of core (conv_spatial, detect: probes/trainers/iterative.py, probes/subsample.py
 fit_samples): the in-memory probe when every training sample is kept, a recorded and deterministic
 subsample of training samples under a cap, the path in the dry run, and plans that cannot fit
 (hidden_number included) refused before training with the fix named."""
@@ -17,11 +17,12 @@ from probetest_lib import build_workspace
 
 from probes import ProbeError, parse_plan, run_plan
 from probes.cli import main
-from probes.farm import _Preparer, parse_bytes, plan_tasks, plan_work
-from probes.farm_stream import plan_in_memory
+from probes.farm import parse_bytes, plan_tasks, plan_work
 from probes.kinds import Probe
 from probes.plan import group_tasks
+from probes.prepare import JobBuilder
 from probes.subsample import IterSpec
+from probes.trainers.in_memory import plan_in_memory
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
 QUIET = {"progress": False, "log": lambda s: None}
@@ -48,7 +49,7 @@ def _predictions(ws: Workspace, key: str) -> list[tuple]:
 
 
 def _job(ws: Workspace, plan, run: str):
-    return next(_Preparer(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws)) if g.run == run)
+    return next(JobBuilder(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws)) if g.run == run)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,8 @@ def test_detect_out_of_core_equals_in_memory_when_every_training_sample_is_kept(
 
 def test_a_capped_sample_subsample_is_recorded_deterministic_by_stimulus_and_still_trains(ws):
     plan = _plan("always", CONV, max_train_rows=30)
-    ((_, spec, mem),) = plan_work([_job(ws, plan, "g2m")], 5, None, "always", 30)
+    (planned,) = plan_work([_job(ws, plan, "g2m")], 5, None, "always", 30)
+    spec, mem = planned.spec, planned.memory
     (solve,) = spec.solves
     assert spec.per_sample and solve.pick.shape == solve.train.shape   # whole samples, not tokens
     assert solve.pick.sum() == 30 < solve.candidates and not solve.pick[~solve.train].any()   # by stimulus
@@ -121,9 +123,11 @@ def test_auto_takes_conv_spatial_out_of_core_over_the_limit_and_the_dry_run_show
     plan = _plan("auto", CONV)
     job = _job(ws, plan, "g2m")
     peak = plan_in_memory(job).peak_bytes
-    ((_, spec, _),) = plan_work([job], None, 2 * peak, "auto")
+    (planned,) = plan_work([job], None, 2 * peak, "auto")
+    spec = planned.spec
     assert spec is None                                    # fits: the in-memory path
-    ((_, spec, mem),) = plan_work([job], None, int(peak / 0.8) - (1 << 20), "auto", check=False)
+    (planned,) = plan_work([job], None, int(peak / 0.8) - (1 << 20), "auto", check=False)
+    spec, mem = planned.spec, planned.memory
     assert isinstance(spec, IterSpec) and spec.per_sample and "out-of-core conv_spatial" in mem.what
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump({"name": "oocs", "out_of_core": "always", "max_train_rows": 40,
@@ -156,10 +160,12 @@ def test_plans_that_cannot_fit_are_refused_before_training_with_the_fix_named(ws
 
 def test_a_kind_that_only_says_out_of_core_stays_in_memory(ws):
     job = _job(ws, _plan("always", CONV), "g2m")
-    ((_, spec, _),) = plan_work([job], 5, None, "always")
+    (planned,) = plan_work([job], 5, None, "always")
+    spec = planned.spec
     assert isinstance(spec, IterSpec)
-    bare = type("Bare", (Probe,), {"out_of_core": True, "accepts": ("grid",)})   # no fit_scaled, scored, ...
-    ((_, spec, _),) = plan_work([replace(job, kinds={"conv_spatial": bare})], 5, None, "always")
+    bare = type("Bare", (Probe,), {"trains": ("in_memory", "iterative"), "accepts": ("grid",)})   # no fit_scaled, ...
+    (planned,) = plan_work([replace(job, kinds={"conv_spatial": bare})], 5, None, "always")
+    spec = planned.spec
     assert spec is None                                    # the in-memory path, not an AttributeError mid-run
 
 
@@ -190,9 +196,10 @@ def test_conv_spatial_group_bigger_than_worker_memory_completes_under_the_limit(
     limit = parse_bytes("800MiB")
     plan = parse_plan({"name": "big", "memory_limit": "800MiB", "probes": [
         {"runs": ["big"], "targets": ["g2m.matrix"], "kinds": {"conv_spatial": {"iters": 30, "hidden": 16}}}]})
-    job = _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+    job = JobBuilder(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
     assert len(job.rows) * 64 * d * 4 > limit
-    ((_, spec, mem),) = plan_work([job], 8, limit)        # auto: out of core, a cap the limit holds
+    (planned,) = plan_work([job], 8, limit)        # auto: out of core, a cap the limit holds
+    spec, mem = planned.spec, planned.memory
     assert isinstance(spec, IterSpec) and spec.per_sample and mem.peak_bytes <= 0.8 * limit
     cap = spec.solves[0].cap
     assert 32 <= cap < spec.solves[0].candidates

@@ -14,13 +14,17 @@ from probetest_lib import build_workspace, python
 from sklearn.linear_model import Ridge, RidgeClassifier
 
 from probes import ProbeError, parse_plan, run_plan
-from probes.farm import _Preparer, plan_tasks
-from probes.farm_stream import build_specs, check_fits, plan_in_memory, run_local
+from probes.farm import plan_tasks
 from probes.kinds import Probe
 from probes.kinds.ridge import RidgeProbe
 from probes.plan import group_tasks
+from probes.prepare import JobBuilder
 from probes.splits import hash_fold
 from probes.stream import accumulate
+from probes.trainers.base import Settings
+from probes.trainers.in_memory import TRAINER as IN_MEMORY
+from probes.trainers.stream_specs import build_specs
+from probes.trainers.streamed import run_local
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
 QUIET = {"progress": False, "log": lambda s: None}
@@ -45,6 +49,28 @@ def test_ridge_matches_sklearn_ridge_and_ridge_classifier():
             icpt = mine.state_["intercept"][1:] if k == 2 else mine.state_["intercept"]
             assert np.abs(coef - ref.coef_).max() < 1e-6 and np.abs(icpt - ref.intercept_).max() < 1e-6
             assert (mine.predict(X[:, None, :]) == ref.predict(X)).all()
+
+
+
+def test_ridge_evaluates_in_memory_with_the_labels_the_farm_reads():
+    """Probe.evaluate (the in-memory trainer's call) regresses a numeric sample target's numbers
+    and classifies codes, as the streamed trainer decides, through the same solver."""
+    from probes.kinds import Job
+    from probes.targets import encode
+
+    rng = np.random.default_rng(4)
+    n, d = 400, 16
+    X = rng.standard_normal((n, d))
+    w = rng.standard_normal(d)
+    quantity = (X @ w * 3 + rng.standard_normal(n)).round(1).tolist()     # many values: a regression
+    classes = (X @ w > 0).astype(int).tolist()
+    fold = hash_fold([f"s/{i}" for i in range(n)], seed=1, test_fraction=0.25)
+    for raw, ref, metric in ((quantity, Ridge(alpha=1.0), "r2"), (classes, RidgeClassifier(alpha=1.0), "accuracy")):
+        (out,), = RidgeProbe.evaluate([X[:, None, :]], [Job("k", encode("t", raw), fold, {"alphas": [1.0]})])
+        y = np.asarray(raw)
+        expected = ref.fit(X[fold.train], y[fold.train]).score(X[fold.test], y[fold.test])
+        assert out.metric == metric and abs(out.score - expected) < 1e-9, (metric, out.score, expected)
+        assert out.control_score is not None and len(out.predictions.positions) == fold.test.sum()
 
 
 def _ridge_plan(**extra):
@@ -101,7 +127,7 @@ def test_seeds_share_one_pass_and_give_each_split_its_own_probe(tmp_path):
     plan = parse_plan({"name": "seeds", "probes": [{
         "runs": ["spatial"], "targets": ["truth:relation", "truth:flag_0"], "seeds": [0, 1, 2, 3],
         "kinds": {"ridge": {"alphas": [0.5, 5.0]}, "lda": {"shrinkage": 0.1}}}]})
-    job = _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+    job = JobBuilder(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
     shared = build_specs(job, 7)
     assert [g.spec.shared for g in shared] == [True, True] and [len(g.spec.solves) for g in shared] == [4, 4]
     own = [replace(g, spec=replace(g.spec, shared=False)) for g in shared]
@@ -156,10 +182,10 @@ def test_group_bigger_than_worker_memory_completes_under_the_limit(tmp_path):
     limit = 240 << 20
     plan = parse_plan({"name": "big", "derive": "never", "probes": [{"runs": ["big"], "targets": ["truth:flag_0"],
                                                    "kinds": {"ridge": {"pool": "mean"}}}]})
-    job = _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+    job = JobBuilder(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
     assert len(job.rows) * t * d * 4 > limit
     with pytest.raises(ProbeError, match="use kind ridge"):
-        check_fits(plan_in_memory(job), limit, job, False)
+        IN_MEMORY.check(IN_MEMORY.plan(job, Settings()), Settings(limit=limit), None)
     rep = run_plan(plan, ws.path, workers=2, memory_limit="240MiB", block_rows=16, **QUIET)
     assert rep.trained == 1 and rep.failed == 0, rep.failures
     assert 0 < rep.rss_peak < 0.95 * limit, rep.rss_peak          # measured in the workers (psutil)

@@ -19,9 +19,10 @@ from probetest_lib import HERE, REPO, build_spatial_layers, probe_rows, python, 
 
 from probes import parse_plan, run_plan
 from probes.artifacts import load
-from probes.farm import _Preparer, open_workspace, plan_tasks
-from probes.farm_stream import build_specs
+from probes.farm import open_workspace, plan_tasks
 from probes.plan import group_tasks
+from probes.prepare import JobBuilder
+from probes.trainers.stream_specs import build_specs
 
 PLAN = ("name: streamed\nmemory_limit: 300MiB\nprobes:\n  - runs: [spatial]\n"
         "    targets: ['spatial.relation', 'truth:flag_0']\n    seeds: [0, 1, 2]\n"
@@ -63,7 +64,7 @@ def test_streamed_plan_on_cli_scheduler_and_workers_equals_local_cluster(tmp_pat
     shutil.copytree(base, remote)
     plan = parse_plan(yaml.safe_load(PLAN))
     ws = open_workspace(base)
-    job = _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+    job = JobBuilder(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
     shared = {g.kind.name: g.spec.shared for g in build_specs(job)}
     assert shared == {"ridge": True, "lda": True, "nearest_centroid": False}   # the Dask merges carry shared statistics
     # too; class means have no XᵀX to share

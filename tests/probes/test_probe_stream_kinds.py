@@ -56,15 +56,16 @@ def test_streamed_hidden_number_equals_in_memory_on_the_same_plan(tmp_path):
 
 
 def _job(ws, plan):
-    from probes.farm import _Preparer, plan_tasks
+    from probes.farm import plan_tasks
     from probes.plan import group_tasks
+    from probes.prepare import JobBuilder
 
-    return _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+    return JobBuilder(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
 
 
 def test_centroid_plan_needs_no_gram_matrix(tmp_path):
-    from probes.farm_stream import build_specs, task_peaks
     from probes.stream import accumulate
+    from probes.trainers.stream_specs import build_specs, task_peaks
 
     ws = build_workspace(tmp_path / "ws", n=96, families=("spatial",))
     maps = {}
@@ -93,7 +94,7 @@ def test_the_memory_plan_counts_the_stored_chunk_the_reader_decodes(tmp_path):
     chunks must plan that much more (it did not, and a 384 MiB real-shape run passed its plan)."""
     from dataclasses import replace
 
-    from probes.farm_stream import build_specs, plan_stream
+    from probes.trainers.stream_specs import build_specs, plan_stream
 
     ws = build_workspace(tmp_path / "ws", n=96, families=("spatial",))
     plan = parse_plan({"name": "c", "probes": [{"runs": ["spatial"], "targets": ["truth:relation"],
@@ -139,7 +140,7 @@ def test_lda_ledoit_wolf_matches_sklearn_in_memory():
 
 @pytest.mark.slow
 def test_streamed_lda_ledoit_wolf_equals_sklearn_on_the_same_plan(tmp_path):
-    from probes.farm_stream import build_specs, plan_stream
+    from probes.trainers.stream_specs import build_specs, plan_stream
 
     ws = build_workspace(tmp_path / "ws", n=96, families=("go", "spatial"))
     plan = parse_plan({"name": "lw", "probes": [

@@ -14,9 +14,13 @@ import numpy as np
 import pytest
 from probetest_lib import build_spatial_layers, probe_rows
 
-from probes import artifacts, farm_stream, parse_plan, run_plan, stream
-from probes.farm import _Preparer, open_workspace, plan_tasks, plan_work
+from probes import artifacts, parse_plan, run_plan, stream
+from probes.farm import open_workspace, plan_tasks, plan_work
 from probes.plan import group_tasks
+from probes.prepare import JobBuilder
+from probes.trainers import streamed
+from probes.trainers.select import merge_layers
+from probes.trainers.stream_specs import build_specs
 
 PLAN = {"name": "pipe", "probes": [{"runs": ["spatial"], "targets": ["spatial.relation", "truth:flag_0"],
                                     "seeds": [0, 1], "kinds": {"ridge": {"alphas": [0.1, 10.0]}}}]}
@@ -39,14 +43,15 @@ def _same_weights(a: Path, b: Path) -> None:
 def test_streamed_layers_run_as_one_job_with_the_per_layer_results(tmp_path):
     ws = build_spatial_layers(tmp_path / "ws", layers=LAYERS)
     plan = parse_plan(PLAN)   # layers_per_task 1: one group per layer
-    prep = _Preparer(ws, plan)
+    prep = JobBuilder(ws, plan)
     jobs = [prep.job(g) for g in group_tasks(plan_tasks(plan, ws), plan.layers_per_task)]
     assert len(jobs) == LAYERS
-    ((job, specs, mem),) = plan_work(jobs, None, None)
+    (planned,) = plan_work(jobs, None, None)
+    job, specs, mem = planned.job, planned.spec, planned.memory
     assert [a.layer for a in job.arrays] == list(range(LAYERS)) and len(job.tasks) == N_PROBES
-    assert mem.read_bytes == sum(plan_work([j], None, None)[0][2].read_bytes for j in jobs)
-    merged = farm_stream.run_local(job, specs)
-    alone = [farm_stream.run_local(j, farm_stream.build_specs(j)) for j in jobs]   # one job per layer, as before
+    assert mem.read_bytes == sum(plan_work([j], None, None)[0].memory.read_bytes for j in jobs)
+    merged = streamed.run_local(job, specs)
+    alone = [streamed.run_local(j, build_specs(j)) for j in jobs]   # one job per layer, as before
     ref = {r.params["key"]: r for res in alone for r in res.records}
     assert len(merged.records) == len(ref) == N_PROBES and not merged.failures
     for r in merged.records:
@@ -61,9 +66,9 @@ def test_jobs_that_differ_in_more_than_their_layers_stay_apart(tmp_path):
     plan = parse_plan({"name": "two", "probes": [
         {**PLAN["probes"][0], "layers": [0]},
         {**PLAN["probes"][0], "layers": [1], "targets": ["truth:flag_0"]}]})   # another probe set on layer 1
-    prep = _Preparer(ws, plan)
+    prep = JobBuilder(ws, plan)
     jobs = [prep.job(g) for g in group_tasks(plan_tasks(plan, ws), 1)]
-    assert len(farm_stream.merge_layers(jobs)) == 2
+    assert len(merge_layers(jobs, lambda j: True)) == 2
 
 
 def test_run_plan_ends_with_the_manifest_free_and_every_weight_published(tmp_path):
@@ -108,12 +113,13 @@ def test_fused_layers_equal_the_task_graph_and_a_failed_layer_loses_only_its_pro
         shutil.copytree(tmp_path / "base", tmp_path / name)
     plan = parse_plan(PLAN)
     ws = open_workspace(tmp_path / "base")
-    prep = _Preparer(ws, plan)
-    ((job, specs, _),) = plan_work([prep.job(g) for g in group_tasks(plan_tasks(plan, ws))], None, None)
-    assert farm_stream.fuses(specs, job, 2, None)
+    prep = JobBuilder(ws, plan)
+    (planned,) = plan_work([prep.job(g) for g in group_tasks(plan_tasks(plan, ws))], None, None)
+    job, specs = planned.job, planned.spec
+    assert streamed.fuses(specs, job, 2, None)
     fused = run_plan(plan, tmp_path / "fused", workers=2, progress=False, log=lambda s: None)
-    monkeypatch.setattr(farm_stream, "FUSE_BYTES", 0)   # every layer as maps, merges, a solve and test maps
-    assert not farm_stream.fuses(specs, job, 2, None)
+    monkeypatch.setattr(streamed, "FUSE_BYTES", 0)   # every layer as maps, merges, a solve and test maps
+    assert not streamed.fuses(specs, job, 2, None)
     graph = run_plan(plan, tmp_path / "graph", workers=2, progress=False, log=lambda s: None)
     assert fused.trained == graph.trained == N_PROBES and fused.failed == graph.failed == 0
     assert probe_rows(open_workspace(tmp_path / "fused")) == probe_rows(open_workspace(tmp_path / "graph"))
@@ -127,3 +133,19 @@ def test_fused_layers_equal_the_task_graph_and_a_failed_layer_loses_only_its_pro
     broken = run_plan(plan, tmp_path / "broken", workers=2, progress=False, log=lambda s: None)
     assert broken.failed == N_PROBES // LAYERS and broken.trained == N_PROBES - N_PROBES // LAYERS
     assert {r[3] for r in probe_rows(open_workspace(tmp_path / "broken"))} == {0, 1, 3}
+
+
+def test_a_group_whose_kinds_prefer_different_trainers_becomes_one_job_per_trainer(tmp_path):
+    """The farm picks trainers from the kinds' ``trains``, never their types: ridge's part of a
+    group goes to the streamed trainer (group name + "s"), pooled's stays in memory, and a
+    pooled probe over the limit would go to the iterative trainer only under out_of_core."""
+    ws = build_spatial_layers(tmp_path / "ws", layers=1)
+    plan = parse_plan({"name": "mixed", "probes": [{"runs": ["spatial"], "targets": ["spatial.relation"],
+                                                    "kinds": {"ridge": {}, "pooled": {}}}]})
+    (job,) = [JobBuilder(ws, plan).job(g) for g in group_tasks(plan_tasks(plan, ws))]
+    work = plan_work([job], None, None)
+    assert [(p.trainer.name, p.job.group, sorted({t.kind for t in p.job.tasks})) for p in work] == [
+        ("streamed", f"{job.group}s", ["ridge"]), ("in_memory", job.group, ["pooled"])]
+    assert isinstance(work[0].spec, list) and work[1].spec is None
+    (always,) = plan_work([work[1].job], None, None, "always")
+    assert always.trainer.name == "iterative"

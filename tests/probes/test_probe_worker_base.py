@@ -1,4 +1,4 @@
-"""The workers' measured RSS at rest against the base a plan assumed (probes/farm_stream.py check_base).
+"""The workers' measured RSS at rest against the base a plan assumed (probes/trainers/base.py check_base).
 
 Dask starts each worker by re-running the imports of the client's main script. A script that
 imports torch and the farm at its top level thus puts them into every worker: ~180 MiB more
@@ -14,7 +14,8 @@ import pytest
 from probetest_lib import build_spatial_layers, python
 
 from probes.errors import ProbeError
-from probes.farm_stream import FIT_FRACTION, WORKER_BASE, MemoryPlan, check_base
+from probes.trainers.base import FIT_FRACTION, WORKER_BASE, MemoryPlan, Planned, check_base
+from probes.trainers.streamed import TRAINER as STREAMED
 
 MiB = 1 << 20
 # 380 MiB: room for the plan's planned 160 MiB worker, but not for the ~320 MiB one with torch
@@ -56,7 +57,7 @@ def test_a_script_that_imports_torch_at_its_top_is_refused_before_training(tmp_p
 
 def test_check_base_lowers_the_streamed_limit_by_what_the_workers_hold_over_the_planned_base():
     plan = MemoryPlan(read_bytes=0, peak_bytes=WORKER_BASE + 40 * MiB, what="map")
-    work = [(_Job("g0"), [], plan)]
+    work = [Planned(_Job("g0"), STREAMED, [], plan)]  # type: ignore[arg-type]
     limit = 400 * MiB
     assert check_base(work, WORKER_BASE - 20 * MiB, limit) == limit            # lighter than planned: as planned
     assert check_base(work, WORKER_BASE + 50 * MiB, limit) == limit - 50 * MiB

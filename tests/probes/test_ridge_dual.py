@@ -13,13 +13,15 @@ import pytest
 from sklearn.linear_model import Ridge, RidgeClassifier
 
 from probes import parse_plan, run_plan
-from probes.farm import _Preparer, plan_tasks
-from probes.farm_stream import build_specs, layers_in_flight, plan_stream
+from probes.farm import plan_tasks
 from probes.plan import group_tasks
+from probes.prepare import JobBuilder
 from probes.ridge_dual import chooses_dual, dual_flops, solve_rows
 from probes.splits import hash_fold
 from probes.stream import Stats, solve_stats
 from probes.stream_layer import run_layer
+from probes.trainers.stream_specs import build_specs, plan_stream
+from probes.trainers.streamed import layers_in_flight
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
 QUIET = {"progress": False, "log": lambda s: None}
@@ -54,7 +56,7 @@ def _plan(seeds=(0,), **ridge):
 
 
 def _job(ws, plan):
-    return _Preparer(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
+    return JobBuilder(ws, plan).job(group_tasks(plan_tasks(plan, ws))[0])
 
 
 def _stats(X: np.ndarray, Y: np.ndarray, dtype: str) -> Stats:
@@ -162,13 +164,13 @@ def test_dual_plan_holds_rows_not_gram_matrices(tmp_path):
 def test_dual_on_the_dask_graph_equals_the_in_process_run(tmp_path, monkeypatch):
     from probetest_lib import probe_rows
 
-    from probes import farm_stream
+    from probes.trainers import streamed
 
     ws = _wide_run(tmp_path / "ws")
     shutil.copytree(tmp_path / "ws", tmp_path / "graph")
     plan = _plan(seeds=(0, 1), alphas=[0.5, 5.0])
     here = run_plan(plan, ws.path, in_process=True, block_rows=5, **QUIET)
-    monkeypatch.setattr(farm_stream, "FUSE_BYTES", 0)   # maps on both workers, a merge of their rows, a solve
+    monkeypatch.setattr(streamed, "FUSE_BYTES", 0)   # maps on both workers, a merge of their rows, a solve
     graph = run_plan(plan, tmp_path / "graph", workers=2, memory_limit="400MiB", block_rows=5, **QUIET)
     assert here.trained == graph.trained == 12 and graph.failed == 0
     assert probe_rows(Workspace.open(tmp_path / "graph", readonly=True)) == probe_rows(ws)

@@ -1,4 +1,4 @@
-"""The farm's side of iterative kinds out of core (``linear``, ``pooled`` classification): when a
+"""The iterative trainer: iterative kinds out of core (``linear``, ``pooled`` classification): when a
 group's in-memory features would not fit the worker limit (or the plan says ``out_of_core:
 always``), each layer becomes one task of probes/subsample.py, trained on a recorded,
 deterministic subsample of at most ``max_train_rows`` labelled training units per probe batch
@@ -20,16 +20,20 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from probes import subsample
 from probes.errors import ProbeError
-from probes.farm_stream import FIT_FRACTION, MemoryPlan, MiB, default_block_rows
-from probes.kinds.base import Job, Outcome, PerSample, params_json
+from probes.kinds.base import Job, params_json
 from probes.splits import control_permutation
-from probes.worker import GroupJob, GroupResult, _record, _signature, tasks_by_signature
+from probes.trainers.base import FIT_FRACTION, DaskRun, MemoryPlan, MiB, Planned, Settings, default_block_rows
+from probes.trainers.group import GroupJob, GroupResult, probe_job, signature
+from probes.trainers.iterative_outcomes import finish
+
+if TYPE_CHECKING:
+    from probes.kinds.base import Probe
 
 #: RSS of an idle, warmed LocalCluster worker that imported torch and every kind: 390 MiB
 #: measured here (2026-12-01, the out-of-core test's worker_peaks of the idle worker); rounded up.
@@ -44,41 +48,31 @@ PER_SAMPLE_PROTOCOL = ("fit_scaled", "standardizes", "scored", "train_bytes")
 
 
 def eligible(job: GroupJob) -> bool:
-    """Whether every task of the group is of a kind this path trains (batched logistic, or per sample)."""
-    from probes.kinds.pooled import PooledProbe, _regress
+    """Whether every task of the group is of a kind this trainer takes (batched logistic, or per
+    sample), on a target it classifies.
+
+    Parameters
+    ----------
+    job
+        The group.
+
+    Returns
+    -------
+    bool
+        False where a kind does not list ``"iterative"`` in its ``trains``, lacks the per-sample
+        protocol, or (pooled) regresses its target: pooled regression is ridge's, streamed.
+    """
+    from probes.kinds.pooled import PooledProbe, regresses_values
 
     for t in job.tasks:
         kind = job.kinds[t.kind]
-        if not kind.__dict__.get("out_of_core", False):
-            return False
-        if not _batched(kind) and not all(hasattr(kind, m) for m in PER_SAMPLE_PROTOCOL):
+        if not TRAINER.accepts(kind):
             return False
         if issubclass(kind, PooledProbe):
             target = job.targets[t.target]
-            if _regress(kind.check_params(t.params), None, target.numeric) or target.classes is None:
-                return False   # pooled regression is ridge: kind ridge streams it
+            if regresses_values(kind.check_params(t.params), None, target.numeric) or target.classes is None:
+                return False
     return True
-
-
-def in_memory_fix(job: GroupJob) -> str | None:
-    """What fixes an in-memory group over the worker limit, by its kinds (None: ridge's wording)."""
-    from probes.kinds.hidden_number import HiddenNumberProbe
-
-    kinds = {job.kinds[t.kind] for t in job.tasks}
-    if any(issubclass(k, HiddenNumberProbe) for k in kinds):
-        # The N_H probe has no out-of-core path: its least-squares twin streams the same boards.
-        return "use kind hidden_number_ridge (N_H from streamed statistics), layers_per_task: 1,"
-    if eligible(job):   # out_of_core: never kept it in memory
-        return ("set plan key out_of_core: auto (a capped training subsample), select fewer rows (where:) or"
-                " layers_per_task: 1,")
-    return None
-
-
-def chosen(job: GroupJob, mode: str, in_memory: MemoryPlan, limit: int | None) -> bool:
-    """Out of core when the plan says always, or (auto) when the in-memory plan exceeds the limit."""
-    if mode == "never" or not eligible(job):
-        return False
-    return mode == "always" or (limit is not None and in_memory.peak_bytes > FIT_FRACTION * limit)
 
 
 def build_spec(job: GroupJob, block_rows: int | None, max_train_rows: int | None,
@@ -86,14 +80,13 @@ def build_spec(job: GroupJob, block_rows: int | None, max_train_rows: int | None
     """The group's spec, its subsample drawn under the cap (given, else the most the limit holds)."""
     wanted: dict[tuple[Any, ...], Any] = {}
     for t in job.tasks:
-        wanted.setdefault(_signature(t), t)
+        wanted.setdefault(signature(t), t)
     first = list(wanted.values())
     kind = job.kinds[first[0].kind]
     if any(job.kinds[t.kind] is not kind for t in first):
         raise ProbeError(f"group {job.group}: out of core trains one kind per group; put {sorted(job.kinds)} in"
                          " separate plan entries or set out_of_core: never")
-    jobs = [Job(key=t.key, target=job.targets[t.target], fold=job.folds[t.fold_id], params=t.params,
-                control=t.control == "shuffle", grid=job.grid) for t in first]
+    jobs = [probe_job(job, t) for t in first]
     info = job.arrays[0]
     per_sample = not _batched(kind)
     R = 1 if kind.accepts == ("sample",) else _tokens(job)
@@ -258,7 +251,22 @@ def plan_memory(spec: subsample.IterSpec, job: GroupJob, capped_by: str | None =
 
 
 def check_fits(plan: MemoryPlan, limit: int | None, job: GroupJob) -> None:
-    """A ProbeError naming the settings that fix an out-of-core plan that cannot fit."""
+    """Refuse an out-of-core plan that cannot fit, naming the settings that fix it.
+
+    Parameters
+    ----------
+    plan
+        The job's memory plan.
+    limit
+        Bytes per worker (None: nothing refused).
+    job
+        The job, named in the message.
+
+    Raises
+    ------
+    ProbeError
+        Its peak over FIT_FRACTION of ``limit``.
+    """
     if limit is None or plan.peak_bytes <= FIT_FRACTION * limit:
         return
     need = plan.peak_bytes / FIT_FRACTION / MiB
@@ -274,145 +282,96 @@ def check_fits(plan: MemoryPlan, limit: int | None, job: GroupJob) -> None:
 
 
 def run_local(job: GroupJob, spec: subsample.IterSpec) -> GroupResult:
+    """Every layer of the job in this process (:func:`probes.subsample.fit_layer`), then its records.
+
+    Parameters
+    ----------
+    job
+        The group.
+    spec
+        Its spec (:func:`build_spec`).
+
+    Returns
+    -------
+    GroupResult
+        Its records and weights.
+    """
     t0 = time.perf_counter()
     fits = [subsample.fit_layer(spec, info) for info in job.arrays]
     return finish(job, spec, fits, time.perf_counter() - t0)
 
 
 def run_dask(client: Any, job: GroupJob, spec: subsample.IterSpec) -> GroupResult:
-    """One task per layer (the spec travels once); the client gathers and records."""
+    """One task per layer (the spec travels once); the client gathers and records.
+
+    Parameters
+    ----------
+    client
+        The farm's Dask client.
+    job
+        The group.
+    spec
+        Its spec (:func:`build_spec`).
+
+    Returns
+    -------
+    GroupResult
+        Its records and weights, with each worker's peak RSS.
+    """
+    from probes.rss import peak_rss
+
     t0 = time.perf_counter()
     shared = client.scatter(spec, hash=False)
     futures = [client.submit(subsample.fit_layer, shared, info, pure=False, retries=1) for info in job.arrays]
     fits = client.gather(futures)
-    from probes.stream import _rss
-
     result = finish(job, spec, fits, time.perf_counter() - t0, worker="dask:iterative")
-    result.worker_peaks = client.run(_rss)
+    result.worker_peaks = client.run(peak_rss)
     return result
 
 
-def finish(job: GroupJob, spec: subsample.IterSpec, fits: list[subsample.LayerFit], seconds: float,
-           worker: str = "iterative") -> GroupResult:
-    """Records and weights of every probe (client side), as the in-memory path writes them."""
-    result = GroupResult(group=job.group, worker=worker, started_at=time.time(), seconds=seconds)
-    result.rss_peak = max([f.rss_peak for f in fits] + [0])
-    result.read_bytes = sum(f.read_bytes for f in fits)
-    wanted = tasks_by_signature(job)
-    sigs = list(wanted)
-    n_probes = max(len(job.tasks), 1)
-    for info, fit in zip(job.arrays, fits, strict=True):
-        for s, solve in enumerate(spec.solves):
-            for c, col in enumerate(solve.columns):
-                task = wanted[sigs[col.job]].get(info.layer)
-                if col.control or task is None:
-                    continue
-                try:
-                    outcome = _sample_outcome if spec.per_sample else _outcome
-                    out = outcome(job, task, spec, fit, s, c, fit.flops / n_probes)
-                    result.records.append(_record(job, task, out, seconds / n_probes, worker, result.weights))
-                    result.flops += out.flops
-                except (ProbeError, ValueError) as err:
-                    result.failures.append((task.key, f"{type(err).__name__}: {err}"))
-    return result
+class IterativeTrainer:
+    """Iterative kinds out of core: a capped, recorded subsample of the training units, one task
+    per layer. It takes a job the in-memory trainer planned when the plan's ``out_of_core`` says
+    always, or (auto) when the in-memory plan exceeds the worker limit."""
+
+    name = "iterative"
+    needs_torch = True
+    merges_layers = False
+    suffix = ""
+    remedy: str | None = ("set plan key out_of_core: auto (a capped training subsample), select fewer rows (where:) or"
+                          " layers_per_task: 1,")
+
+    def accepts(self, kind: type[Probe]) -> bool:
+        return self.name in kind.trains and (_batched(kind) or all(hasattr(kind, m) for m in PER_SAMPLE_PROTOCOL))
+
+    def takes_over(self, planned: Planned, settings: Settings) -> bool:
+        if settings.out_of_core == "never" or not eligible(planned.job):
+            return False
+        limit = settings.limit
+        return settings.out_of_core == "always" or (limit is not None
+                                                    and planned.memory.peak_bytes > FIT_FRACTION * limit)
+
+    def plan(self, job: GroupJob, settings: Settings) -> Planned:
+        spec, memory = build_spec(job, settings.block_rows, settings.max_train_rows, settings.limit)
+        return Planned(job, self, spec, memory)
+
+    def check(self, planned: Planned, settings: Settings, fix: str | None) -> None:
+        check_fits(planned.memory, settings.limit, planned.job)
+
+    def run_local(self, planned: Planned) -> GroupResult:
+        return run_local(planned.job, planned.spec)
+
+    def finish(self, planned: Planned, computed: Any, seconds: float, worker: str) -> GroupResult:
+        return finish(planned.job, planned.spec, computed, seconds, worker)
+
+    def run_dask(self, run: DaskRun, work: list[Planned]) -> dict[str, int]:
+        """The jobs one after another, each one task per layer."""
+        for planned in work:
+            try:
+                run.take(run_dask(run.client, planned.job, planned.spec))
+            except Exception as err:
+                run.lost(planned.job, err)
+        return {}
 
 
-def _outcome(job: GroupJob, task: Any, spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int,
-             flops: float) -> Outcome:
-    from probes.kinds.linear import per_sample
-
-    solve = spec.solves[s]
-    col = solve.columns[c]
-    target, fold = job.targets[task.target], job.folds[task.fold_id]
-    score = _accuracy(fit, s, c)
-    ctrl = next((_accuracy(fit, s, k) for k, o in enumerate(solve.columns) if o.job == col.job and o.control), None)
-    probe = spec.kind.build(Job(task.key, target, fold, task.params, grid=job.grid), fold.seed)
-    coef, intercept, classes = fit.weights[s][c]
-    probe.state_ = {"mean": fit.mean[s], "scale": fit.scale[s], "coef": coef, "intercept": intercept,
-                    "classes": classes}
-    probe.meta_ = {"n_iter": fit.n_iter[s], "converged": fit.converged[s]}
-    te = np.flatnonzero(solve.test)
-    y_te = col.labels[te]
-    labelled = y_te[y_te >= 0]
-    metrics = {"majority": float(np.bincount(labelled).max() / len(labelled)) if len(labelled) else float("nan"),
-               "n_train_rows": int(fit.fitted_rows[s][c]), "n_test_rows": int(fit.count[s][c].sum()),
-               "n_iter": fit.n_iter[s], "converged": fit.converged[s], "streamed": True,
-               "subsample": {"rows": int(solve.pick.sum()), "of": solve.candidates, "max_train_rows": solve.cap,
-                             "seed": solve.seed, "draw": "uniform over labelled training units, without replacement"}}
-    pred = fit.pred[s]
-    control = _control_column(solve, c)
-    if pred is not None:
-        preds = per_sample(te, pred[c][te], y_te[:, 0], 1, target.classes)
-        if control is not None:   # its predicted classes, scored against the real labels
-            ctl = per_sample(te, pred[control][te], y_te[:, 0], 1, target.classes)
-            preds.control_prediction, preds.control_score = ctl.prediction, ctl.score
-    else:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            preds = PerSample(te, None, None, fit.hits[s][c][te] / fit.count[s][c][te])
-            if control is not None:   # its hits on the probe's labelled units, over their count
-                preds.control_score = fit.real_hits[s][control][te] / fit.count[s][c][te]
-    return Outcome("accuracy", score, ctrl, int((target.labelled() & fold.train).sum()),
-                   int((target.labelled() & fold.test).sum()), metrics, probe, flops, predictions=preds)
-
-
-def _control_column(solve: subsample.IterSolve, c: int) -> int | None:
-    """The column of the shuffled-label control of column ``c``'s probe (None: no control)."""
-    job = solve.columns[c].job
-    return next((k for k, o in enumerate(solve.columns) if o.job == job and o.control), None)
-
-
-def _sample_outcome(job: GroupJob, task: Any, spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int,
-                    flops: float) -> Outcome:
-    """A per-sample kind's probe: its model rebuilt from the worker's state, scored from the
-    predictions over every test sample it has a label for (its control's the same way)."""
-    solve = spec.solves[s]
-    col = solve.columns[c]
-    target, fold = job.targets[task.target], job.folds[task.fold_id]
-    probe, score, metrics, preds = _scored(spec, fit, s, c)
-    control = _control_column(solve, c)
-    ctrl = None if control is None else _control_score(spec, fit, s, control)
-    if control is not None:   # the control on the probe's test samples, scored against their real labels
-        _, _, _, ctl = _scored(spec, fit, s, control, against=c)
-        preds.control_prediction, preds.control_score = ctl.prediction, ctl.score
-    at = np.flatnonzero(solve.pick)
-    metrics.update({"n_train_samples": int(subsample.labelled_of(col)[at].sum()),
-                    "n_test_samples": len(preds.positions), "streamed": True,
-                    "subsample": {"rows": len(at), "of": solve.candidates, "max_train_rows": solve.cap,
-                                  "seed": solve.seed,
-                                  "draw": "uniform over labelled training samples, without replacement"}})
-    return Outcome(spec.kind.metric, score, ctrl, int((target.labelled() & fold.train).sum()),
-                   int((target.labelled() & fold.test).sum()), metrics, probe, flops, predictions=preds)
-
-
-def _control_score(spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int) -> float:
-    """NaN (no control score recorded, as in memory) when the shuffled labels leave no test sample."""
-    if not (spec.solves[s].test & subsample.labelled_of(spec.solves[s].columns[c])).any():
-        return float("nan")
-    return _scored(spec, fit, s, c)[1]
-
-
-def _scored(spec: subsample.IterSpec, fit: subsample.LayerFit, s: int, c: int, against: int | None = None
-            ) -> tuple[Any, float, dict[str, Any], PerSample]:
-    """Column ``c``'s probe scored on the test samples column ``against`` (default: ``c``) has
-    labels for, against those labels."""
-    solve = spec.solves[s]
-    col = solve.columns[c if against is None else against]
-    probe = spec.kind(random_state=solve.seed, **solve.params)
-    probe.load_state(*fit.states[s][c])
-    te = np.flatnonzero(solve.test & subsample.labelled_of(col))
-    if not len(te):
-        raise ProbeError(f"{spec.kind.name}: no labelled test sample; select more rows")
-    blocks = fit.tested[s][c]
-    # conv_spatial predicts a grid array per block, detect a list of (boxes, scores) per sample
-    pred: Any = np.concatenate(blocks) if isinstance(blocks[0], np.ndarray) else [p for b in blocks for p in b]
-    # The column was predicted on more samples than these where it is a control (subsample.predicted).
-    keep = subsample.labelled_of(col)[np.flatnonzero(solve.test & subsample.predicted(solve, c))]
-    pred = pred[keep] if isinstance(pred, np.ndarray) else [p for p, k in zip(pred, keep, strict=True) if k]
-    y = col.labels[te]
-    score, metrics, (p, truth, per) = probe.scored(pred, y if y.dtype == object else y.astype(np.int64))
-    return probe, score, metrics, PerSample(te, p, truth, per)
-
-
-def _accuracy(fit: subsample.LayerFit, s: int, c: int) -> float:
-    n = int(fit.count[s][c].sum())
-    return float(fit.hits[s][c].sum() / n) if n else float("nan")
+TRAINER = IterativeTrainer()

@@ -1,20 +1,11 @@
-"""What a Dask worker runs: one group of probes that share features.
-
-The worker gets paths, array descriptions, row indices and small label arrays, never
-activations: it reads only the Zarr chunks holding its rows, straight from the workspace
-folder or the object store, and never opens the DuckDB manifest (the farm's client is its only
-writer and does all manifest reads). It trains every probe of the group and returns small
-result records plus each probe's weights as safetensors bytes, which the client writes: a worker
-writes nothing, so it needs no access to the workspace folder when the arrays are in a bucket.
+"""A group of probes that share features: the job every trainer takes (:class:`GroupJob`, small
+enough to travel inline with a Dask task: paths, array descriptions, row indices and labels, never
+activations), its result, and the probes table's record of each probe, the same for every trainer.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import time
-import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,13 +14,11 @@ import numpy as np
 
 from probes import artifacts
 from probes.errors import ProbeError
-from probes.features import read_features
 from probes.kinds.base import Job, Outcome, PerSample, Probe, params_json
 from probes.plan import ProbeTask
 from probes.splits import Fold
 from probes.targets import TargetValues
 from store import ArrayInfo, ProbeResult
-from store.heap import tune_malloc
 from store.location import ArrayRoot
 from store.maintenance import PREDICTION_COLUMNS
 from store.schema import series_of, series_rule
@@ -56,6 +45,8 @@ class GroupJob:
 
 @dataclass
 class GroupResult:
+    """What a job gave: records and weights of its probes, failures, and what it cost."""
+
     group: str
     records: list[ProbeResult] = field(default_factory=list)
     failures: list[tuple[str, str]] = field(default_factory=list)   # (probe key, error)
@@ -70,29 +61,27 @@ class GroupResult:
     worker_peaks: dict[str, int] = field(default_factory=dict)   # streamed on Dask: peak RSS per worker
 
 
-def run_group(job: GroupJob) -> GroupResult:
-    """Train and score every probe of ``job``; one BLAS/torch thread (parallelism is across workers)."""
-    import torch
-    from threadpoolctl import threadpool_limits
+def probe_job(job: GroupJob, task: ProbeTask) -> Job:
+    """What a kind is given to train ``task``: its labels, fold, parameters, control and grid.
 
-    tune_malloc()
+    Parameters
+    ----------
+    job
+        The task's group.
+    task
+        One probe of it.
 
-    started = time.perf_counter()
-    result = GroupResult(group=job.group, worker=f"{socket.gethostname()}:{os.getpid()}", started_at=time.time())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with threadpool_limits(1):
-            Xs = [read_features(job.root, info, job.rows, job.dense_tokens) for info in job.arrays]
-            result.read_seconds = time.perf_counter() - started
-            _train_all(job, Xs, result)
-    finally:
-        torch.set_num_threads(threads)
-    result.seconds = time.perf_counter() - started
-    return result
+    Returns
+    -------
+    Job
+        The kind's view of the probe.
+    """
+    return Job(key=task.key, target=job.targets[task.target], fold=job.folds[task.fold_id], params=task.params,
+               control=task.control == "shuffle", grid=job.grid)
 
 
-def _signature(t: ProbeTask) -> tuple[Any, ...]:
+def signature(t: ProbeTask) -> tuple[Any, ...]:
+    """What a probe is, but for its layer: probes that share it train as one job over the layers."""
     return (t.target, t.kind, t.seed, params_json(t.params), t.fold_id, t.control, t.tag)
 
 
@@ -100,45 +89,39 @@ def tasks_by_signature(job: GroupJob) -> dict[tuple[Any, ...], dict[int, ProbeTa
     """The job's tasks by signature, then layer: probes that differ only in layer share a signature."""
     got: dict[tuple[Any, ...], dict[int, ProbeTask]] = defaultdict(dict)
     for t in job.tasks:
-        got[_signature(t)][t.layer] = t
+        got[signature(t)][t.layer] = t
     return got
 
 
-def _train_all(job: GroupJob, Xs: list[Any], result: GroupResult) -> None:
-    layer_index = {info.layer: g for g, info in enumerate(job.arrays)}
-    # Probes over the same features that differ only in layer become one job over all layers.
-    wanted = tasks_by_signature(job)
-    batches: dict[tuple[str, str], list[tuple[Any, ...]]] = defaultdict(list)
-    for sig in wanted:
-        batches[(sig[1], sig[3])].append(sig)
-    for (kind, _), sigs in batches.items():
-        cls = job.kinds[kind]
-        first = [next(iter(wanted[s].values())) for s in sigs]
-        jobs = [Job(key=t.key, target=job.targets[t.target], fold=job.folds[t.fold_id], params=t.params,
-                    control=t.control == "shuffle", grid=job.grid) for t in first]
-        t0 = time.perf_counter()
-        try:
-            outcomes = cls.evaluate(Xs, jobs)
-        except Exception as err:  # one bad batch must not sink the group's other probes
-            msg = f"{type(err).__name__}: {err}"
-            detail = traceback.format_exc(limit=6)
-            for s in sigs:
-                for t in wanted[s].values():
-                    result.failures.append((t.key, msg if isinstance(err, ValueError) else f"{msg}\n{detail}"))
-            continue
-        per_probe = (time.perf_counter() - t0) / max(sum(len(wanted[s]) for s in sigs), 1)
-        for j, sig in enumerate(sigs):
-            for layer, task in wanted[sig].items():
-                out = outcomes[layer_index[layer]][j]
-                try:
-                    result.records.append(_record(job, task, out, per_probe, result.worker, result.weights))
-                    result.flops += out.flops
-                except Exception as err:
-                    result.failures.append((task.key, f"{type(err).__name__}: {err}"))
+def record(job: GroupJob, task: ProbeTask, out: Outcome, seconds: float, worker: str,
+           weights: dict[str, bytes]) -> ProbeResult:
+    """The probes table's row of one probe's outcome, every trainer's alike.
 
+    Parameters
+    ----------
+    job
+        The probe's group.
+    task
+        The probe.
+    out
+        What it scored (and its fitted model, saved when ``job.save``).
+    seconds
+        Its share of the training time.
+    worker
+        Where it trained.
+    weights
+        Probe key -> safetensors bytes; the probe's weights are added here for the client to write.
 
-def _record(job: GroupJob, task: ProbeTask, out: Outcome, seconds: float, worker: str,
-            weights: dict[str, bytes]) -> ProbeResult:
+    Returns
+    -------
+    ProbeResult
+        The row, its per-sample predictions included.
+
+    Raises
+    ------
+    ProbeError
+        A NaN score, with what to select to get a number.
+    """
     fold = job.folds[task.fold_id]
     if _nan(out.score):
         if not out.n_test:
