@@ -210,3 +210,102 @@ def test_cycle_is_found_in_a_small_graph() -> None:
     graph = {s: set(t) for s, t in ALLOWED.items()}
     graph["store"].add("probes")  # probes -> store already: store -> probes would close a loop
     assert cycle(graph) is not None
+
+
+# --- modules: no circle, no private names across modules, few project bases -------------------
+
+def module_graph(edges: Iterable[Import]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (function-level imports included), each import
+    resolved to the deepest project module it names."""
+    known = {module_name(p) for package in PACKAGES for p in (ROOT / package).rglob("*.py")
+             if "checkpoints" not in p.parts}
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    for i in edges:
+        target = i.target
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != i.module and not (i.module + ".").startswith(target + "."):
+            graph[i.module].add(target)  # a package's own __init__ is not an edge back to it
+    return graph
+
+
+def test_no_module_circle_even_through_function_level_imports() -> None:
+    found = cycle(module_graph(all_imports()))
+    assert found is None, "import circle: " + " -> ".join(found or [])
+
+
+def private_imports(path: Path, module: str | None = None) -> list[str]:
+    """``from x import _name`` where ``_name`` belongs to another module: what the module exposes
+    as its own business. A package's private submodules (a C extension such as store._halfcast) are
+    its own modules' to import."""
+    module = module or module_name(path)
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        for alias, target in zip(node.names, _absolute(module, path.name == "__init__.py", node), strict=True):
+            name = alias.name
+            if not name.startswith("_") or name.startswith("__") or target.split(".")[0] not in PACKAGES:
+                continue
+            submodule = (ROOT / target.replace(".", "/")).glob(f"{name}.*")
+            if node.module is None or any(submodule):
+                if target.split(".")[0] == module.split(".")[0]:
+                    continue  # a private submodule of the same package
+            out.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{node.lineno}:"
+                       f" {module} imports {name} from {target}")
+    return out
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    bad = [line for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
+           if "checkpoints" not in p.parts for line in private_imports(p)]
+    assert not bad, "private names imported across modules (make them public or move them):\n" + "\n".join(bad)
+
+
+def project_bases() -> dict[str, list[str]]:
+    """Each project class -> its bases that are project classes (by name), read with ``ast``."""
+    classes: dict[str, list[str]] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    bases = [ast.unparse(b).split(".")[-1].split("[")[0] for b in node.bases]
+                    classes[f"{module_name(path)}.{node.name}"] = bases
+    names = {qual.rpartition(".")[2] for qual in classes}
+    return {qual: [b for b in bases if b in names] for qual, bases in classes.items()}
+
+
+def test_no_class_has_more_than_three_project_bases() -> None:
+    wide = {qual: bases for qual, bases in project_bases().items() if len(bases) > 3}
+    assert not wide, f"classes built of more than 3 project classes (compose them instead): {wide}"
+
+
+def test_no_class_is_over_400_lines() -> None:
+    long = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef) and (node.end_lineno or 0) - node.lineno + 1 > 400:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not long, f"classes over 400 lines: {long}"
+
+
+@pytest.mark.parametrize("source, module, bad", [
+    ("from store.db import _attach\n", "bench.x", True),
+    ("from .worker import _record\n", "probes.farm", True),
+    ("from probes import _halfpool\n", "probes.pooling", False),  # the package's own C extension
+    ("from store import _halfcast\n", "bench.x", True),  # another package's private module
+    ("from .worker import record\n", "probes.farm", False),
+    ("def f():\n    from extract.run import _progress\n", "extract.variants", True),
+])
+def test_private_import_check(tmp_path: Path, source: str, module: str, bad: bool) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    assert bool(private_imports(path, module)) is bad
+
+
+def test_circle_check_sees_function_level_imports() -> None:
+    edges = [Import("extract.run", "extract.variants", False, "a:1"),
+             Import("extract.variants", "extract.run", True, "b:1")]
+    graph = module_graph(edges)
+    assert cycle({m: graph[m] for m in ("extract.run", "extract.variants")}) is not None
