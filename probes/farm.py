@@ -235,12 +235,48 @@ def run_plan(
 ) -> FarmReport:
     """Train every probe of ``plan`` not yet in the workspace's ``probes`` table.
 
-    ``scheduler``: a Dask scheduler address (default: $DASK_SCHEDULER_ADDRESS, else a new
-    LocalCluster of ``workers`` processes with one thread each). ``in_process`` runs the groups
-    here, one after another, without Dask (tests, debugging). ``force`` retrains done probes.
-    ``memory_limit`` (bytes or "384MiB"; default: the plan's) caps each worker; every task's
-    planned peak is checked against it before any training. ``block_rows``: samples per read
-    block of streamed kinds (default: the plan's, else ~32 MiB of features).
+    Parameters
+    ----------
+    plan
+        A validated plan (:func:`load_plan`).
+    data
+        The workspace (``None``: ``$AGNOSIA_DATA``, else ``./data``).
+    scheduler
+        ``auto``, ``inline``, ``local`` or a Dask scheduler address (default:
+        ``$DASK_SCHEDULER_ADDRESS``, else a new LocalCluster of ``workers`` processes with one
+        thread each).
+    workers
+        Processes of a LocalCluster this call starts.
+    in_process
+        Run the groups here, one after another, without Dask (tests, debugging).
+    force
+        Retrain probes already done.
+    progress
+        Show a progress bar.
+    flush_every, flush_size
+        Write finished probes' rows to the manifest every so many seconds or rows.
+    window
+        How many tasks the client keeps submitted at a time (default: a few per worker).
+    log
+        Where progress lines go (default: stderr).
+    on_record
+        Called with each batch of results as it is written.
+    memory_limit
+        Bytes or "384MiB" per worker (default: the plan's); every task's planned peak is checked
+        against it before any training.
+    block_rows
+        Samples per read block of streamed kinds (default: the plan's, else ~32 MiB of features).
+
+    Returns
+    -------
+    FarmReport
+        Probes trained, skipped and failed, seconds, workers and peak memory.
+
+    Raises
+    ------
+    ProbeError
+        A plan that cannot fit its memory limit, a workspace without the plan's arrays, or a
+        cluster lost mid-run (what was trained is kept).
     """
     log = log or _log
     ws = open_workspace(data)
@@ -547,7 +583,20 @@ def _has_bokeh() -> bool:
 
 
 def load_probe(data: str | os.PathLike[str] | None, key: str) -> Any:
-    """The fitted probe saved for ``key`` (see the ``artifact`` column)."""
+    """The fitted probe saved for ``key`` (see the ``artifact`` column).
+
+    Parameters
+    ----------
+    data
+        The workspace (``None``: ``$AGNOSIA_DATA``, else ``./data``).
+    key
+        The probe's key in the ``probes`` table.
+
+    Returns
+    -------
+    Probe
+        The probe of its kind, weights loaded from safetensors; ``predict`` and ``score`` work on new rows.
+    """
     from probes.artifacts import artifact_path
     from probes.kinds.base import Probe
 

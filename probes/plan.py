@@ -233,6 +233,25 @@ class Group:
 
 
 def parse_plan(data: Any, source: str = "plan") -> Plan:
+    """A probe plan from its parsed YAML, checked: keys, kinds and their parameters, targets.
+
+    Parameters
+    ----------
+    data
+        The plan as a mapping (``name``, ``defaults``, ``probes``, ...).
+    source
+        What to call it in error messages (its file name).
+
+    Returns
+    -------
+    Plan
+        The validated plan; its ``plugins`` are imported, so the kinds and targets they register exist.
+
+    Raises
+    ------
+    PlanError
+        Every problem found, each with the key it is at.
+    """
     check_mapping(data, source, PlanError, "name, defaults, probes")
     plan = validate(Plan, data, f"{source} is not a valid probe plan", PlanError)
     import_plugins(plan.plugins)
@@ -241,6 +260,23 @@ def parse_plan(data: Any, source: str = "plan") -> Plan:
 
 
 def load_plan(path: str | Path) -> Plan:
+    """Read and check the probe plan at ``path`` (YAML), as :func:`parse_plan` does.
+
+    Parameters
+    ----------
+    path
+        The plan's file, e.g. ``manifests/probes-demo.yaml``.
+
+    Returns
+    -------
+    Plan
+        The validated plan.
+
+    Raises
+    ------
+    PlanError
+        A missing or unreadable file, bad YAML, or an invalid plan.
+    """
     data = read_yaml(path, PlanError, "probe plan", "manifests/probes-demo.yaml", "name, defaults, probes")
     return parse_plan(data, str(path))
 

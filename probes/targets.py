@@ -125,7 +125,27 @@ TARGETS: dict[str, TargetSpec] = {}
 
 
 def register_target(name: str, shape: Shape, doc: str = "") -> Callable[[TargetFn], TargetFn]:
-    """Decorator: ``fn(rows, n_tokens) -> TargetValues`` becomes target ``name``."""
+    """Decorator: ``fn(rows, n_tokens) -> TargetValues`` becomes target ``name``.
+
+    Parameters
+    ----------
+    name
+        The target's name in plans.
+    shape
+        What one value labels: ``sample``, ``token``, ``grid`` or ``boxes``.
+    doc
+        One line for listings; default: the first line of ``fn``'s docstring.
+
+    Returns
+    -------
+    Callable
+        The decorator; it returns ``fn`` unchanged.
+
+    Raises
+    ------
+    ProbeError
+        ``shape`` is not one of the shapes.
+    """
     if shape not in SHAPES:
         raise ProbeError(f"target shape must be one of {SHAPES}, got {shape!r}")
 
@@ -137,6 +157,24 @@ def register_target(name: str, shape: Shape, doc: str = "") -> Callable[[TargetF
 
 
 def get_target(name: str) -> TargetSpec:
+    """The target called ``name``: a registered one, or ``truth:<path>`` / ``params:<path>`` for
+    the scalar at that JSON path of each sample's truth or parameters.
+
+    Parameters
+    ----------
+    name
+        A registered target (``python -m probes --list-targets``) or a ``truth:`` / ``params:`` path.
+
+    Returns
+    -------
+    TargetSpec
+        Its name, shape (sample, token, grid, boxes) and the function that makes its values.
+
+    Raises
+    ------
+    ProbeError
+        An unknown name or an empty path, with the names that exist.
+    """
     if name in TARGETS:
         return TARGETS[name]
     for prefix in ("truth", "params"):

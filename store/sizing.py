@@ -61,6 +61,33 @@ def size_estimate(
     data: Path | None = None,
     batch_size: int = 1,
 ) -> SizeEstimate:
+    """What a planned extraction stores, before any model runs (``python -m store size``).
+
+    Parameters
+    ----------
+    samples, layers, tokens, dim
+        Stimuli per model; layers per tap; tokens kept per sample and layer; the hidden size.
+    dtype
+        The stored dtype (``float16``, ``bfloat16`` or ``float32``).
+    models, taps
+        How many models and taps multiply the arrays.
+    codec
+        The arrays' codec (``none``, ``zstd``, ``bitround8``, ...): its typical ratio on activations.
+    chunk_samples, batch_size
+        The manifest's chunk and batch sizes: chunks are evened out as the writer does it.
+    data
+        A workspace path whose file system's free space is checked against the estimate.
+
+    Returns
+    -------
+    SizeEstimate
+        Bytes on disk, values, arrays, chunk size and, with ``data``, the free space.
+
+    Raises
+    ------
+    StoreError
+        A count below 1, or an unknown dtype or codec; the message names the option.
+    """
     for name, value in (("samples", samples), ("layers", layers), ("tokens", tokens), ("dim", dim),
                         ("models", models), ("taps", taps), ("chunk_samples", chunk_samples),
                         ("batch_size", batch_size)):

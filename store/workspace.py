@@ -55,7 +55,18 @@ MANIFEST = "manifest.duckdb"
 
 
 def resolve_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """--data PATH wins, then $AGNOSIA_DATA, then ./data."""
+    """Where a command's workspace is: ``--data PATH`` wins, then ``$AGNOSIA_DATA``, then ``./data``.
+
+    Parameters
+    ----------
+    path
+        The ``--data`` argument; None or "" when not given.
+
+    Returns
+    -------
+    Path
+        The workspace folder (it need not exist yet).
+    """
     if path is not None and str(path) != "":
         return Path(path)
     return Path(os.environ.get(ENV_VAR) or DEFAULT_PATH)
