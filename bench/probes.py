@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import record
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -267,6 +268,15 @@ def logistic(quick: bool, with_ridge: bool) -> None:
         print(f"  farm solver throughput: {gf2:.1f} GFLOP/s with 2 workers = {gf2 / peak2:.0%} of the 2-thread peak;"
               f" {gf1:.1f} GFLOP/s with 1 = {gf1 / peak1:.0%} of the 1-thread peak"
               f" (matmul FLOPs of the solver over the whole timed phase, reading and recording included)")
+        setting = (f"{tasks} tasks ({layers} layers x {targets} binary targets, d={d}, n={n}), each with its control;"
+                   " LocalCluster, 1 thread a worker; scikit-learn LogisticRegression, BLAS 1 thread")
+        record.figure("logistic", "farm 2 workers / scikit-learn", rep2.probes_per_s / sk_rate, "x", aim=">= 5x",
+                      setting=setting)
+        record.figure("logistic", "farm 2 workers / 1 worker", rep2.probes_per_s / rep1.probes_per_s, "x", aim=">= 1.7x",
+                      setting=f"plain matmul processes scaled {scaling:.2f}x just before")
+        record.figure("logistic", "accuracy |farm - scikit-learn|, max over probes", float(np.abs(diffs).max()), "",
+                      aim="<= 0.01")
+        record.figure("logistic", "solver GFLOP/s, 2 workers / 2-thread matmul peak", gf2 / peak2, "", aim="")
         if with_ridge:
             ridge_thousand(tmp, ws, layers, targets, plan.defaults.test_fraction,
                            float(np.mean([v[0] for v in sk.values()])))
@@ -292,6 +302,10 @@ def ridge_thousand(tmp: Path, ws: Workspace, layers: int, targets: int, test_fra
           f" mean {np.mean([v[0] for v in farm.values()]):.4f}"
           + ("" if logistic_acc is None else f" (the logistic probes above: {logistic_acc:.4f})"))
     print(f"  (load average {os.getloadavg()[0]:.2f} after the farm run: the machine's other work shares its cores)")
+    setting = f"the same {tasks} tasks, each with its control; ridge alpha 1 on 2 workers; RidgeClassifier, BLAS 1 thread"
+    record.figure("b", "farm ridge / scikit-learn RidgeClassifier", rep.probes_per_s / (tasks / spent), "x",
+                  aim=">= 20x", setting=setting)
+    record.figure("b", "accuracy |farm - scikit-learn|, max over probes", float(np.abs(diffs).max()), "", aim="<= 0.01")
 
 
 def seed_sharing(quick: bool) -> None:
@@ -328,6 +342,9 @@ def seed_sharing(quick: bool) -> None:
         print(f"\n(d) {len(a[1].records)} ridge probes = {layers} layers x {targets} targets x {seeds} seeds (each with its"
               f" control), d={d}, n={n}, in-process, 1 thread: one XᵀX per seed {a[0]:.2f} s, shared {b[0]:.2f} s ="
               f" {a[0] / b[0]:.2f}x; scores |diff| max {same:.1e}")
+        record.figure("d", "one XᵀX per seed / one shared pass", a[0] / b[0], "x",
+                      setting=f"{len(a[1].records)} ridge probes, {seeds} seeds, d={d}, n={n}, in-process, 1 thread;"
+                      f" scores |diff| max {same:.1e}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -425,6 +442,8 @@ def print_read_rate(ws: Workspace, layer: int = 0) -> None:
           f" {r['block_rows']:.0f} samples): numpy.fromfile {r['fromfile']:.0f} MiB/s; read + mean-pool"
           f" {r['pool']:.0f} MiB/s = {r['pool'] / r['fromfile']:.2f}x; the map task (+ ridge statistics of the"
           f" training rows) {r['accumulate']:.0f} MiB/s = {r['accumulate'] / r['fromfile']:.2f}x (goal >= 0.5x)")
+    record.figure("a", "pooled read in-process / numpy.fromfile", r["pool"] / r["fromfile"], "x", aim=">= 0.5x",
+                  setting=f"layer {layer}, {r['stored_mib']:.0f} MiB float16, 1 thread")
 
 
 #: (model, LLM layers, d) of docs/scale.md's rows, all LLM layers x image tokens over the G2M sweep
@@ -499,6 +518,11 @@ def real_shape(quick: bool) -> None:
                   f" read {rep.read_bytes / 2**30:.2f} GiB at {rate / 2**20:.0f} MiB/s = {rate / seq:.2f}x sequential fromfile"
                   f" (goal >= 0.5x); {rep.gflops_per_s:.1f} GFLOP/s = {rep.gflops_per_s / peak2:.0%} of the 2-thread peak"
                   f" (goal >= 50%); peak RSS per worker {peaks} MiB vs limit {limit}; best score {best[0]}, control {best[1]}")
+            record.figure("a", f"{what}: farm read / sequential fromfile", rate / seq, "x", aim=">= 0.5x")
+            record.figure("a", f"{what}: GFLOP/s / 2-thread matmul peak", rep.gflops_per_s / peak2, "", aim=">= 0.5")
+            record.figure("a", f"{what}: largest worker peak RSS", max(rep.worker_peaks.values()) / 2**20, "MiB",
+                          aim=f"<= limit {limit}", setting=f"{layers} layers x [{n} samples, {T} tokens, d={d}] float16,"
+                          " 2 workers")
             constants["per token" if what.startswith("per token") else "pooled"] = rep
         g = constants["per token"].gflops_per_s / 2
         r = constants["pooled"].read_bytes / constants["pooled"].seconds / 2 / 2**20
@@ -586,6 +610,9 @@ def many_probes(quick: bool) -> None:
         print(f"  {rep.trained} trained on 2 workers in {wall:.1f} s wall ({rep.startup_seconds:.1f} s cluster start,"
               f" {rep.seconds:.1f} s training) = {rep.trained / wall:.1f} probes/s wall, {rep.probes_per_s:.1f} probes/s"
               f" training; {rep.read_bytes / 2**20:.0f} MiB of features read")
+        record.figure("c", f"{rep.trained} probes over a demo store, wall", wall, "s",
+                      setting=f"{len(seeds)} seeds, kinds ridge and hidden_number_ridge, 2 workers;"
+                      f" {rep.startup_seconds:.1f} s of it starting the cluster")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
