@@ -124,6 +124,23 @@ class Trainer(Protocol):
         ...
 
 
+class TrainerDefaults:
+    """What most trainers share: a kind is accepted when it lists the trainer's name in
+    ``Probe.trains``, and no job planned by another trainer is taken over."""
+
+    name = ""
+    needs_torch = True
+    merges_layers = False
+    suffix = ""
+    remedy: str | None = None
+
+    def accepts(self, kind: type[Probe]) -> bool:
+        return self.name in kind.trains
+
+    def takes_over(self, planned: Planned, settings: Settings) -> bool:
+        return False
+
+
 def check_fits(memory: MemoryPlan, limit: int | None, job: GroupJob, fix: str) -> None:
     """Refuse a job whose planned peak exceeds :data:`FIT_FRACTION` of the worker limit.
 

@@ -26,6 +26,7 @@ from probes.trainers.base import (
     MiB,
     Planned,
     Settings,
+    TrainerDefaults,
     check_fits,
     rows_bytes,
 )
@@ -33,7 +34,7 @@ from probes.trainers.group import GroupJob, GroupResult, probe_job, record, task
 from store.heap import tune_malloc
 
 if TYPE_CHECKING:
-    from probes.kinds.base import Probe
+    pass
 
 #: What fixes an in-memory group over the limit when neither its kinds nor another trainer say.
 DEFAULT_FIX = "use kind ridge (streams chunk by chunk), select fewer rows (where:) or layers_per_task: 1,"
@@ -123,20 +124,12 @@ def plan_in_memory(job: GroupJob) -> MemoryPlan:
                       f"in-memory features ({feats / MiB:.0f} MiB float32)", WORKER_BASE_TORCH)
 
 
-class InMemoryTrainer:
+class InMemoryTrainer(TrainerDefaults):
     """Kinds trained on the group's features read whole (every kind's default)."""
 
     name = "in_memory"
     needs_torch = True
     merges_layers = False
-    suffix = ""
-    remedy: str | None = None
-
-    def accepts(self, kind: type[Probe]) -> bool:
-        return self.name in kind.trains
-
-    def takes_over(self, planned: Planned, settings: Settings) -> bool:
-        return False
 
     def plan(self, job: GroupJob, settings: Settings) -> Planned:
         return Planned(job, self, None, plan_in_memory(job))

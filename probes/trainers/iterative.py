@@ -28,7 +28,16 @@ from probes import subsample
 from probes.errors import ProbeError
 from probes.kinds.base import Job, params_json
 from probes.splits import control_permutation
-from probes.trainers.base import FIT_FRACTION, DaskRun, MemoryPlan, MiB, Planned, Settings, default_block_rows
+from probes.trainers.base import (
+    FIT_FRACTION,
+    DaskRun,
+    MemoryPlan,
+    MiB,
+    Planned,
+    Settings,
+    TrainerDefaults,
+    default_block_rows,
+)
 from probes.trainers.group import GroupJob, GroupResult, probe_job, signature
 from probes.trainers.iterative_outcomes import finish
 
@@ -329,7 +338,7 @@ def run_dask(client: Any, job: GroupJob, spec: subsample.IterSpec) -> GroupResul
     return result
 
 
-class IterativeTrainer:
+class IterativeTrainer(TrainerDefaults):
     """Iterative kinds out of core: a capped, recorded subsample of the training units, one task
     per layer. It takes a job the in-memory trainer planned when the plan's ``out_of_core`` says
     always, or (auto) when the in-memory plan exceeds the worker limit."""

@@ -26,6 +26,7 @@ from probes.trainers.base import (
     MiB,
     Planned,
     Settings,
+    TrainerDefaults,
     check_fits,
     rows_bytes,
 )
@@ -34,7 +35,7 @@ from probes.trainers.stream_outcomes import finish, finish_layer
 from probes.trainers.stream_specs import SpecGroup, build_specs, dual_rows, plan_stream
 
 if TYPE_CHECKING:
-    from probes.kinds.base import Probe
+    pass
 
 #: What fixes a streamed group over the limit.
 FIX = "set --block-rows lower (plan key block_rows), kind ridge's precision: float32 (halves XᵀX),"
@@ -191,20 +192,13 @@ def _layer_job(layer: _Layer) -> GroupJob:
 
 
 
-class StreamedTrainer:
+class StreamedTrainer(TrainerDefaults):
     """Kinds whose statistics stream: no layer is ever held in memory."""
 
     name = "streamed"
     needs_torch = False
     merges_layers = True
     suffix = "s"
-    remedy: str | None = None
-
-    def accepts(self, kind: type[Probe]) -> bool:
-        return self.name in kind.trains
-
-    def takes_over(self, planned: Planned, settings: Settings) -> bool:
-        return False
 
     def plan(self, job: GroupJob, settings: Settings) -> Planned:
         specs = build_specs(job, settings.block_rows)
