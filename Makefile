@@ -140,7 +140,7 @@ demo: setup ## the whole pipeline on the committed toy model: stimuli, extractio
 	@echo "  $(PY) -m queries --data $(DATA) --sql \"SELECT run, family, avg(correct::INT) AS accuracy FROM v_samples GROUP BY ALL\""
 	@echo "  $(PY) -m queries probe_leaderboard --data $(DATA)"
 
-bench: setup ## measure the performance aims side by side (figures go to docs/benchmarks.md by hand)
+bench: setup ## measure the performance aims side by side; figures recorded in bench/results/ (`python -m bench table` puts them in docs/benchmarks.md)
 	$(PY) -m bench
 
 clean: ## remove generated stimuli and the default workspace (keeps .venv)
