@@ -106,6 +106,12 @@ def _agnosia(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(ws, ignore_errors=True)
 
 
+def _part(name: str, device: str) -> str:
+    """A part's name in the recorded figures: a device's figures are their own part, so a CPU run
+    does not replace a GPU run's in the table."""
+    return name if device == "cpu" else f"{name} on {device}"
+
+
 def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -138,7 +144,7 @@ def overhead(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds:
             bare, agn = median(seconds[(arch, label, "bare")]), median(seconds[(arch, label, "agnosia")])
             print(f"     {label:40s} {median(rs):5.2f}x  (aim <= {aim:.2f}x; rounds "
                   f"{', '.join(f'{x:.2f}' for x in rs)}; median {agn:.2f} s vs {bare:.2f} s)")
-            record.figure("overhead", f"tiny {arch} on {device}, {label}", median(rs), "x", aim=f"<= {aim:.2f}x",
+            record.figure(_part("overhead", device), f"tiny {arch}, {label}", median(rs), "x", aim=f"<= {aim:.2f}x",
                           setting=f"{n} G2M 224 px samples, {_dtype(device)} on {device}, torch {THREADS} threads;"
                           f" median of {rounds} interleaved rounds, fresh processes, weights load timed")
     print(f"   load average per round: {'; '.join(loads)}")
@@ -257,7 +263,7 @@ def capture_cost(models: dict[str, Path], stimuli: Path, quick: bool, device: st
             extra, forward = 1e3 * got["extra_s"], 1e3 * got["forward_s"]
             print(f"     tiny {arch:8s} batch {batch}: {extra:+.3f} ms over a {forward:.2f} ms forward"
                   f" ({extra / forward:+.1%}; {got['pairs']} pairs of {samples} samples)")
-            record.figure("capture", f"tiny {arch} batch {batch} on {device}, capture's cost per batch", extra, "ms",
+            record.figure(_part("capture", device), f"tiny {arch} batch {batch}, capture's cost per batch", extra, "ms",
                           setting=f"over a {forward:.2f} ms forward, {_dtype(device)} on {device}; median of"
                           f" {got['pairs']} pairs")
 
@@ -309,7 +315,7 @@ def warm(root: Path, models: dict[str, Path], stimuli: Path, n: int, rounds: int
                   f" median {agn:.2f} s vs {bare_s:.2f} s); each further batch {(agn - agn1) / (bare_s - bare1):.3f}x"
                   f" ({1e3 * ((agn - agn1) - (bare_s - bare1)) / batches:+.2f} ms), set-up with one batch"
                   f" {agn1 - bare1:+.3f} s")
-            record.figure("warm", f"tiny {arch} on {device}, {label}", median(rs), "x", aim=f"<= {aim:.2f}x",
+            record.figure(_part("warm", device), f"tiny {arch}, {label}", median(rs), "x", aim=f"<= {aim:.2f}x",
                           setting=f"{n} samples, weights loaded once, {_dtype(device)} on {device};"
                           f" median of {rounds} rounds; each further batch {(agn - agn1) / (bare_s - bare1):.3f}x")
             if out["forward"] is not None:

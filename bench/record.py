@@ -177,14 +177,18 @@ def table(runs: list[Run]) -> str:
         lines.append(f"| {topic}{f' · {part}' if part else ''} | {values} | {aims} | {settings} | {label[started]} |")
     by_start = {run.started: run for run in runs}
     lines.append("")
+    groups: dict[tuple[str, bool, str, str], list[str]] = {}  # runs of one commit and machine: one line
     for started in cited:
         run = by_start[started]
-        loads = "; ".join(f"{t} {'→'.join(f'{x:.1f}' for x in v)}" for t, v in run.loads.items())
         machine = f"{run.machine.get('cores')} cores, {run.machine.get('cpu') or '?'}" + (
             f", {run.machine['gpu']}" if run.machine.get("gpu") else "")
-        lines.append(f"- {label[started]}: {started[:16].replace('T', ' ')} UTC, commit {run.commit[:7] or '?'}"
-                     f"{' with uncommitted changes' if run.dirty else ''}; {machine}; load average at start→end:"
-                     f" {loads}" + (f"; {run.note}" if run.note else "") + f"; `{' '.join(run.command)}`")
+        loads = ", ".join(f"{t} {'→'.join(f'{x:.1f}' for x in v)}" for t, v in run.loads.items())
+        groups.setdefault((run.commit[:7] or "?", run.dirty, machine, run.note), []).append(
+            f"{label[started]} {started[:16].replace('T', ' ')} UTC `{' '.join(run.command[3:]) or 'all'}`"
+            f" (load {loads})")
+    for (commit, dirty, machine, note), entries in groups.items():
+        lines.append(f"- commit {commit}{' with uncommitted changes' if dirty else ''}, {machine}"
+                     + (f" ({note})" if note else "") + ": " + "; ".join(entries))
     return "\n".join(lines)
 
 

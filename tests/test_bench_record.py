@@ -44,7 +44,7 @@ def test_the_table_takes_each_part_from_its_newest_run(tmp_path, monkeypatch):
     assert "| store · write | ratio **0.75 x** | >= 0.8x | 805 MB; median of 7 | R2 |" in table
     assert "| store · read | ratio **0.9 x** |" in table and "R1 |" in table
     assert "dropped since" not in table  # the newer run of that part no longer records it
-    assert "- R2: 2026-12-02 10:00 UTC, commit abc1234" in table
+    assert "- commit abc1234, " in table and "R2 2026-12-02 10:00 UTC `store`" in table
 
 
 def test_write_table_replaces_only_between_the_markers(tmp_path, monkeypatch):
