@@ -3,8 +3,9 @@
 Hooks are registered only on the modules behind the requested taps and removed afterwards; each
 hook copies only what is kept (e.g. the image and last-prompt positions of one LLM layer), so two
 requested layers never cost the hidden states of every layer. Attention maps come from the
-``"capture"`` attention implementation (:mod:`extract.models.compat`), eager only for requested
-layers, and only the requested query rows are kept.
+``"capture"`` attention implementation (:mod:`extract.models.compat`): every layer's output comes
+from the model's own kernel, and requested layers compute weights beside it for the requested query
+rows only (rows x keys memory, not keys x keys).
 
 Everything is validated before the forward: unknown taps, layers, sites or token kinds raise
 :class:`~extract.models.errors.TapError` listing what exists.
@@ -250,6 +251,16 @@ def _take(x: torch.Tensor, g: Gather, dim: int, shift: int = 0) -> Captured:
     return packed.movedim(1, dim) if dim != 1 else packed
 
 
+def _onto(g: Gather, union: np.ndarray) -> Gather:
+    """``g`` re-indexed onto the rows of ``union`` (sorted positions that include all of ``g``'s): a span
+    stays a span (its positions are consecutive in the union too), index columns become union indices."""
+    if g.span is not None:
+        return Gather(g.offsets, g.uniform, (int(np.searchsorted(union, g.span[0])), g.span[1]), None, None)
+    assert g.cols is not None
+    cols = torch.as_tensor(np.searchsorted(union, g.cols.cpu().numpy()), dtype=torch.long, device=g.cols.device)
+    return Gather(g.offsets, g.uniform, None, g.rows, cols)
+
+
 def _reaches_before(g: Gather, position: int) -> bool:
     """Whether ``g`` takes any position before ``position``."""
     if g.span is not None:
@@ -320,16 +331,43 @@ class Recorder:
         self.prefill: dict[CaptureKey, Captured] = {}
         self.steps: dict[CaptureKey, list[torch.Tensor]] = defaultdict(list)
         self.attn_modules: dict[int, Point] = {}
+        self._unions: dict[tuple[str, ...], tuple[torch.Tensor, dict[str, Gather]]] = {}
         self.handles: list[Any] = []
 
     # -- attention sink protocol (compat._capture_attention) --
     def wants(self, module: nn.Module) -> bool:
         return id(module) in self.attn_modules
 
-    def record(self, module: nn.Module, weights: torch.Tensor) -> None:
+    def _prompt_kinds(self, point: Point) -> tuple[str, ...]:
+        # generation: answer rows come from the decode steps, not the prompt pass
+        return tuple(k for k in point.kinds if not (k == "answer" and self.batch.answers is None))
+
+    def query_rows(self, module: nn.Module, q_len: int) -> torch.Tensor | None:
+        """The query indices whose weights this step keeps: at the prompt pass the union of the point's
+        token kinds' positions over the batch, at a decode step its one query when answers are kept."""
+        point = self.attn_modules[id(module)]
+        if self.step == 0:
+            if q_len != self.seq_len:
+                return None  # not the whole prompt in one pass: record() says why it refuses
+            return self._rows(self._prompt_kinds(point))[0]
+        if "answer" in point.kinds:
+            return torch.full((1,), q_len - 1, dtype=torch.long, device=self.lm.device)
+        return torch.zeros(0, dtype=torch.long, device=self.lm.device)
+
+    def _rows(self, kinds: tuple[str, ...]) -> tuple[torch.Tensor, dict[str, Gather]]:
+        """The sorted union of ``kinds``' prompt positions, and each kind's gather over that union's rows."""
+        if kinds not in self._unions:
+            pos = [lay.positions(k) for lay in self.batch.layouts for k in kinds]
+            union = np.unique(np.concatenate(pos)) if pos else np.zeros(0, np.int64)
+            self._unions[kinds] = (torch.as_tensor(union, dtype=torch.long, device=self.lm.device),
+                                   {k: _onto(self.gathers[k], union) for k in kinds})
+        return self._unions[kinds]
+
+    def record(self, module: nn.Module, weights: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         point = self.attn_modules[id(module)]
         spec = point.spec
         w = weights.detach()
+        gathers = self.gathers if rows is None or self.step != 0 else self._rows(self._prompt_kinds(point))[1]
         if self.step == 0:
             if w.shape[-1] < self.seq_len:
                 raise TapError(
@@ -337,11 +375,9 @@ class Recorder:
                     " prefill?): attention rows need the whole prompt in one pass; drop prefill_chunk_size"
                 )
             w = w[..., : self.seq_len]  # a static cache's buffer runs past the prompt (weights there are 0)
-            for kind in point.kinds:
-                if kind == "answer" and self.batch.answers is None:
-                    continue  # generation: answer rows come from the decode steps
-                # [B, H, Tq, K] -> [B, H, n, K] (ragged: [N, H, K])
-                self.prefill[spec.key(kind)] = _take(w, self.gathers[kind], dim=2)
+            for kind in self._prompt_kinds(point):
+                # [B, H, Tq, K] (or the R selected rows) -> [B, H, n, K] (ragged: [N, H, K])
+                self.prefill[spec.key(kind)] = _take(w, gathers[kind], dim=2)
         elif "answer" in point.kinds:
             # step k's query sits at position seq_len + k - 1 and sees keys 0..seq_len + k - 1
             row = key_aligned(w[:, :, -1, :], self.seq_len + self.step)
