@@ -1,0 +1,154 @@
+"""Row-selective attention capture (issue 42): the weights of the requested query rows only, computed
+beside the model's own kernel, equal transformers' ``output_attentions`` of a plain eager forward, at
+the prompt pass and at every decode step, for every family; and no requested layer builds the full
+query x key map.
+
+Grouped-query attention is in every family's tiny recipe (one key/value head for four query heads),
+soft-capping in PaliGemma 2 (Gemma2's ``attn_logit_softcapping``) and in Gemma3 with the option set
+below, sliding windows in test_attention_windows.py (which runs the same path).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from devices import close, load
+from test_attention_windows import reference_attentions
+from tiny_cases import IMAGE_ALL, noise_image, quick
+
+from extract.models import RaggedTokens, capture, capture_generate, compat, prepare_batch
+
+pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # PaliGemma's processor
+STEPS = 3
+TOL = dict(rtol=1e-4, atol=1e-5)  # KV-cache decoding vs one full forward: float rounding only
+PROMPTS = ["Count.", "How many stones are on the board? Answer with one number."]  # left padding matters
+
+
+def _generate(lm, arch: str, **extra):
+    width, height, _ = IMAGE_ALL[arch]
+    batch = prepare_batch(lm, [noise_image(width, height, 3), noise_image(width, height, 4)], PROMPTS,
+                          padding_side="left")
+    taps = [f"attn.{i}" for i in range(lm.adapter.n_layers("attn"))]
+    # min_new_tokens keeps EOS away so that every row feeds back STEPS - 1 tokens; suppressing the added
+    # tokens keeps image tokens out of the answer (a plain forward over the sequence refuses them)
+    gen = capture_generate(lm, batch, taps, tokens=("image", "last", "answer"), max_new_tokens=STEPS,
+                           min_new_tokens=STEPS, suppress_tokens=sorted(lm.tokenizer.added_tokens_decoder), **extra)
+    return batch, gen
+
+
+def _check_rows(lm, batch, gen, label: str) -> None:
+    ref = reference_attentions(lm, batch, gen.sequences)
+    T, n = batch.seq_len, STEPS - 1
+    for layer in range(lm.adapter.n_layers("attn")):
+        want = ref[layer]
+        answer = gen[("attn", layer, "probs", "answer")]
+        assert answer.shape == (batch.size, want.shape[1], n, T + n)
+        for k in range(n):  # decode step k + 1: the query at T + k sees keys 0 .. T + k
+            close(answer[:, :, k], want[:, :, T + k, : T + n], **TOL, msg=f"{label} layer {layer} step {k + 1}")
+        close(gen[("attn", layer, "probs", "last")], want[:, :, T - 1 : T, :T], **TOL, msg=f"{label} layer {layer} last")
+        image = gen[("attn", layer, "probs", "image")]
+        for b, lay in enumerate(batch.layouts):
+            mine = image.row(b).permute(1, 0, 2) if isinstance(image, RaggedTokens) else image[b]
+            close(mine, want[b][:, torch.as_tensor(lay.image_positions), :T], **TOL, msg=f"{label} layer {layer} image")
+
+
+@pytest.mark.parametrize("arch", quick(sorted(IMAGE_ALL), "qwen2_vl", "gemma3"))
+def test_selected_rows_equal_output_attentions(arch, tiny_lm):
+    """Every family: prompt rows (image, last) and every decode step's row equal eager output_attentions."""
+    lm = tiny_lm(arch)
+    tc = lm.model.config.get_text_config()
+    if arch != "toy_counter":  # the tiny recipes map several query heads onto one key/value head
+        assert tc.num_key_value_heads < tc.num_attention_heads
+    batch, gen = _generate(lm, arch)
+    _check_rows(lm, batch, gen, arch)
+
+
+def test_selected_rows_equal_full_rows(tiny_lm):
+    """The selected path and the former full-eager path keep the same values, teacher-forced answers too."""
+    lm = tiny_lm("llava")
+    width, height, _ = IMAGE_ALL["llava"]
+    batch = prepare_batch(lm, [noise_image(width, height, 5), noise_image(width, height, 6)], PROMPTS,
+                          answers=["A grid.", "7"])
+    taps = {"attn.0": ["image", "last", "answer"], "attn.1": ["last"]}
+    selected = capture(lm, batch, taps)
+    with compat.attention_rows("full"):
+        full = capture(lm, batch, taps)
+    assert selected.keys() == full.keys()
+    for key in selected.keys():
+        a, b = selected[key], full[key]
+        if isinstance(a, RaggedTokens):
+            assert isinstance(b, RaggedTokens) and (a.offsets == b.offsets).all()
+            a, b = a.values, b.values
+        close(a, b, **TOL, msg=key.name)
+
+
+def test_requested_layers_never_build_the_full_map(tiny_lm, monkeypatch):
+    """The eager function of a requested layer sees only the kept query rows: at the prompt the union of
+    the requested kinds' positions over the batch, at a decode step its one query; never all T."""
+    lm = tiny_lm("qwen2_vl")
+    seen: list[tuple[int, int]] = []  # (query rows given to eager, query rows of the call)
+    original = compat._eager_for
+
+    def spying(module):
+        eager = original(module)
+
+        def wrapped(module, query, key, value, attention_mask, **kwargs):
+            seen.append((query.shape[-2], attention_mask.shape[-2] if attention_mask is not None else -1))
+            return eager(module, query, key, value, attention_mask, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(compat, "_eager_for", spying)
+    batch, gen = _generate(lm, "qwen2_vl")
+    T = batch.seq_len
+    n_layers = lm.adapter.n_layers("attn")
+    image = {int(p) for lay in batch.layouts for p in lay.image_positions}
+    last = {int(lay.last_position) for lay in batch.layouts}
+    prompt_rows = len(image | last)
+    assert prompt_rows < T
+    # per layer: one prompt call with the union of rows, then one call per fed-back decode step with one row
+    assert seen[:n_layers] == [(prompt_rows, prompt_rows)] * n_layers
+    assert seen[n_layers:] == [(1, 1)] * (n_layers * (STEPS - 1))
+    assert gen[("attn", 0, "probs", "last")].shape[2] == 1
+
+
+def test_prompt_only_taps_compute_nothing_at_decode_steps(tiny_lm, monkeypatch):
+    lm = tiny_lm("llava")
+    calls: list[int] = []
+    original = compat._eager_for
+
+    def spying(module):
+        eager = original(module)
+
+        def wrapped(module, query, *args, **kwargs):
+            calls.append(query.shape[-2])
+            return eager(module, query, *args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(compat, "_eager_for", spying)
+    width, height, _ = IMAGE_ALL["llava"]
+    batch = prepare_batch(lm, [noise_image(width, height, 1)], ["Count."])
+    capture_generate(lm, batch, {"attn.0": ["last"]}, max_new_tokens=3, min_new_tokens=3)
+    assert calls == [1]  # the prompt's last row, once; decode steps keep nothing of this tap
+
+
+@pytest.mark.slow
+def test_softcapped_rows_equal_output_attentions(tiny_dir, tmp_path):
+    """Gemma3 with attention logit soft-capping (Gemma2's option, off in Gemma3 checkpoints): the module's
+    own eager function applies the cap to the selected rows as to the full map."""
+    from transformers import AutoConfig
+
+    from extract.models.tiny import init_model
+
+    base = load(tiny_dir("gemma3"))
+    config = base.model.config
+    text = {**config.text_config.to_dict(), "attn_logit_softcapping": 0.5}  # small: the cap changes the weights
+    config.text_config = AutoConfig.for_model(text.pop("model_type"), **text)
+    model = init_model(type(base.model), config, 0)
+    model.save_pretrained(tmp_path)
+    base.processor.save_pretrained(tmp_path)
+    lm = load(tmp_path)
+    assert lm.model.config.get_text_config().attn_logit_softcapping == 0.5
+    batch, gen = _generate(lm, "gemma3")
+    _check_rows(lm, batch, gen, "gemma3 softcapped")
