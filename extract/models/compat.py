@@ -140,6 +140,14 @@ def _mask_rows(attention_mask: torch.Tensor | None, rows: torch.Tensor, q_len: i
     return attention_mask.index_select(-2, rows)
 
 
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask (True: attend) as the additive float mask eager functions add to their scores, with
+    the values transformers' ``eager_mask`` gives it (0 and the dtype's minimum)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, torch.zeros((), device=mask.device, dtype=dtype), torch.finfo(dtype).min)
+
+
 def _selected_weights(module: nn.Module, rows: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
     """The module's own eager weights ``[B, H, R, K]`` of the query rows ``rows`` only (None: every row).
@@ -152,6 +160,7 @@ def _selected_weights(module: nn.Module, rows: torch.Tensor | None, query: torch
     q, mask = query, attention_mask
     if rows is not None:
         q, mask = query.index_select(-2, rows), _mask_rows(attention_mask, rows, query.shape[-2])
+    mask = _additive(mask, query.dtype)
     kwargs = {**kwargs, "dropout": 0.0}
     _, weights = _eager_for(module)(module, q, key, value, mask, **kwargs)
     return weights
@@ -161,8 +170,8 @@ def _base_attention(base: str, module: nn.Module, query: torch.Tensor, key: torc
                     attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if base == "eager":
-        return _eager_for(module)(module, query, key, value, attention_mask, **kwargs)
+    if base == "eager":  # a model loaded eager: its modules add the mask to the scores
+        return _eager_for(module)(module, query, key, value, _additive(attention_mask, query.dtype), **kwargs)
     return ALL_ATTENTION_FUNCTIONS[base](module, query, key, value, attention_mask, **kwargs)
 
 
@@ -172,7 +181,7 @@ def _capture_attention(module: nn.Module, query, key, value, attention_mask, **k
     if sink is None or not sink.wants(module):
         return _base_attention(base, module, query, key, value, attention_mask, **kwargs)
     if rows_path(module) == "full":
-        out, weights = _eager_for(module)(module, query, key, value, attention_mask, **kwargs)
+        out, weights = _eager_for(module)(module, query, key, value, _additive(attention_mask, query.dtype), **kwargs)
         sink.record(module, weights)
         return out, None
     rows = sink.query_rows(module, query.shape[-2])
@@ -186,12 +195,23 @@ def register_capture_attention() -> None:
     if _patched.get("attention"):
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(CAPTURE_ATTN, _capture_attention)
-    # Additive float masks work for both the eager modules and the sdpa ones.
-    AttentionMaskInterface.register(CAPTURE_ATTN, eager_mask)
+    AttentionMaskInterface.register(CAPTURE_ATTN, _capture_mask)
     _patched["attention"] = True
+
+
+def _capture_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """The boolean mask sdpa gets (``sdpa_mask``), always built: requested modules take their query rows of
+    it (sliding windows, padding and Gemma3/PaliGemma's bidirectional image blocks included), so it cannot
+    be skipped for ``is_causal`` as a plain sdpa forward does. Once per forward and mask type, one byte per
+    query x key (``[B, 1, T, K]``); eager modules turn the rows they use into an additive float mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs.pop("dtype", None)
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
 
 
 def set_attention(model: Any, implementation: str) -> None:
