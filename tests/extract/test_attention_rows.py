@@ -152,3 +152,22 @@ def test_softcapped_rows_equal_output_attentions(tiny_dir, tmp_path):
     assert lm.model.config.get_text_config().attn_logit_softcapping == 0.5
     batch, gen = _generate(lm, "gemma3")
     _check_rows(lm, batch, gen, "gemma3 softcapped")
+
+
+def test_full_path_is_noted_in_the_runs_provenance(tiny_lm, monkeypatch):
+    """The selected path (every supported family) leaves the run's config as before; the full path, chosen
+    or forced by a family listed in FULL_QUERY_EAGER, is recorded with why."""
+    from types import SimpleNamespace
+
+    from extract.run import attention_rows_note
+
+    lm = tiny_lm("llava")
+    with_attention = SimpleNamespace(attention=SimpleNamespace(layers="all", queries=["last"]), taps=[])
+    assert attention_rows_note(lm, with_attention) is None
+    assert attention_rows_note(lm, SimpleNamespace(attention=None, taps=[])) is None
+    with compat.attention_rows("full"):
+        assert attention_rows_note(lm, with_attention)["path"] == "full"
+    module = type(lm.model.get_submodule(f"{lm.adapter.llm_layers}.0.{lm.adapter.llm_attention}")).__module__
+    monkeypatch.setattr(compat, "FULL_QUERY_EAGER", frozenset({module}))
+    note = attention_rows_note(lm, with_attention)
+    assert note is not None and module in note["why"]
