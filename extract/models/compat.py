@@ -140,6 +140,19 @@ def _mask_rows(attention_mask: torch.Tensor | None, rows: torch.Tensor, q_len: i
     return attention_mask.index_select(-2, rows)
 
 
+def _skipped_mask_rows(module: nn.Module, rows: torch.Tensor, q_len: int, n_keys: int,
+                       is_causal: bool | None) -> torch.Tensor | None:
+    """The mask rows of a forward whose mask transformers skipped (no padding, no window in reach, no
+    bidirectional blocks: :func:`_capture_mask`), as sdpa then applies it: ``is_causal`` over several
+    queries (upper-left: query ``i`` sees keys ``0..i``), nothing over one query (a decode step sees every
+    key). Eager code would have built this mask; building its rows only keeps the kernel's causal path."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if q_len == 1 or not causal:
+        return None
+    keys = torch.arange(n_keys, device=rows.device)
+    return (keys[None, :] <= rows[:, None])[None, None]  # [1, 1, R, K]
+
+
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A boolean mask (True: attend) as the additive float mask eager functions add to their scores, with
     the values transformers' ``eager_mask`` gives it (0 and the dtype's minimum)."""
@@ -157,9 +170,14 @@ def _selected_weights(module: nn.Module, rows: torch.Tensor | None, query: torch
     the full ``[B, H, T, K]`` map, at ``R x K`` memory. Its output over the rows is discarded: the layer's
     output comes from the base kernel.
     """
-    q, mask = query, attention_mask
-    if rows is not None:
-        q, mask = query.index_select(-2, rows), _mask_rows(attention_mask, rows, query.shape[-2])
+    q_len, n_keys = query.shape[-2], key.shape[-2]
+    if rows is None:
+        rows = torch.arange(q_len, device=query.device)
+    q = query.index_select(-2, rows)
+    if attention_mask is None:
+        mask = _skipped_mask_rows(module, rows, q_len, n_keys, kwargs.get("is_causal"))
+    else:
+        mask = _mask_rows(attention_mask, rows, q_len)
     mask = _additive(mask, query.dtype)
     kwargs = {**kwargs, "dropout": 0.0}
     _, weights = _eager_for(module)(module, q, key, value, mask, **kwargs)
@@ -181,7 +199,11 @@ def _capture_attention(module: nn.Module, query, key, value, attention_mask, **k
     if sink is None or not sink.wants(module):
         return _base_attention(base, module, query, key, value, attention_mask, **kwargs)
     if rows_path(module) == "full":
-        out, weights = _eager_for(module)(module, query, key, value, _additive(attention_mask, query.dtype), **kwargs)
+        mask = attention_mask
+        if mask is None:  # skipped for sdpa's causal kernel: eager code needs it
+            every = torch.arange(query.shape[-2], device=query.device)
+            mask = _skipped_mask_rows(module, every, query.shape[-2], key.shape[-2], kwargs.get("is_causal"))
+        out, weights = _eager_for(module)(module, query, key, value, _additive(mask, query.dtype), **kwargs)
         sink.record(module, weights)
         return out, None
     rows = sink.query_rows(module, query.shape[-2])
@@ -203,14 +225,18 @@ def register_capture_attention() -> None:
 
 
 def _capture_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """The boolean mask sdpa gets (``sdpa_mask``), always built: requested modules take their query rows of
-    it (sliding windows, padding and Gemma3/PaliGemma's bidirectional image blocks included), so it cannot
-    be skipped for ``is_causal`` as a plain sdpa forward does. Once per forward and mask type, one byte per
-    query x key (``[B, 1, T, K]``); eager modules turn the rows they use into an additive float mask."""
+    """The mask a plain sdpa forward gets (``sdpa_mask``): boolean, one byte per query x key
+    (``[B, 1, T, K]``, once per forward and mask type), and skipped where sdpa skips it (``is_causal``: no
+    padding, no sliding window in reach, no bidirectional image blocks), so that the layers keep sdpa's
+    causal kernel; requested modules then build the causal rows they need (:func:`_skipped_mask_rows`).
+    Where the modules run eager code (a model loaded eager, or no capture in progress) it is always built,
+    as eager attention needs it; eager code gets its rows as an additive float mask (:func:`_additive`)."""
     from transformers.masking_utils import sdpa_mask
 
     kwargs.pop("dtype", None)
-    kwargs["allow_is_causal_skip"] = False
+    sink = ACTIVE_SINK.get()
+    if sink is None or sink.base_implementation == "eager":
+        kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 

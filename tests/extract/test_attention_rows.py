@@ -24,10 +24,10 @@ TOL = dict(rtol=1e-4, atol=1e-5)  # KV-cache decoding vs one full forward: float
 PROMPTS = ["Count.", "How many stones are on the board? Answer with one number."]  # left padding matters
 
 
-def _generate(lm, arch: str, **extra):
+def _generate(lm, arch: str, prompts: list[str] = PROMPTS, **extra):
     width, height, _ = IMAGE_ALL[arch]
-    batch = prepare_batch(lm, [noise_image(width, height, 3), noise_image(width, height, 4)], PROMPTS,
-                          padding_side="left")
+    images = [noise_image(width, height, 3 + i) for i in range(len(prompts))]
+    batch = prepare_batch(lm, images, prompts, padding_side="left")
     taps = [f"attn.{i}" for i in range(lm.adapter.n_layers("attn"))]
     # min_new_tokens keeps EOS away so that every row feeds back STEPS - 1 tokens; suppressing the added
     # tokens keeps image tokens out of the answer (a plain forward over the sequence refuses them)
@@ -61,6 +61,19 @@ def test_selected_rows_equal_output_attentions(arch, tiny_lm):
         assert tc.num_key_value_heads < tc.num_attention_heads
     batch, gen = _generate(lm, arch)
     _check_rows(lm, batch, gen, arch)
+
+
+@pytest.mark.parametrize("arch", quick(sorted(IMAGE_ALL), "llava", "qwen3_vl"))
+def test_rows_without_a_mask_equal_output_attentions(arch, tiny_lm):
+    """One unpadded prompt: transformers skips the mask for sdpa's causal kernel (Gemma3 and PaliGemma keep
+    theirs for the image blocks), and the selected rows get the causal rows built beside it."""
+    lm = tiny_lm(arch)
+    batch, gen = _generate(lm, arch, PROMPTS[1:])
+    _check_rows(lm, batch, gen, f"{arch} unpadded")
+    with compat.attention_rows("full"):
+        _, full = _generate(lm, arch, PROMPTS[1:])
+    for key in gen.keys():
+        close(gen[key], full[key], **TOL, msg=f"{key.name} selected vs full")
 
 
 def test_selected_rows_equal_full_rows(tiny_lm):

@@ -1,0 +1,101 @@
+"""One configuration of ``python -m bench attention``, alone in a fresh process: peak memory and time.
+
+    python -m bench._attention_worker '{"model": "/tmp/m", "tokens": 4096, "mode": "selected", "steps": 4, "rounds": 3}'
+
+``mode``: ``none`` (a plain greedy ``generate``, sdpa, no capture), ``full`` (``capture_generate`` of
+attention rows ``last`` + ``answer`` on every layer by the former path: eager over every query row of
+each layer) or ``selected`` (the same capture by the row-selective path). The text-only prompt is
+``tokens`` tokens long. Memory: the peak resident set (VmHWM, reset through /proc/self/clear_refs
+after the model is loaded and the batch prepared) less the resident set at that moment, so it is what
+the generate itself adds; ru_maxrss where the reset is refused. Time: the median of ``rounds`` calls
+after a first (warm-up) one.
+
+Prints one JSON line: peak_mb, time_s, seq_len.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS: Linux's clear_refs value 5."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def prompt_of(lm: Any, tokens: int) -> tuple[Any, str]:
+    """A text-only batch whose prompt is exactly ``tokens`` tokens (the tiny tokenizer is byte-level)."""
+    from extract.models import prepare_batch
+
+    filler = "the stones on the board "
+    text = (filler * (tokens // len(filler) + 1))[: tokens]
+    for _ in range(3):  # the chat template adds a few tokens: trim by the difference
+        batch = prepare_batch(lm, [None], [text])
+        extra = batch.seq_len - tokens
+        if extra == 0:
+            return batch, text
+        text = text[: len(text) - extra]
+    raise RuntimeError(f"could not make a prompt of {tokens} tokens (got {batch.seq_len})")
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    mode = spec["mode"]
+    if mode == "full":
+        os.environ["AGNOSIA_ATTENTION_ROWS"] = "full"  # read when extract.models.compat is imported
+    torch.set_num_threads(int(spec.get("threads", 2)))
+    from extract.models import capture_generate, load_model
+
+    lm = load_model(spec["model"], device="cpu")
+    batch, _ = prompt_of(lm, int(spec["tokens"]))
+    steps = int(spec["steps"])
+    gen: dict[str, Any] = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+               suppress_tokens=sorted(lm.tokenizer.added_tokens_decoder))
+    taps = {f"attn.{i}": ["last", "answer"] for i in range(lm.adapter.n_layers("attn"))}
+
+    def once() -> None:
+        if mode == "none":
+            with torch.inference_mode():
+                lm.model.generate(**batch.inputs, **gen)
+        else:
+            out = capture_generate(lm, batch, taps, tokens=("last", "answer"), **gen)
+            last = out[("attn", 0, "probs", "last")]
+            assert isinstance(last, torch.Tensor) and last.shape[-1] == batch.seq_len
+
+    reset = _reset_peak()
+    before_kb = _status_kb("VmRSS") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    for _ in range(int(spec["rounds"]) + 1):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    peak_kb = _status_kb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mb": ((peak_kb or 0) - (before_kb or 0)) / 1024, "time_s": median(times[1:]),
+                      "seq_len": batch.seq_len, "peak_reset": reset}))
+
+
+if __name__ == "__main__":
+    main()
