@@ -251,14 +251,23 @@ def _take(x: torch.Tensor, g: Gather, dim: int, shift: int = 0) -> Captured:
     return packed.movedim(1, dim) if dim != 1 else packed
 
 
-def _onto(g: Gather, union: np.ndarray) -> Gather:
-    """``g`` re-indexed onto the rows of ``union`` (sorted positions that include all of ``g``'s): a span
-    stays a span (its positions are consecutive in the union too), index columns become union indices."""
+def _onto(g: Gather, per: list[np.ndarray], device: torch.device) -> Gather:
+    """``g`` re-indexed onto each sample's query rows ``per[b]`` (sorted positions that include all of ``g``'s
+    positions of sample ``b``): a span of consecutive positions is consecutive among the rows too, so it stays
+    a span where it starts at the same row in every sample; anything else becomes (batch row, row) pairs."""
     if g.span is not None:
-        return Gather(g.offsets, g.uniform, (int(np.searchsorted(union, g.span[0])), g.span[1]), None, None)
-    assert g.cols is not None
-    cols = torch.as_tensor(np.searchsorted(union, g.cols.cpu().numpy()), dtype=torch.long, device=g.cols.device)
-    return Gather(g.offsets, g.uniform, None, g.rows, cols)
+        start, n = g.span
+        firsts = [int(np.searchsorted(p, start)) for p in per]
+        if len(set(firsts)) == 1:
+            return Gather(g.offsets, g.uniform, (firsts[0], n), None, None)
+        batch = np.repeat(np.arange(len(per)), n)
+        cols = np.concatenate([np.arange(f, f + n) for f in firsts])
+    else:
+        assert g.rows is not None and g.cols is not None
+        batch, positions = g.rows.cpu().numpy(), g.cols.cpu().numpy()
+        cols = np.array([np.searchsorted(per[b], c) for b, c in zip(batch, positions, strict=True)], dtype=np.int64)
+    return Gather(g.offsets, g.uniform, None, torch.as_tensor(batch, dtype=torch.long, device=device),
+                  torch.as_tensor(cols, dtype=torch.long, device=device))
 
 
 def _reaches_before(g: Gather, position: int) -> bool:
@@ -343,24 +352,35 @@ class Recorder:
         return tuple(k for k in point.kinds if not (k == "answer" and self.batch.answers is None))
 
     def query_rows(self, module: nn.Module, q_len: int) -> torch.Tensor | None:
-        """The query indices whose weights this step keeps: at the prompt pass the union of the point's
-        token kinds' positions over the batch, at a decode step its one query when answers are kept."""
+        """The query indices whose weights this step keeps: at the prompt pass the positions of the point's
+        token kinds (:meth:`_rows`), at a decode step its one query when answers are kept; empty: none."""
         point = self.attn_modules[id(module)]
         if self.step == 0:
             if q_len != self.seq_len:
                 return None  # not the whole prompt in one pass: record() says why it refuses
-            return self._rows(self._prompt_kinds(point))[0]
+            kinds = self._prompt_kinds(point)
+            return self._rows(kinds)[0] if kinds else torch.zeros(0, dtype=torch.long, device=self.lm.device)
         if "answer" in point.kinds:
             return torch.full((1,), q_len - 1, dtype=torch.long, device=self.lm.device)
         return torch.zeros(0, dtype=torch.long, device=self.lm.device)
 
     def _rows(self, kinds: tuple[str, ...]) -> tuple[torch.Tensor, dict[str, Gather]]:
-        """The sorted union of ``kinds``' prompt positions, and each kind's gather over that union's rows."""
+        """The query rows of ``kinds`` at the prompt pass, and each kind's gather over those rows.
+
+        Rows are ``[R]`` when every sample keeps the same positions (one prompt layout), else ``[B, R]``
+        per sample (left padding shifts each sample's image tokens): a union over the batch would grow with
+        the batch. A sample with fewer rows repeats its last one (computed twice, read once)."""
         if kinds not in self._unions:
-            pos = [lay.positions(k) for lay in self.batch.layouts for k in kinds]
-            union = np.unique(np.concatenate(pos)) if pos else np.zeros(0, np.int64)
-            self._unions[kinds] = (torch.as_tensor(union, dtype=torch.long, device=self.lm.device),
-                                   {k: _onto(self.gathers[k], union) for k in kinds})
+            per = [np.unique(np.concatenate([lay.positions(k) for k in kinds])) for lay in self.batch.layouts]
+            device = self.lm.device
+            if all(np.array_equal(p, per[0]) for p in per):
+                rows = torch.as_tensor(per[0], dtype=torch.long, device=device)
+            else:
+                width = max(p.size for p in per)
+                padded = [np.concatenate([p, np.full(width - p.size, p[-1] if p.size else 0, dtype=p.dtype)])
+                          for p in per]
+                rows = torch.as_tensor(np.stack(padded), dtype=torch.long, device=device)
+            self._unions[kinds] = (rows, {k: _onto(self.gathers[k], per, device) for k in kinds})
         return self._unions[kinds]
 
     def record(self, module: nn.Module, weights: torch.Tensor, rows: torch.Tensor | None = None) -> None:

@@ -40,7 +40,8 @@ class AttentionSink(Protocol):
     def wants(self, module: nn.Module) -> bool: ...
 
     def query_rows(self, module: nn.Module, q_len: int) -> torch.Tensor | None:
-        """The sorted query indices (of this call's ``q_len``) whose weights ``record`` needs; None: all."""
+        """The sorted query indices (of this call's ``q_len``) whose weights ``record`` needs: ``[R]`` for the
+        whole batch or ``[B, R]`` per sample; None: all."""
         ...
 
     def record(self, module: nn.Module, weights: torch.Tensor, rows: torch.Tensor | None = None) -> None:
@@ -133,11 +134,20 @@ def _eager_for(module: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Ten
     return getattr(sys.modules[type(module).__module__], "eager_attention_forward", _generic_eager)
 
 
+def _take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[:, :, rows]`` of a ``[B, H, T, ...]`` tensor: ``rows`` ``[R]`` shared by the batch, or ``[B, R]``
+    one list per sample (a batch dimension of 1 is broadcast)."""
+    if rows.dim() == 1:
+        return x.index_select(2, rows)
+    batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
+    return x.expand(rows.shape[0], *x.shape[1:])[batch, :, rows].transpose(1, 2)  # [B, R, H, ...] -> [B, H, R, ...]
+
+
 def _mask_rows(attention_mask: torch.Tensor | None, rows: torch.Tensor, q_len: int) -> torch.Tensor | None:
     """The mask's rows of the query indices ``rows`` (a mask broadcast over queries stays as it is)."""
     if attention_mask is None or attention_mask.dim() < 4 or attention_mask.shape[-2] != q_len:
         return attention_mask
-    return attention_mask.index_select(-2, rows)
+    return _take_rows(attention_mask, rows)
 
 
 def _skipped_mask_rows(module: nn.Module, rows: torch.Tensor, q_len: int, n_keys: int,
@@ -150,7 +160,8 @@ def _skipped_mask_rows(module: nn.Module, rows: torch.Tensor, q_len: int, n_keys
     if q_len == 1 or not causal:
         return None
     keys = torch.arange(n_keys, device=rows.device)
-    return (keys[None, :] <= rows[:, None])[None, None]  # [1, 1, R, K]
+    allowed = keys <= rows[..., None]  # [R, K] or [B, R, K]
+    return allowed[None, None] if rows.dim() == 1 else allowed[:, None]  # [1 or B, 1, R, K]
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -163,7 +174,8 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
 
 def _selected_weights(module: nn.Module, rows: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
-    """The module's own eager weights ``[B, H, R, K]`` of the query rows ``rows`` only (None: every row).
+    """The module's own eager weights ``[B, H, R, K]`` of the query rows ``rows`` only: ``[R]`` shared by
+    the batch or ``[B, R]`` per sample; None: every row.
 
     Every family's eager function is row-wise (scores of one query row, scaled, soft-capped, masked and
     softmaxed over keys), so running it on ``R`` query rows and their mask rows gives exactly those rows of
@@ -173,7 +185,7 @@ def _selected_weights(module: nn.Module, rows: torch.Tensor | None, query: torch
     q_len, n_keys = query.shape[-2], key.shape[-2]
     if rows is None:
         rows = torch.arange(q_len, device=query.device)
-    q = query.index_select(-2, rows)
+    q = _take_rows(query, rows)
     if attention_mask is None:
         mask = _skipped_mask_rows(module, rows, q_len, n_keys, kwargs.get("is_causal"))
     else:

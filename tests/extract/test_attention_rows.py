@@ -115,11 +115,12 @@ def test_requested_layers_never_build_the_full_map(tiny_lm, monkeypatch):
     batch, gen = _generate(lm, "qwen2_vl")
     T = batch.seq_len
     n_layers = lm.adapter.n_layers("attn")
-    image = {int(p) for lay in batch.layouts for p in lay.image_positions}
-    last = {int(lay.last_position) for lay in batch.layouts}
-    prompt_rows = len(image | last)
+    # left padding shifts each sample's image tokens: each sample's own rows, not their union over the batch
+    per_sample = [{*map(int, lay.image_positions), int(lay.last_position)} for lay in batch.layouts]
+    assert per_sample[0] != per_sample[1]
+    prompt_rows = max(map(len, per_sample))
     assert prompt_rows < T
-    # per layer: one prompt call with the union of rows, then one call per fed-back decode step with one row
+    # per layer: one prompt call with each sample's rows, then one call per fed-back decode step with one row
     assert seen[:n_layers] == [(prompt_rows, prompt_rows)] * n_layers
     assert seen[n_layers:] == [(1, 1)] * (n_layers * (STEPS - 1))
     assert gen[("attn", 0, "probs", "last")].shape[2] == 1
