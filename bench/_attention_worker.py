@@ -10,7 +10,10 @@ after the model is loaded and the batch prepared) less the resident set at that 
 the generate itself adds, after a first (warm-up) call; ru_maxrss where the reset is refused. Time:
 the median of the ``rounds`` calls after the warm-up.
 
-Prints one JSON line: peak_mb, time_s, seq_len.
+With a capture, the time is also paired: ``rounds`` more calls of the capture and of a plain generate
+in turn, their order alternating; ``paired_ratio`` is the median of capture / plain.
+
+Prints one JSON line: peak_mb, time_s, paired_ratio, seq_len.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def main() -> None:
     if mode == "full":
         os.environ["AGNOSIA_ATTENTION_ROWS"] = "full"  # read when extract.models.compat is imported
     torch.set_num_threads(int(spec.get("threads", 2)))
+    from bench._paired import in_turn
     from extract.models import capture_generate, load_model
 
     lm = load_model(spec["model"], device="cpu")
@@ -76,10 +80,13 @@ def main() -> None:
                suppress_tokens=sorted(lm.tokenizer.added_tokens_decoder))
     taps = {f"attn.{i}": ["last", "answer"] for i in range(lm.adapter.n_layers("attn"))}
 
+    def plain() -> None:
+        with torch.inference_mode():
+            lm.model.generate(**batch.inputs, **gen)
+
     def once() -> None:
         if mode == "none":
-            with torch.inference_mode():
-                lm.model.generate(**batch.inputs, **gen)
+            plain()
         else:
             out = capture_generate(lm, batch, taps, tokens=("last", "answer"), **gen)
             last = out[("attn", 0, "probs", "last")]
@@ -98,8 +105,16 @@ def main() -> None:
         once()
         times.append(time.perf_counter() - t0)
     peak_kb = _status_kb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Time against a plain generate in this process, call by call in alternating order: whole runs in
+    # separate processes on a shared machine differ by more than the capture costs.
+    ratios = []
+    if mode != "none":
+        for r in range(int(spec["rounds"])):
+            took = in_turn({"plain": plain, "capture": once}, flip=r % 2 == 1)
+            ratios.append(took["capture"] / took["plain"])
     print(json.dumps({"peak_mb": ((peak_kb or 0) - (before_kb or 0)) / 1024, "time_s": median(times),
-                      "times_s": times, "warm_s": warm_s, "seq_len": batch.seq_len, "peak_reset": reset}))
+                      "times_s": times, "warm_s": warm_s, "seq_len": batch.seq_len, "peak_reset": reset,
+                      "paired_ratio": median(ratios) if ratios else 1.0}))
 
 
 if __name__ == "__main__":
