@@ -480,14 +480,14 @@ def attention_rows_bytes(lm: LoadedModel, request: dict[str, list[str]], layouts
                          answers: np.ndarray, batch: int) -> int:
     """The most memory attention taps take at once: a requested layer computes its kept query rows' weights
     (``[batch, heads, rows, keys]``, a few transient tensors of at most 4 bytes a value) beside the model's
-    kernel, one layer at a time; the rows are the batch's kept positions (image tokens and the last token at
+    kernel, one layer at a time; the rows are a sample's kept positions (image tokens and the last token at
     the prompt pass, one row per decode step). Grows as rows x keys, not keys x keys (docs/adapters.md#attention)."""
     kinds = {k for name, ks in request.items() if TapSpec.parse(name).tap == "attn" for k in ks}
     if not kinds or not layouts:
         return 0
     heads = lm.model.config.get_text_config().num_attention_heads
     per_sample = [(len(lay.image_positions) if "image" in kinds else 0) + ("last" in kinds) for lay in layouts]
-    rows = max(batch * max(per_sample), 1)  # the union over a batch: at most every sample's rows
+    rows = max(max(per_sample), 1)  # each sample its own rows (never their union over the batch)
     keys = max(int(lay.length) for lay in layouts) + int(answers.max(initial=0))
     return ATTENTION_ROW_BYTES * batch * heads * rows * keys
 
