@@ -3,9 +3,10 @@ beside the model's own kernel, equal transformers' ``output_attentions`` of a pl
 the prompt pass and at every decode step, for every family; and no requested layer builds the full
 query x key map.
 
-Grouped-query attention is in every family's tiny recipe (one key/value head for four query heads),
-soft-capping in PaliGemma 2 (Gemma2's ``attn_logit_softcapping``) and in Gemma3 with the option set
-below, sliding windows in test_attention_windows.py (which runs the same path).
+Grouped-query attention: every tiny recipe but the toy's has one key/value head for its two query heads,
+and a LLaVA below has two for four (where a wrong head mapping would show). Soft-capping: PaliGemma 2
+(Gemma2) with a cap small enough to matter (Gemma3 keeps the option in its config but never applies it).
+Sliding windows: test_attention_windows.py, which runs the same path.
 """
 
 from __future__ import annotations
@@ -147,25 +148,41 @@ def test_prompt_only_taps_compute_nothing_at_decode_steps(tiny_lm, monkeypatch):
     assert calls == [1]  # the prompt's last row, once; decode steps keep nothing of this tap
 
 
-@pytest.mark.slow
-def test_softcapped_rows_equal_output_attentions(tiny_dir, tmp_path):
-    """Gemma3 with attention logit soft-capping (Gemma2's option, off in Gemma3 checkpoints): the module's
-    own eager function applies the cap to the selected rows as to the full map."""
+def _rebuilt(tiny_dir, tmp_path, arch: str, attn_implementation: str | None = None, **text_changes):
+    """The tiny ``arch`` model with its text config changed, saved and loaded back."""
     from transformers import AutoConfig
 
     from extract.models.tiny import init_model
 
-    base = load(tiny_dir("gemma3"))
+    base = load(tiny_dir(arch))
     config = base.model.config
-    text = {**config.text_config.to_dict(), "attn_logit_softcapping": 0.5}  # small: the cap changes the weights
+    text = {**config.text_config.to_dict(), **text_changes}
     config.text_config = AutoConfig.for_model(text.pop("model_type"), **text)
     model = init_model(type(base.model), config, 0)
     model.save_pretrained(tmp_path)
     base.processor.save_pretrained(tmp_path)
-    lm = load(tmp_path)
-    assert lm.model.config.get_text_config().attn_logit_softcapping == 0.5
-    batch, gen = _generate(lm, "gemma3")
-    _check_rows(lm, batch, gen, "gemma3 softcapped")
+    return load(tmp_path, **({"attn_implementation": attn_implementation} if attn_implementation else {}))
+
+
+def test_grouped_query_rows_equal_output_attentions(tiny_dir, tmp_path):
+    """Four query heads over two key/value heads: each query head's rows use its own group's keys."""
+    lm = _rebuilt(tiny_dir, tmp_path, "llava", num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    tc = lm.model.config.get_text_config()
+    assert (tc.num_attention_heads, tc.num_key_value_heads) == (4, 2)
+    batch, gen = _generate(lm, "llava")
+    _check_rows(lm, batch, gen, "llava 4 heads / 2 kv heads")
+
+
+@pytest.mark.slow
+def test_softcapped_rows_equal_output_attentions(tiny_dir, tmp_path):
+    """PaliGemma 2 (a Gemma2 text model) with a small attention logit cap, so that the cap changes the
+    weights: the module's own eager function caps the selected rows as it caps the full map. Gemma2 has
+    no sdpa (sdpa cannot soft-cap), so its layers' outputs come from eager code, as without capture."""
+    lm = _rebuilt(tiny_dir, tmp_path, "paligemma", model_type="gemma2", attn_logit_softcapping=0.05,
+                  attn_implementation="eager")
+    assert lm.model.config.get_text_config().attn_logit_softcapping == 0.05
+    batch, gen = _generate(lm, "paligemma")
+    _check_rows(lm, batch, gen, "paligemma 2 softcapped")
 
 
 def test_full_path_is_noted_in_the_runs_provenance(tiny_lm, monkeypatch):
