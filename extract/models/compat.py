@@ -179,8 +179,8 @@ def _selected_weights(module: nn.Module, rows: torch.Tensor | None, query: torch
 
     Every family's eager function is row-wise (scores of one query row, scaled, soft-capped, masked and
     softmaxed over keys), so running it on ``R`` query rows and their mask rows gives exactly those rows of
-    the full ``[B, H, T, K]`` map, at ``R x K`` memory. Its output over the rows is discarded: the layer's
-    output comes from the base kernel.
+    the full ``[B, H, T, K]`` map, at ``R x K`` memory. Its output over the rows is not wanted (the layer's
+    output comes from the base kernel), so it gets values of width 0.
     """
     q_len, n_keys = query.shape[-2], key.shape[-2]
     if rows is None:
@@ -192,7 +192,9 @@ def _selected_weights(module: nn.Module, rows: torch.Tensor | None, query: torch
         mask = _mask_rows(attention_mask, rows, q_len)
     mask = _additive(mask, query.dtype)
     kwargs = {**kwargs, "dropout": 0.0}
-    _, weights = _eager_for(module)(module, q, key, value, mask, **kwargs)
+    # values of width 0: the function's output over these rows is discarded, so its weights x values
+    # product (and GQA's copy of the values) costs nothing; the weights are computed as they are
+    _, weights = _eager_for(module)(module, q, key, value[..., :0], mask, **kwargs)
     return weights
 
 
