@@ -5,9 +5,10 @@
 ``mode``: ``none`` (a plain greedy ``generate``, sdpa, no capture), ``full`` (``capture_generate`` of
 attention rows ``last`` + ``answer`` on every layer by the former path: eager over every query row of
 each layer) or ``selected`` (the same capture by the row-selective path). The text-only prompt is
-``tokens`` tokens long. Memory: the peak resident set (VmHWM, reset through /proc/self/clear_refs
-after the model is loaded and the batch prepared) less the resident set at that moment, so it is what
-the generate itself adds, after a first (warm-up) call; ru_maxrss where the reset is refused. Time:
+``tokens`` tokens long. Memory: for each call after a first (warm-up) one, the peak resident set
+(VmHWM, reset through /proc/self/clear_refs before the call) less the resident set at that moment, so
+it is what the generate itself adds; the largest over the calls; ru_maxrss where the reset is refused.
+Allocations of 1 MiB and more bypass glibc's pools (:func:`_unpooled_malloc`). Time:
 the median of the ``rounds`` calls after the warm-up.
 
 With a capture, the time is also paired: ``rounds`` more calls of the capture and of a plain generate
@@ -64,7 +65,22 @@ def prompt_of(lm: Any, tokens: int) -> tuple[Any, str]:
     raise RuntimeError(f"could not make a prompt of {tokens} tokens (got {batch.seq_len})")
 
 
+def _unpooled_malloc() -> None:
+    """glibc: allocations of 1 MiB and more mapped on their own and unmapped when freed, and freed heap
+    returned to the system past 1 MiB, so that the resident set follows the live tensors instead of what
+    the allocator keeps from earlier calls (which made runs differ by a hundred MB here)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
 def main() -> None:
+    _unpooled_malloc()
     spec = json.loads(sys.argv[1])
     mode = spec["mode"]
     if mode == "full":
@@ -97,14 +113,15 @@ def main() -> None:
     warm_started = time.perf_counter()
     once()
     warm_s = time.perf_counter() - warm_started
-    reset = _reset_peak()
-    before_kb = _status_kb("VmRSS") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times = []
+    times, peaks = [], []
     for _ in range(int(spec["rounds"])):
+        reset = _reset_peak()  # each call's own peak over the resident set it starts from
+        before_kb = _status_kb("VmRSS") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.perf_counter()
         once()
         times.append(time.perf_counter() - t0)
-    peak_kb = _status_kb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak_kb = _status_kb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peaks.append(((peak_kb or 0) - (before_kb or 0)) / 1024)
     # Time against a plain generate in this process, call by call in alternating order: whole runs in
     # separate processes on a shared machine differ by more than the capture costs.
     ratios = []
@@ -112,7 +129,7 @@ def main() -> None:
         for r in range(int(spec["rounds"])):
             took = in_turn({"plain": plain, "capture": once}, flip=r % 2 == 1)
             ratios.append(took["capture"] / took["plain"])
-    print(json.dumps({"peak_mb": ((peak_kb or 0) - (before_kb or 0)) / 1024, "time_s": median(times),
+    print(json.dumps({"peak_mb": max(peaks), "peaks_mb": peaks, "time_s": median(times),
                       "times_s": times, "warm_s": warm_s, "seq_len": batch.seq_len, "peak_reset": reset,
                       "paired_ratio": median(ratios) if ratios else 1.0}))
 
