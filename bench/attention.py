@@ -6,10 +6,10 @@ positions), built here with random weights, over a text-only prompt of 4,096 tok
 every layer. Three configurations, each alone in a fresh process (bench/_attention_worker.py) so that
 its peak resident set is its own: no capture (plain ``generate``, sdpa), the former path (eager over
 every query row of every requested layer: heads x T x T per layer) and the row-selective path (the
-model's sdpa output, and the weights of just the kept rows beside it). Memory is what the generate
-adds to the process's resident set at its peak, after a warm-up call; time is each capture's calls paired
-with plain generates in the same process, in alternating order (the median ratio), since separate
-processes on a shared machine differ by more than a capture costs.
+model's sdpa output, and the weights of just the kept rows beside it). Memory is what a generate adds
+to the process's resident set at its peak (the largest call after a warm-up one); time is each capture's
+calls paired with plain generates in the same process, in alternating order (the median ratio), since
+separate processes on a shared machine differ by more than a capture costs.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def main(quick: bool = False) -> None:
     none, full, sel = results["none"], results["full"], results["selected"]
     setting = (f"tiny LLaVA text model, {HEADS} heads x {LAYERS} layers, head size {HIDDEN // HEADS}, fp32, CPU,"
                f" torch 2 threads; text-only prompt of {tokens} tokens, greedy generate of {STEPS} tokens;"
-               f" attention rows last + answer on all {LAYERS} layers; peak RSS added by the generate"
-               f" (VmHWM reset: {sel['peak_reset']}), median of {rounds} calls after a warm-up")
+               f" attention rows last + answer on all {LAYERS} layers; peak RSS a call adds, largest of"
+               f" {rounds} after a warm-up (VmHWM reset: {sel['peak_reset']}; allocations >= 1 MiB unpooled)")
     print(f"   {tokens}-token prompt, {HEADS} heads x {LAYERS} layers, rows last + answer on every layer:")
     for mode, label in (("none", "no attention capture"), ("full", "former path (eager, all rows)"),
                         ("selected", "row-selective path")):
