@@ -177,6 +177,8 @@ class RunEstimate:
     kv_bytes: int  # KV cache of one full batch at its longest prompt + answer (bf16/fp16 cache)
     hardware: Hardware
     time: TimeEstimate
+    # attention rows' working memory at its largest (one requested layer of one batch at a time): rows x keys
+    attention_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -215,7 +217,9 @@ class RunEstimate:
             f"parameters {_count(p.total)} (vision blocks {_count(p.vision)}, projector {_count(p.projector)},"
             f" LLM layers {_count(p.llm)}, lm_head {_count(p.head)}); weights {human(self.weight_bytes)} as {self.dtype}",
             f"GPU memory: weights {human(self.weight_bytes)} + KV cache at batch {min(self.batch_size, self.n_samples)}"
-            f" {human(self.kv_bytes)} = {human(self.weight_bytes + self.kv_bytes)} (plus activations)",
+            f" {human(self.kv_bytes)} = {human(self.weight_bytes + self.kv_bytes)} (plus activations)"
+            + (f"; attention rows add up to {human(self.attention_bytes)} at once (heads x kept query rows x keys"
+               " of one requested layer, not keys x keys)" if self.attention_bytes else ""),
             f"first sample: {self.first_seq} prompt tokens, {self.first_image_tokens} image tokens in the LLM,"
             f" answers up to {self.max_answer} generated tokens",
             self.basis_line(),
@@ -469,6 +473,25 @@ def kv_cache_bytes(lm: LoadedModel, tokens: int, batch: int, dtype: str) -> int:
     return 2 * lm.adapter.n_layers("llm") * kv_heads * head_dim * PARAM_BYTES.get(dtype, 2) * tokens * batch
 
 
+ATTENTION_ROW_BYTES = 16  # per (head, kept query row, key): eager's scores, scaled and masked, and fp32 weights
+
+
+def attention_rows_bytes(lm: LoadedModel, request: dict[str, list[str]], layouts: Sequence[SampleLayout],
+                         answers: np.ndarray, batch: int) -> int:
+    """The most memory attention taps take at once: a requested layer computes its kept query rows' weights
+    (``[batch, heads, rows, keys]``, a few transient tensors of at most 4 bytes a value) beside the model's
+    kernel, one layer at a time; the rows are a sample's kept positions (image tokens and the last token at
+    the prompt pass, one row per decode step). Grows as rows x keys, not keys x keys (docs/adapters.md#attention)."""
+    kinds = {k for name, ks in request.items() if TapSpec.parse(name).tap == "attn" for k in ks}
+    if not kinds or not layouts:
+        return 0
+    heads = lm.model.config.get_text_config().num_attention_heads
+    per_sample = [(len(lay.image_positions) if "image" in kinds else 0) + ("last" in kinds) for lay in layouts]
+    rows = max(max(per_sample), 1)  # each sample its own rows (never their union over the batch)
+    keys = max(int(lay.length) for lay in layouts) + int(answers.max(initial=0))
+    return ATTENTION_ROW_BYTES * batch * heads * rows * keys
+
+
 def dry_samples(manifest: Manifest) -> tuple[int, list[DrySample], list[Path | None]]:
     """(number of sets, one DrySample per stimulus, their image paths) from the manifest's sets."""
     from PIL import Image
@@ -593,6 +616,8 @@ def estimate_run(manifest: Manifest, lm: LoadedModel, samples: Sequence[DrySampl
         lens_bytes=lens * stored_bytes(dtype, stored=lens_stored),
         kv_bytes=kv_cache_bytes(lm, int((seqs + budgets).max()), min(manifest.batch_size, n), dtype),
         hardware=hardware, time=TimeEstimate(0.0, 0, 0.0, 0.0, 0.0, ""),
+        attention_bytes=attention_rows_bytes(lm, request, layouts, answer_bounds(samples, manifest.batch_size),
+                                             min(manifest.batch_size, n)),
     )
     est.time = estimate_time(lm, params, layouts, samples, manifest.batch_size, dtype, est.bytes + est.lens_bytes,
                               hardware)

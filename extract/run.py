@@ -67,6 +67,7 @@ from extract.models import (
     resolve_points,
 )
 from extract.models.capture import Point
+from extract.models.compat import ATTENTION_ROWS, rows_path
 from extract.models.errors import InputError
 from extract.models.inputs import Batch, image_size
 from extract.models.layout import Grid, SampleLayout
@@ -433,6 +434,21 @@ def as_stored(config: dict[str, Any], stored: dict[str, Any], added: dict[str, A
     return out
 
 
+def attention_rows_note(lm: LoadedModel, manifest: Manifest) -> dict[str, str] | None:
+    """Provenance of a run whose attention maps took the full path (eager over every query row of a
+    requested layer) instead of the selected rows; None when it has no attention taps or took the
+    selected path (the default, left out so that runs stored before row selection resume)."""
+    if not (manifest.attention or any(t.tap == "attn" for t in manifest.taps)):
+        return None
+    ad = lm.adapter
+    module = lm.model.get_submodule(f"{ad.llm_layers}.0.{ad.llm_attention}")
+    if rows_path(module) == "selected":
+        return None
+    why = (f"{type(module).__module__}'s eager attention needs every query row" if ATTENTION_ROWS.get() == "selected"
+           else "attention rows set to 'full' (AGNOSIA_ATTENTION_ROWS=full or compat.attention_rows)")
+    return {"path": "full", "why": why}
+
+
 def run_info(lm: LoadedModel, manifest: Manifest, lens: Any, path: tuple[str, str] | None = None) -> RunInfo:
     """The run's provenance: model, adapter, dtype, versions, the manifest and its intervention
     (or the one a model folder made by an intervention records, e.g. MAS fine-tuning), and which
@@ -443,6 +459,9 @@ def run_info(lm: LoadedModel, manifest: Manifest, lens: Any, path: tuple[str, st
                                  | ({"storage"} if manifest.storage == StorageSpec() else set()))
     if path is not None:
         config["capture"] = {"path": path[0], "why": path[1]}
+    rows = attention_rows_note(lm, manifest)
+    if rows is not None:
+        config["attention_rows"] = rows
     if lens is not None:
         config["logit_lens"] = {"norm": lens.norm.kind, "eps": lens.norm.eps, "weight_offset": lens.norm.weight_offset,
                                 "logit_softcap": lens.logit_softcap, "norm_module": lens.norm.module_path,

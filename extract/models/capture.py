@@ -3,8 +3,9 @@
 Hooks are registered only on the modules behind the requested taps and removed afterwards; each
 hook copies only what is kept (e.g. the image and last-prompt positions of one LLM layer), so two
 requested layers never cost the hidden states of every layer. Attention maps come from the
-``"capture"`` attention implementation (:mod:`extract.models.compat`), eager only for requested
-layers, and only the requested query rows are kept.
+``"capture"`` attention implementation (:mod:`extract.models.compat`): every layer's output comes
+from the model's own kernel, and requested layers compute weights beside it for the requested query
+rows only (rows x keys memory, not keys x keys).
 
 Everything is validated before the forward: unknown taps, layers, sites or token kinds raise
 :class:`~extract.models.errors.TapError` listing what exists.
@@ -250,6 +251,25 @@ def _take(x: torch.Tensor, g: Gather, dim: int, shift: int = 0) -> Captured:
     return packed.movedim(1, dim) if dim != 1 else packed
 
 
+def _onto(g: Gather, per: list[np.ndarray], device: torch.device) -> Gather:
+    """``g`` re-indexed onto each sample's query rows ``per[b]`` (sorted positions that include all of ``g``'s
+    positions of sample ``b``): a span of consecutive positions is consecutive among the rows too, so it stays
+    a span where it starts at the same row in every sample; anything else becomes (batch row, row) pairs."""
+    if g.span is not None:
+        start, n = g.span
+        firsts = [int(np.searchsorted(p, start)) for p in per]
+        if len(set(firsts)) == 1:
+            return Gather(g.offsets, g.uniform, (firsts[0], n), None, None)
+        batch = np.repeat(np.arange(len(per)), n)
+        cols = np.concatenate([np.arange(f, f + n) for f in firsts])
+    else:
+        assert g.rows is not None and g.cols is not None
+        batch, positions = g.rows.cpu().numpy(), g.cols.cpu().numpy()
+        cols = np.array([np.searchsorted(per[b], c) for b, c in zip(batch, positions, strict=True)], dtype=np.int64)
+    return Gather(g.offsets, g.uniform, None, torch.as_tensor(batch, dtype=torch.long, device=device),
+                  torch.as_tensor(cols, dtype=torch.long, device=device))
+
+
 def _reaches_before(g: Gather, position: int) -> bool:
     """Whether ``g`` takes any position before ``position``."""
     if g.span is not None:
@@ -320,16 +340,54 @@ class Recorder:
         self.prefill: dict[CaptureKey, Captured] = {}
         self.steps: dict[CaptureKey, list[torch.Tensor]] = defaultdict(list)
         self.attn_modules: dict[int, Point] = {}
+        self._unions: dict[tuple[str, ...], tuple[torch.Tensor, dict[str, Gather]]] = {}
         self.handles: list[Any] = []
 
     # -- attention sink protocol (compat._capture_attention) --
     def wants(self, module: nn.Module) -> bool:
         return id(module) in self.attn_modules
 
-    def record(self, module: nn.Module, weights: torch.Tensor) -> None:
+    def _prompt_kinds(self, point: Point) -> tuple[str, ...]:
+        # generation: answer rows come from the decode steps, not the prompt pass
+        return tuple(k for k in point.kinds if not (k == "answer" and self.batch.answers is None))
+
+    def query_rows(self, module: nn.Module, q_len: int) -> torch.Tensor | None:
+        """The query indices whose weights this step keeps: at the prompt pass the positions of the point's
+        token kinds (:meth:`_rows`), at a decode step its one query when answers are kept; empty: none."""
+        point = self.attn_modules[id(module)]
+        if self.step == 0:
+            if q_len != self.seq_len:
+                return None  # not the whole prompt in one pass: record() says why it refuses
+            kinds = self._prompt_kinds(point)
+            return self._rows(kinds)[0] if kinds else torch.zeros(0, dtype=torch.long, device=self.lm.device)
+        if "answer" in point.kinds:
+            return torch.full((1,), q_len - 1, dtype=torch.long, device=self.lm.device)
+        return torch.zeros(0, dtype=torch.long, device=self.lm.device)
+
+    def _rows(self, kinds: tuple[str, ...]) -> tuple[torch.Tensor, dict[str, Gather]]:
+        """The query rows of ``kinds`` at the prompt pass, and each kind's gather over those rows.
+
+        Rows are ``[R]`` when every sample keeps the same positions (one prompt layout), else ``[B, R]``
+        per sample (left padding shifts each sample's image tokens): a union over the batch would grow with
+        the batch. A sample with fewer rows repeats its last one (computed twice, read once)."""
+        if kinds not in self._unions:
+            per = [np.unique(np.concatenate([lay.positions(k) for k in kinds])) for lay in self.batch.layouts]
+            device = self.lm.device
+            if all(np.array_equal(p, per[0]) for p in per):
+                rows = torch.as_tensor(per[0], dtype=torch.long, device=device)
+            else:
+                width = max(p.size for p in per)
+                padded = [np.concatenate([p, np.full(width - p.size, p[-1] if p.size else 0, dtype=p.dtype)])
+                          for p in per]
+                rows = torch.as_tensor(np.stack(padded), dtype=torch.long, device=device)
+            self._unions[kinds] = (rows, {k: _onto(self.gathers[k], per, device) for k in kinds})
+        return self._unions[kinds]
+
+    def record(self, module: nn.Module, weights: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         point = self.attn_modules[id(module)]
         spec = point.spec
         w = weights.detach()
+        gathers = self.gathers if rows is None or self.step != 0 else self._rows(self._prompt_kinds(point))[1]
         if self.step == 0:
             if w.shape[-1] < self.seq_len:
                 raise TapError(
@@ -337,11 +395,9 @@ class Recorder:
                     " prefill?): attention rows need the whole prompt in one pass; drop prefill_chunk_size"
                 )
             w = w[..., : self.seq_len]  # a static cache's buffer runs past the prompt (weights there are 0)
-            for kind in point.kinds:
-                if kind == "answer" and self.batch.answers is None:
-                    continue  # generation: answer rows come from the decode steps
-                # [B, H, Tq, K] -> [B, H, n, K] (ragged: [N, H, K])
-                self.prefill[spec.key(kind)] = _take(w, self.gathers[kind], dim=2)
+            for kind in self._prompt_kinds(point):
+                # [B, H, Tq, K] (or the R selected rows) -> [B, H, n, K] (ragged: [N, H, K])
+                self.prefill[spec.key(kind)] = _take(w, gathers[kind], dim=2)
         elif "answer" in point.kinds:
             # step k's query sits at position seq_len + k - 1 and sees keys 0..seq_len + k - 1
             row = key_aligned(w[:, :, -1, :], self.seq_len + self.step)

@@ -7,19 +7,26 @@
    or without torchvision: agnosia feeds images only, the tiny-model recipes build processors with
    ``video_processor=None`` (which transformers refuses when torchvision is importable, as on CUDA
    machines), and one processor layout on every machine keeps CPU and GPU runs alike.
-2. The ``"capture"`` attention implementation: eager attention for the modules whose maps are
-   requested (exactly the model's own eager code, so values match ``output_attentions``), the
-   model's usual kernel for every other module. Eager/sdpa alone cannot do this: sdpa returns no
-   maps, and Qwen vision blocks discard eager weights. Weights go to the active recorder
-   (``extract.models.capture``), which keeps only the requested query rows.
+2. The ``"capture"`` attention implementation: every module's output comes from the model's usual
+   kernel (sdpa), and for the modules whose maps are requested the weights of just the query rows
+   the active recorder keeps (``extract.models.capture``: ``last``, ``answer``, image rows) are
+   computed beside it by the module's own eager function over those rows, so they match
+   ``output_attentions`` (same scaling, soft-capping, GQA mapping, masks) while memory grows as
+   rows x keys, not keys x keys. Eager/sdpa alone cannot do this: sdpa returns no maps, and Qwen
+   vision blocks discard eager weights. ``attention_rows("full")`` (or the environment variable
+   ``AGNOSIA_ATTENTION_ROWS=full``) selects the former path, eager over every query row of a
+   requested module: kept for comparison (``python -m bench attention``) and as the fallback of a
+   module whose eager function needs the whole query (:data:`FULL_QUERY_EAGER`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -32,11 +39,49 @@ class AttentionSink(Protocol):
 
     def wants(self, module: nn.Module) -> bool: ...
 
-    def record(self, module: nn.Module, weights: torch.Tensor) -> None: ...
+    def query_rows(self, module: nn.Module, q_len: int) -> torch.Tensor | None:
+        """The sorted query indices (of this call's ``q_len``) whose weights ``record`` needs: ``[R]`` for the
+        whole batch or ``[B, R]`` per sample; None: all."""
+        ...
+
+    def record(self, module: nn.Module, weights: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """``weights`` ``[B, H, R, K]`` of the query indices ``rows`` (None: every query, ``R == q_len``)."""
+        ...
 
 
 # The recorder of the capture in progress in this context (None outside a capture).
 ACTIVE_SINK: ContextVar[AttentionSink | None] = ContextVar("agnosia_attention_sink", default=None)
+
+AttentionRows = Literal["selected", "full"]
+# "selected": the requested query rows only, beside the model's kernel; "full": eager over every query row
+# (the path before row selection). The environment variable sets the default of a process (the bench's
+# workers); tests and callers switch it per context.
+ATTENTION_ROWS: ContextVar[AttentionRows] = ContextVar(
+    "agnosia_attention_rows", default="full" if os.environ.get("AGNOSIA_ATTENTION_ROWS") == "full" else "selected")
+
+# Modeling modules whose eager function cannot run on a subset of query rows (its weights of one row
+# would depend on the others), so their requested modules run eager over every row: none of the families
+# agnosia supports (every one is a row-wise softmax over scaled, optionally soft-capped scores plus the mask).
+FULL_QUERY_EAGER: frozenset[str] = frozenset()
+
+
+@contextmanager
+def attention_rows(mode: AttentionRows) -> Iterator[None]:
+    """Within the block, attention maps are computed for the ``"selected"`` query rows or ``"full"``."""
+    if mode not in ("selected", "full"):
+        raise ValueError(f"attention rows are 'selected' or 'full', got {mode!r}")
+    token = ATTENTION_ROWS.set(mode)
+    try:
+        yield
+    finally:
+        ATTENTION_ROWS.reset(token)
+
+
+def rows_path(module: nn.Module) -> AttentionRows:
+    """The path a requested attention module takes under the current setting."""
+    if ATTENTION_ROWS.get() == "full" or type(module).__module__ in FULL_QUERY_EAGER:
+        return "full"
+    return "selected"
 
 _patched: dict[str, bool] = {}
 
@@ -89,30 +134,124 @@ def _eager_for(module: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Ten
     return getattr(sys.modules[type(module).__module__], "eager_attention_forward", _generic_eager)
 
 
-def _capture_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001
+def _take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[:, :, rows]`` of a ``[B, H, T, ...]`` tensor: ``rows`` ``[R]`` shared by the batch, or ``[B, R]``
+    one list per sample (a batch dimension of 1 is broadcast)."""
+    if rows.dim() == 1:
+        return x.index_select(2, rows)
+    batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
+    return x.expand(rows.shape[0], *x.shape[1:])[batch, :, rows].transpose(1, 2)  # [B, R, H, ...] -> [B, H, R, ...]
+
+
+def _mask_rows(attention_mask: torch.Tensor | None, rows: torch.Tensor, q_len: int) -> torch.Tensor | None:
+    """The mask's rows of the query indices ``rows`` (a mask broadcast over queries stays as it is)."""
+    if attention_mask is None or attention_mask.dim() < 4 or attention_mask.shape[-2] != q_len:
+        return attention_mask
+    return _take_rows(attention_mask, rows)
+
+
+def _skipped_mask_rows(module: nn.Module, rows: torch.Tensor, q_len: int, n_keys: int,
+                       is_causal: bool | None) -> torch.Tensor | None:
+    """The mask rows of a forward whose mask transformers skipped (no padding, no window in reach, no
+    bidirectional blocks: :func:`_capture_mask`), as sdpa then applies it: ``is_causal`` over several
+    queries (upper-left: query ``i`` sees keys ``0..i``), nothing over one query (a decode step sees every
+    key). Eager code would have built this mask; building its rows only keeps the kernel's causal path."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if q_len == 1 or not causal:
+        return None
+    keys = torch.arange(n_keys, device=rows.device)
+    allowed = keys <= rows[..., None]  # [R, K] or [B, R, K]
+    return allowed[None, None] if rows.dim() == 1 else allowed[:, None]  # [1 or B, 1, R, K]
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask (True: attend) as the additive float mask eager functions add to their scores, with
+    the values transformers' ``eager_mask`` gives it (0 and the dtype's minimum)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, torch.zeros((), device=mask.device, dtype=dtype), torch.finfo(dtype).min)
+
+
+def _selected_weights(module: nn.Module, rows: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+    """The module's own eager weights ``[B, H, R, K]`` of the query rows ``rows`` only: ``[R]`` shared by
+    the batch or ``[B, R]`` per sample; None: every row.
+
+    Every family's eager function is row-wise (scores of one query row, scaled, soft-capped, masked and
+    softmaxed over keys), so running it on ``R`` query rows and their mask rows gives exactly those rows of
+    the full ``[B, H, T, K]`` map, at ``R x K`` memory. Its output over the rows is not wanted (the layer's
+    output comes from the base kernel), so it gets values of width 0.
+    """
+    q_len, n_keys = query.shape[-2], key.shape[-2]
+    if rows is None:
+        rows = torch.arange(q_len, device=query.device)
+    q = _take_rows(query, rows)
+    if attention_mask is None:
+        mask = _skipped_mask_rows(module, rows, q_len, n_keys, kwargs.get("is_causal"))
+    else:
+        mask = _mask_rows(attention_mask, rows, q_len)
+    mask = _additive(mask, query.dtype)
+    kwargs = {**kwargs, "dropout": 0.0}
+    # values of width 0: the function's output over these rows is discarded, so its weights x values
+    # product (and GQA's copy of the values) costs nothing; the weights are computed as they are
+    _, weights = _eager_for(module)(module, q, key, value[..., :0], mask, **kwargs)
+    return weights
+
+
+def _base_attention(base: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    if base == "eager":  # a model loaded eager: its modules add the mask to the scores
+        return _eager_for(module)(module, query, key, value, _additive(attention_mask, query.dtype), **kwargs)
+    return ALL_ATTENTION_FUNCTIONS[base](module, query, key, value, attention_mask, **kwargs)
+
+
+def _capture_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001
     sink = ACTIVE_SINK.get()
-    if sink is not None and sink.wants(module):
-        out, weights = _eager_for(module)(module, query, key, value, attention_mask, **kwargs)
+    base = sink.base_implementation if sink is not None else "sdpa"
+    if sink is None or not sink.wants(module):
+        return _base_attention(base, module, query, key, value, attention_mask, **kwargs)
+    if rows_path(module) == "full":
+        mask = attention_mask
+        if mask is None:  # skipped for sdpa's causal kernel: eager code needs it
+            every = torch.arange(query.shape[-2], device=query.device)
+            mask = _skipped_mask_rows(module, every, query.shape[-2], key.shape[-2], kwargs.get("is_causal"))
+        out, weights = _eager_for(module)(module, query, key, value, _additive(mask, query.dtype), **kwargs)
         sink.record(module, weights)
         return out, None
-    base = sink.base_implementation if sink is not None else "sdpa"
-    if base == "eager":
-        return _eager_for(module)(module, query, key, value, attention_mask, **kwargs)
-    return ALL_ATTENTION_FUNCTIONS[base](module, query, key, value, attention_mask, **kwargs)
+    rows = sink.query_rows(module, query.shape[-2])
+    if rows is None or rows.numel():  # none: nothing is kept at this step (a decode step of prompt-only taps)
+        sink.record(module, _selected_weights(module, rows, query, key, value, attention_mask, **kwargs), rows)
+    out, _ = _base_attention(base, module, query, key, value, attention_mask, **kwargs)
+    return out, None
 
 
 def register_capture_attention() -> None:
     if _patched.get("attention"):
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(CAPTURE_ATTN, _capture_attention)
-    # Additive float masks work for both the eager modules and the sdpa ones.
-    AttentionMaskInterface.register(CAPTURE_ATTN, eager_mask)
+    AttentionMaskInterface.register(CAPTURE_ATTN, _capture_mask)
     _patched["attention"] = True
+
+
+def _capture_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """The mask a plain sdpa forward gets (``sdpa_mask``): boolean, one byte per query x key
+    (``[B, 1, T, K]``, once per forward and mask type), and skipped where sdpa skips it (``is_causal``: no
+    padding, no sliding window in reach, no bidirectional image blocks), so that the layers keep sdpa's
+    causal kernel; requested modules then build the causal rows they need (:func:`_skipped_mask_rows`).
+    Where the modules run eager code (a model loaded eager, or no capture in progress) it is always built,
+    as eager attention needs it; eager code gets its rows as an additive float mask (:func:`_additive`)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs.pop("dtype", None)
+    sink = ACTIVE_SINK.get()
+    if sink is None or sink.base_implementation == "eager":
+        kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
 
 
 def set_attention(model: Any, implementation: str) -> None:

@@ -174,8 +174,9 @@ def load_model(
     """Load model + processor + adapter.
 
     ``attn_implementation`` defaults to ``"sdpa"``. Capturing ``attn`` taps needs no special load:
-    the capture switches the model to the ``"capture"`` implementation (eager only for requested
-    layers) for that forward. Pass ``"eager"`` to reproduce ``output_attentions`` runs exactly.
+    the capture switches the model to the ``"capture"`` implementation (sdpa for every layer's
+    output, eager weights of the kept query rows beside it) for that forward. Pass ``"eager"`` to
+    reproduce ``output_attentions`` runs exactly.
     ``device`` (default: cuda if available, else cpu) is ignored when ``device_map`` is given.
     """
     import transformers

@@ -26,7 +26,7 @@ if DTYPE not in ("float32", "float16", "bfloat16"):
 REDUCED = DTYPE != "float32"
 
 # Reduced precision: values that went through the same network twice with different roundings
-# (capture runs eager attention where a reference runs sdpa; a KV-cache step is not shaped like a
+# (attention rows come from eager code where a reference runs sdpa; a KV-cache step is not shaped like a
 # teacher-forced pass) differ by rounding noise that accumulates over the layers and scales with the
 # tensor's magnitude, not with each element's. So the bound is relative to the largest reference
 # value: |actual - expected| <= REL * (max|expected| + |expected|). bf16 keeps 8 significant bits

@@ -141,6 +141,11 @@ def test_answers_and_attention_rows_count_each_bound(g2m_512, batch_size, answer
     seqs = [324 + math.ceil(len(g2m.prompt(g, g, 3)) / CHARS_PER_TOKEN) + TEMPLATE_TOKENS for g in (3, 3, 3, 6, 6, 6)]
     assert arrays[("attn.0.probs", "last")].values == 28 * sum(seqs)
     assert arrays[("attn.0.probs", "answer")].values == 28 * sum(a * (s + a) for a, s in zip(answers, seqs, strict=False))
+    # attention rows' working memory: one kept row (last; answers come one per decode step) x keys per
+    # sample of a batch, 28 heads, 16 bytes a value, one layer at a time: rows x keys, no keys x keys term
+    batch = min(batch_size, 6)
+    assert plan.attention_bytes == 16 * batch * 28 * 1 * (max(seqs) + max(answers))
+    assert "attention rows add up to" in plan.render()
     # no tokenizer: prompt lengths are estimates, and the plan says so
     assert arrays[("attn.0.probs", "last")].basis == arrays[("attn.0.probs", "answer")].basis == "estimate"
     assert not plan.exact_tokens and "prompt lengths estimated" in plan.render()
