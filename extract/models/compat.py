@@ -172,6 +172,20 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return torch.where(mask, torch.zeros((), device=mask.device, dtype=dtype), torch.finfo(dtype).min)
 
 
+def _eager_mask(module: nn.Module, attention_mask: torch.Tensor | None, rows: torch.Tensor | None,
+                query: torch.Tensor, n_keys: int, is_causal: bool | None) -> torch.Tensor | None:
+    """The additive mask eager code adds to the scores of the query indices ``rows`` (None: every query):
+    the forward's mask rows, or, where transformers skipped the mask for sdpa's causal kernel, the causal
+    rows it stands for (:func:`_skipped_mask_rows`)."""
+    q_len = query.shape[-2]
+    if attention_mask is not None:
+        mask = attention_mask if rows is None else _mask_rows(attention_mask, rows, q_len)
+    else:
+        every = rows if rows is not None else torch.arange(q_len, device=query.device)
+        mask = _skipped_mask_rows(module, every, q_len, n_keys, is_causal)
+    return _additive(mask, query.dtype)
+
+
 def _selected_weights(module: nn.Module, rows: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
     """The module's own eager weights ``[B, H, R, K]`` of the query rows ``rows`` only: ``[R]`` shared by
@@ -182,15 +196,10 @@ def _selected_weights(module: nn.Module, rows: torch.Tensor | None, query: torch
     the full ``[B, H, T, K]`` map, at ``R x K`` memory. Its output over the rows is not wanted (the layer's
     output comes from the base kernel), so it gets values of width 0.
     """
-    q_len, n_keys = query.shape[-2], key.shape[-2]
     if rows is None:
-        rows = torch.arange(q_len, device=query.device)
+        rows = torch.arange(query.shape[-2], device=query.device)
     q = _take_rows(query, rows)
-    if attention_mask is None:
-        mask = _skipped_mask_rows(module, rows, q_len, n_keys, kwargs.get("is_causal"))
-    else:
-        mask = _mask_rows(attention_mask, rows, q_len)
-    mask = _additive(mask, query.dtype)
+    mask = _eager_mask(module, attention_mask, rows, query, key.shape[-2], kwargs.get("is_causal"))
     kwargs = {**kwargs, "dropout": 0.0}
     # values of width 0: the function's output over these rows is discarded, so its weights x values
     # product (and GQA's copy of the values) costs nothing; the weights are computed as they are
@@ -213,11 +222,8 @@ def _capture_attention(module: nn.Module, query, key, value, attention_mask, **k
     if sink is None or not sink.wants(module):
         return _base_attention(base, module, query, key, value, attention_mask, **kwargs)
     if rows_path(module) == "full":
-        mask = attention_mask
-        if mask is None:  # skipped for sdpa's causal kernel: eager code needs it
-            every = torch.arange(query.shape[-2], device=query.device)
-            mask = _skipped_mask_rows(module, every, query.shape[-2], key.shape[-2], kwargs.get("is_causal"))
-        out, weights = _eager_for(module)(module, query, key, value, _additive(mask, query.dtype), **kwargs)
+        mask = _eager_mask(module, attention_mask, None, query, key.shape[-2], kwargs.get("is_causal"))
+        out, weights = _eager_for(module)(module, query, key, value, mask, **kwargs)
         sink.record(module, weights)
         return out, None
     rows = sink.query_rows(module, query.shape[-2])
