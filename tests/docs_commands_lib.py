@@ -199,8 +199,7 @@ def built_checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def checkout(built_checkout: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     """This module's own copy of the reduced demo checkout, and the environment to run in it."""
     root = tmp_path_factory.mktemp("newcomer") / "checkout"
-    shutil.copytree(built_checkout, root, symlinks=True)
-    _launchers(root)
+    shutil.copytree(built_checkout, root, symlinks=True)  # the launchers come along: they name this interpreter
     return root, _env(root)
 
 
