@@ -29,6 +29,11 @@ from bench import record
 PROJECT = ("stimuli", "extract", "store", "probes", "queries", "lab", "toyvlm")
 
 
+def _merged(rooms: list[str]) -> list[str]:
+    """``rooms`` with repeats in a row merged: staying in a module is one room."""
+    return [m for i, m in enumerate(rooms) if i == 0 or m != rooms[i - 1]]
+
+
 @dataclass
 class Walk:
     """Per thread, the modules walked into, in order, repeats in a row merged."""
@@ -37,20 +42,12 @@ class Walk:
 
     def within(self, prefixes: tuple[str, ...]) -> Walk:
         """The same walk seen only in the modules under ``prefixes``."""
-        out: dict[str, list[str]] = {}
-        for name, rooms in self.threads.items():
-            kept = [m for m in rooms if m.startswith(prefixes)]
-            out[name] = [m for i, m in enumerate(kept) if i == 0 or m != kept[i - 1]]
-        return Walk(out)
+        return Walk({name: _merged([m for m in rooms if m.startswith(prefixes)]) for name, rooms in self.threads.items()})
 
     def coarse(self) -> Walk:
         """The same walk with each subpackage one room (``store.writer.pipeline`` -> ``store.writer``):
         a reader who enters a package through its front (``Writer``, ``Trainer``) sees one room."""
-        out: dict[str, list[str]] = {}
-        for name, rooms in self.threads.items():
-            cut = [".".join(m.split(".")[:2]) for m in rooms]
-            out[name] = [m for i, m in enumerate(cut) if i == 0 or m != cut[i - 1]]
-        return Walk(out)
+        return Walk({name: _merged([".".join(m.split(".")[:2]) for m in rooms]) for name, rooms in self.threads.items()})
 
     @property
     def returns(self) -> int:
@@ -109,10 +106,9 @@ def walk(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Walk, Any]:
         threading.setprofile(None)
     steps: dict[str, list[str]] = {}
     for thread, code, module in first:
-        rooms = steps.setdefault(thread, [])
-        if code in callers and (not rooms or rooms[-1] != module):
-            rooms.append(module)
-    return Walk({name: rooms for name, rooms in steps.items() if rooms}), out
+        if code in callers:
+            steps.setdefault(thread, []).append(module)
+    return Walk({name: _merged(rooms) for name, rooms in steps.items()}), out
 
 
 def probe_walk(root: Path) -> Walk:
