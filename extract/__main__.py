@@ -55,6 +55,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard", default=None, metavar="I/K",
                         help="fill only chunk I of every K (start K processes, I = 0..K-1, e.g. one per GPU with"
                         " CUDA_VISIBLE_DEVICES=I): together they write the run once, into one workspace")
+    parser.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                        help="run on a Dask cluster (docs/scale.md): the address of a scheduler whose workers hold a GPU"
+                        " resource (dask worker --resources GPU=1), or auto | local | inline; this process is then"
+                        " the only writer of the manifest. With --dry-run: plan for that cluster's GPU workers")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="--scheduler local: start N worker processes; --dry-run: plan for N GPU workers")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--stimuli-root", default=None, metavar="DIR",
                         help="read the manifest's sets/... folders from DIR instead (where `make stimuli STIMULI=DIR`"
@@ -111,7 +117,7 @@ def run(args: argparse.Namespace, manifest: Manifest) -> None:
 
         hardware = Hardware(gpu_tflops=args.gpu_tflops, gpu_bandwidth_gbs=args.gpu_bandwidth_gbs,
                             disk_mbps=args.disk_mbps, step_ms_per_layer=args.step_ms_per_layer)
-        print(dry_run(manifest, codec=args.codec, hardware=hardware))
+        print(dry_run(manifest, codec=args.codec, hardware=hardware, workers=planned_workers(args)))
         return
     from extract.run import run_extraction
     from store.workspace import resolve_path
@@ -124,8 +130,40 @@ def run(args: argparse.Namespace, manifest: Manifest) -> None:
     print(run_extraction(manifest, workspace=args.data, progress=not args.no_progress, codec=args.codec))
 
 
+def planned_workers(args: argparse.Namespace) -> int | None:
+    """The GPU workers a dry run plans for: ``--workers``, else those of the ``--scheduler`` it reaches."""
+    if args.workers is not None or args.scheduler in (None, "auto", "local", "inline"):
+        return args.workers or (1 if args.scheduler in ("local", "inline") else None)
+
+    from extract.cluster.scheduler import connect, gpu_workers
+
+    client, _ = connect(args.scheduler, None, lambda _: None)
+    try:
+        return len(gpu_workers(client))
+    finally:
+        client.close()
+
+
+def run_on_cluster(args: argparse.Namespace, loaded: list[tuple[str, Manifest]]) -> None:
+    """Extract every manifest of ``loaded`` on the cluster ``--scheduler`` names; print each run's summary."""
+    from extract.cluster.client import run_cluster
+
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    for summary in run_cluster(loaded, scheduler=args.scheduler, workers=args.workers, data=args.data, codec=args.codec,
+                               progress=not args.no_progress, log=lambda line: print(line, file=sys.stderr)):
+        print(summary)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.workers is not None and args.workers < 1:
+        parser().error("--workers must be at least 1")
+    if args.scheduler is not None and args.shard is not None:
+        parser().error("--shard and --scheduler both split a run: use one (the cluster spreads chunks over its workers)")
+    from extract.cluster.errors import ClusterError
     from extract.models.errors import ModelError
     from stimuli.base import StimulusError
     from store import StoreError
@@ -140,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dry_run:
             for at, manifest in loaded:  # noqa: B007 - `at` names the failing manifest in the error below
                 preflight(args, manifest)
-        for at, manifest in loaded:  # noqa: B007 - as above
-            run(args, manifest)
-    except (ManifestError, ModelError, StimulusError, StoreError) as err:
+        if args.scheduler is not None and not args.dry_run:
+            at = ", ".join(names)
+            run_on_cluster(args, loaded)
+        else:
+            for at, manifest in loaded:  # noqa: B007 - as above
+                run(args, manifest)
+    except (ManifestError, ModelError, StimulusError, StoreError, ClusterError) as err:
         where = f"{at}: " if len(names) > 1 and at not in str(err) else ""
         print(f"error: {where}{err}", file=sys.stderr)
         return 2
@@ -157,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         # the writer has committed every chunk that was whole (its context exits before this)
         again = ["python -m extract", *names] + (["--data", args.data] if args.data else [])
         again += ["--shard", args.shard] if args.shard else []
+        again += ["--scheduler", args.scheduler] if args.scheduler else []
+        again += ["--workers", str(args.workers)] if args.workers else []
         again += ["--codec", args.codec] if args.codec != "none" else []
         again += ["--stimuli-root", args.stimuli_root] if args.stimuli_root else []
         print(f"interrupted: the chunks committed so far are kept; run `{' '.join(again)}` to resume", file=sys.stderr)

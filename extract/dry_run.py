@@ -667,11 +667,31 @@ def describe_variant(manifest: Manifest) -> str:
     ])
 
 
-def dry_run(manifest: Manifest, *, codec: str = "none", hardware: Hardware = Hardware()) -> str:
+def cluster_line(est: RunEstimate, workers: int) -> str:
+    """What ``workers`` GPU workers of a cluster run (one task per chunk, docs/scale.md) make of ``est``:
+    the wall time, and the write rate the store must absorb meanwhile."""
+    n_chunks = -(-est.n_samples // est.chunk_samples)
+    t = est.time
+    rounds = -(-n_chunks // workers)  # a chunk is one task: the last round may leave workers idle
+    gpu = t.gpu_seconds / n_chunks * rounds
+    stored = est.bytes + est.lens_bytes
+    wall = max(gpu, t.write_seconds)
+    rate = stored / gpu / 1e6 if gpu else 0.0
+    bound = "writing" if t.write_seconds > gpu else "the GPUs"
+    busy = min(workers, n_chunks)
+    return (f"cluster: {workers} GPU worker(s), {n_chunks:,} tasks of {est.chunk_samples} samples ({busy} busy at once):"
+            f" ~{duration(wall)} (GPU ~{duration(gpu)}, {bound} bound); the store must absorb ~{rate:,.0f} MB/s"
+            f" ({rate / busy:,.0f} MB/s per worker) against {est.hardware.disk_mbps:g} MB/s assumed (--disk-mbps);"
+            f" the client commits {n_chunks * len(est.arrays):,} chunk rows, plus each worker's model load")
+
+
+def dry_run(manifest: Manifest, *, codec: str = "none", hardware: Hardware = Hardware(), workers: int | None = None) -> str:
+    """The dry run's report of ``manifest``; with ``workers``, what a cluster of that many GPU workers makes of it."""
     spec = manifest.intervention
     if spec is not None and spec.kind in ("head_ablation", "token_compression"):
         return describe_variant(manifest)
-    text = estimate_manifest(manifest, codec=codec, hardware=hardware).render()
+    est = estimate_manifest(manifest, codec=codec, hardware=hardware)
+    text = est.render() + (f"\n{cluster_line(est, workers)}" if workers else "")
     if spec is not None:  # rope_scaling: a normal run under a changed forward
         params = ", ".join(f"{k} {v}" for k, v in spec.model_dump().items() if k != "kind")
         text = f"intervention {spec.kind}: {params} (vision rotary frequencies scaled during the run)\n" + text

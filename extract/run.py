@@ -27,11 +27,11 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -490,23 +490,71 @@ class Extracted:
     totals: tuple[int, int]       # (scored, correct) over the whole run, resumed rows included
 
 
+@dataclass(frozen=True)
+class ModelSetup:
+    """What a run needs of the loaded model before its first batch (:func:`model_setup`)."""
+
+    request: dict[str, list[str]]  # hook point -> token kinds (:func:`tap_request`)
+    points: list[Point]
+    sizes: dict[tuple[int, int], Sample]  # the first sample of each image size
+    dense_images: bool  # every sample has an image, all of one size: image arrays are dense
+    dtype: str  # the model's, as the store names it
+    first: Sample  # the sample whose teacher-forced forward gives the arrays' shapes (an image one if any)
+    lens: Any  # the logit lens's readout, None without ``logit_lens``
+    chosen: tuple[str, str]  # the capture path and why (:func:`capture_path`)
+    stop: set[int]  # token ids that end an answer
+
+
+def model_setup(lm: LoadedModel, manifest: Manifest, samples: list[Sample]) -> ModelSetup:
+    """Resolve the manifest's taps against ``lm`` and read every image's size: a bad tap, a missing
+    image or an unreadable one fails here, before any forward."""
+    with_images = [s for s in samples if s.image is not None]
+    request = tap_request(lm, manifest, with_images=bool(with_images))
+    sizes = image_sizes(samples)
+    return ModelSetup(
+        request=request, points=resolve_points(lm, request, ()),  # once per run, not per batch
+        sizes=sizes, dense_images=len(sizes) == 1 and len(with_images) == len(samples),
+        dtype=str(lm.dtype).removeprefix("torch."), first=(with_images or samples)[0],
+        lens=readout(lm) if manifest.logit_lens else None, chosen=capture_path(lm, manifest, samples),
+        stop=stop_ids(lm),
+    )
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A run's arrays and provenance once the workspace has said what it already holds."""
+
+    specs: dict[CaptureKey, ArraySpec]
+    info: RunInfo
+    routed: bool  # False: a run stored before capture paths were recorded, resumed the way it ran (generate)
+
+
+def settle_run(ws: Workspace, manifest: Manifest, specs: dict[CaptureKey, ArraySpec], wider: set[str] | None,
+               info_of: Callable[[tuple[str, str] | None], RunInfo], chosen: tuple[str, str]) -> Settled:
+    """The specs with their stored dtypes and the run's RunInfo, checked against a stored run of the
+    same id: its storage must be the manifest's, and a run an older agnosia stored keeps its recorded
+    settings (``info_of(route)`` gives the RunInfo that records ``route``, or no route)."""
+    # A manifest made just now holds no run: skip the query (its own DuckDB instance: ~12 ms).
+    stored = [] if ws.created else ws.rows("SELECT config FROM runs WHERE run = ?", [manifest.run])
+    config = json.loads(stored[0][0] or "{}") if stored else {}
+    if stored:
+        check_same_storage(manifest, config, ws.path)
+    routed = not (stored and "capture" not in config)  # an old run ran generate: resume it as it was
+    specs = stored_as(specs, manifest.run, manifest.storage, set(wider or ()) | widened(ws, manifest))
+    info = info_of(chosen if routed else None)
+    if stored:  # a run an older agnosia stored lacks the settings added since, at their defaults
+        info = dataclasses.replace(info, config=as_stored(dict(info.config), config, ADDED_DEFAULTS))
+    return Settled(specs, info, routed)
+
+
 def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], samples: list[Sample],
              where: str | Path | None, progress: bool, codec: str,
              on_batch: Callable[[int], None] | None, ahead: ManifestAhead | None = None,
              wider: set[str] | None = None) -> Extracted:
     """The activation run proper (``ahead``: a new workspace's manifest, built while the model loaded;
     ``wider``: zarr paths of arrays stored as float32 after a float16 overflow)."""
-    with_images = [s for s in samples if s.image is not None]
-    request = tap_request(lm, manifest, with_images=bool(with_images))
-    points = resolve_points(lm, request, ())  # once per run, not per batch
-    sizes = image_sizes(samples)
-    dense_images = len(sizes) == 1 and len(with_images) == len(samples)
-    dtype = str(lm.dtype).removeprefix("torch.")
-    first = (with_images or samples)[0]
-    lens = readout(lm) if manifest.logit_lens else None
-    chosen = capture_path(lm, manifest, samples)
-    route: tuple[str, str] | None = chosen
-    stop = stop_ids(lm)
+    setup = model_setup(lm, manifest, samples)
+    points, dtype, lens, stop = setup.points, setup.dtype, setup.lens, setup.stop
     # A new workspace's first batch is computed now: its captures give the arrays' shapes, with no
     # forward of their own (a shard or a resume starts elsewhere, so it runs the shapes forward).
     early: dict[int, BatchDone] = {}
@@ -514,26 +562,18 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
     if manifest.shard is None and not (resolve_path(where) / MANIFEST).exists():
         size = min(manifest.batch_size, len(samples))
         offset, group = by_modality(samples[:size])[0]
-        done = run_batch(lm, group, points, manifest, stop, chosen[0], start=offset)
-        specs = specs_of(done.res, points, dense_images, dtype, codec)
+        done = run_batch(lm, group, points, manifest, stop, setup.chosen[0], start=offset)
+        specs = specs_of(done.res, points, setup.dense_images, dtype, codec)
         early[offset] = done
     if specs is None:
-        specs = array_specs(lm, points, first, dense_images, dtype, codec)
-    check_image_sizes(lm, sizes, checked=first)
+        specs = array_specs(lm, points, setup.first, setup.dense_images, dtype, codec)
+    check_image_sizes(lm, setup.sizes, checked=setup.first)
     ws = Workspace.open(where, ahead=ahead)  # only now: a bad manifest leaves no workspace behind
     if not ws.created:
         early.clear()  # another process made it meanwhile: resume as it says
-    # A manifest made just now holds no run: skip the query (its own DuckDB instance: ~12 ms).
-    stored = [] if ws.created else ws.rows("SELECT config FROM runs WHERE run = ?", [manifest.run])
-    if stored:
-        check_same_storage(manifest, json.loads(stored[0][0] or "{}"), ws.path)
-    if stored and "capture" not in json.loads(stored[0][0] or "{}"):
-        route = None  # a run stored before capture paths were recorded ran generate: resume it as it was
-    specs = stored_as(specs, manifest.run, manifest.storage, set(wider or ()) | widened(ws, manifest))
-    info = run_info(lm, manifest, lens, route)
-    if stored:  # a run an older agnosia stored lacks the settings added since, at their defaults
-        info = dataclasses.replace(info, config=as_stored(dict(info.config), json.loads(stored[0][0] or "{}"),
-                                                          ADDED_DEFAULTS))
+    settled = settle_run(ws, manifest, specs, wider, lambda route: run_info(lm, manifest, lens, route), setup.chosen)
+    specs, info = settled.specs, settled.info
+    capture_via = setup.chosen[0] if settled.routed else "generate"
     computed, correct, scored = 0, 0, 0
     with ws.writer(info, shard=manifest.shard) as w:
         for path, dataset in sets:
@@ -556,7 +596,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
                     for offset, group in by_modality(batch_samples):
                         at = start + offset
                         done = early.pop(at) if at in early else run_batch(
-                            lm, group, points, manifest, stop, route[0] if route else "generate", start=at)
+                            lm, group, points, manifest, stop, capture_via, start=at)
                         if done.ready is None:
                             done.write(w, handles, specs)
                         else:  # the previous batch's copy ran beside this batch's forward: it is done by now
@@ -596,27 +636,46 @@ def _run_totals(rows: Callable[..., list[tuple[Any, ...]]], run: str) -> tuple[i
     return int(scored), int(correct)
 
 
-def write_lens(w: Writer, lm: LoadedModel, lens: Any, dtype: str, storage: StorageSpec | None = None) -> None:
-    """The run tensors an offline logit lens needs (unembedding, final norm) and the vocabulary.
+@dataclass(frozen=True)
+class LensTensors:
+    """The run tensors an offline logit lens needs (on the CPU), their module paths and the vocabulary."""
 
-    They keep the store's rule (float32 stays float32, bfloat16 follows the run's bf16 policy);
-    ``storage.dtype: float32`` stores them float32 too, and under ``overflow: store_float32`` tensors
-    that overflow float16 are stored as float32."""
+    values: dict[str, torch.Tensor]
+    modules: dict[str, str | None]
+    vocab: list[str]
+
+
+def lens_tensors(lm: LoadedModel, lens: Any) -> LensTensors:
+    """The unembedding and final norm of ``lens`` (a :func:`readout`) and ``lm``'s vocabulary."""
     tensors = {"lm_head.weight": (lens.unembed, lens.unembed_path), "lm_head.bias": (lens.unembed_bias, lens.unembed_path),
                "final_norm.weight": (lens.norm.weight, lens.norm.module_path),
                "final_norm.bias": (lens.norm.bias, lens.norm.module_path)}
     present = {name: t for name, t in tensors.items() if t[0] is not None}
-    values = {name: v for name, (v, _) in present.items()}
-    modules = {name: module for name, (_, module) in present.items()}
+    return LensTensors({name: v.detach().cpu() for name, (v, _) in present.items()},
+                       {name: module for name, (_, module) in present.items()},
+                       vocabulary(lm, int(lens.unembed.shape[0])))
+
+
+def write_lens(w: Writer, lm: LoadedModel, lens: Any, dtype: str, storage: StorageSpec | None = None) -> None:
+    """The run tensors an offline logit lens needs (unembedding, final norm) and the vocabulary."""
+    store_lens(w, lens_tensors(lm, lens), dtype, storage)
+
+
+def store_lens(w: Writer, lens: LensTensors, dtype: str, storage: StorageSpec | None = None) -> None:
+    """Store ``lens``'s tensors and vocabulary in ``w``'s run.
+
+    They keep the store's rule (float32 stays float32, bfloat16 follows the run's bf16 policy);
+    ``storage.dtype: float32`` stores them float32 too, and under ``overflow: store_float32`` tensors
+    that overflow float16 are stored as float32."""
     storage = storage or StorageSpec()
     stored = "float32" if storage.dtype == "float32" else None
     try:
-        w.write_tensors(values, dtype=dtype, modules=modules, stored_dtype=stored)
+        w.write_tensors(lens.values, dtype=dtype, modules=lens.modules, stored_dtype=stored)
     except DtypeOverflowError:
         if storage.overflow != "store_float32":
             raise
-        w.write_tensors(values, dtype=dtype, modules=modules, stored_dtype="float32")
-    w.record_vocab(vocabulary(lm, int(lens.unembed.shape[0])))
+        w.write_tensors(lens.values, dtype=dtype, modules=lens.modules, stored_dtype="float32")
+    w.record_vocab(lens.vocab)
 
 
 def one_chunk_warning(manifest: Manifest, n_samples: int) -> str | None:
@@ -665,6 +724,14 @@ def capture_path(lm: LoadedModel, manifest: Manifest, samples: list[Sample]) -> 
     return "forward", "one new token, greedy: the argmax of the prompt forward's last logits"
 
 
+class BatchSink(Protocol):
+    """Where a computed batch goes: the run's :class:`store.Writer`, or a worker's chunk writer
+    (:class:`store.writer.chunk_writer.ChunkWriter`) on a cluster."""
+
+    def write_batch(self, start: int, arrays: Mapping[ArrayHandle, Any], *, tokens: Sequence[TokenSpans] | None = None,
+                    generations: Sequence[Generation] | None = None) -> None: ...
+
+
 @dataclass
 class BatchDone:
     """One computed batch, ready to hand to the writer once its host copy (CUDA only) has landed."""
@@ -676,7 +743,7 @@ class BatchDone:
     values: Callable[[dict[CaptureKey, ArraySpec]], dict[CaptureKey, Any]]  # the store's values, given the specs
     ready: Callable[[], None] | None
 
-    def write(self, w: Writer, handles: dict[CaptureKey, ArrayHandle], specs: dict[CaptureKey, ArraySpec]) -> None:
+    def write(self, w: BatchSink, handles: dict[CaptureKey, ArrayHandle], specs: dict[CaptureKey, ArraySpec]) -> None:
         if self.ready is not None:
             self.ready()
         w.write_batch(self.start, {handles[k]: v for k, v in self.values(specs).items()}, tokens=self.spans,

@@ -45,6 +45,23 @@ class ChunkRecord:
     dirs: list[Path]
 
 
+@dataclass(frozen=True)
+class WrittenChunk:
+    """A chunk a worker wrote and made durable where the arrays live, for its client to commit:
+    the ``chunks`` row it becomes, its checksums included (plain values, so it travels between processes)."""
+
+    zarr_path: str
+    chunk: int
+    row_start: int
+    row_stop: int
+    n_rows: int
+    nbytes: int
+    crc32c: int
+    n_nonfinite: int
+    n_clipped: int
+    offsets_crc32c: int | None
+
+
 @dataclass
 class Assembly:
     """A block of one array being filled by possibly many producer batches."""

@@ -198,7 +198,12 @@ class ArrayOverflowError(DtypeOverflowError):
     def __init__(self, problem: str, fix: str, array: str | None = None) -> None:
         super().__init__(f"{problem}. {fix}")
         self.problem = problem
+        self.fix = fix
         self.array = array
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Whole across processes: a cluster worker's overflow reaches its client (extract/cluster/).
+        return type(self), (self.problem, self.fix, self.array)
 
 
 def _overflow_error(wide: np.ndarray, over: np.ndarray, kind: str, stored: str, where: str,

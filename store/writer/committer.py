@@ -9,11 +9,12 @@ COMMIT loses only chunks the manifest never named; their rows are recomputed on 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from store import arrays as layout
 from store import db
-from store.chunks import ChunkRecord
+from store.chunks import ChunkRecord, WrittenChunk
 from store.writer.context import RunContext, now, unstage
 from store.writer.run_manifest import RunManifest
 from store.writer.state import CommitState
@@ -39,6 +40,27 @@ class Committer:
     def add_generations(self, rows: list[dict[str, Any]]) -> None:
         self._state.generations.extend(rows)
 
+    def add_written(self, chunks: list[WrittenChunk]) -> None:
+        """Chunks a worker wrote and made durable, to commit (a cluster run: extract/cluster/). A chunk
+        already committed, or already awaiting this commit, is skipped: a task that ran twice (its
+        first worker died after writing) writes the same bytes, and its chunk is counted once."""
+        pending = {(rec.handle.info.zarr_path, rec.chunk) for rec in self._state.chunks}
+        for w in chunks:
+            handle = self._runs.handle(w.zarr_path)
+            if w.chunk in handle.committed or (w.zarr_path, w.chunk) in pending:
+                self._ctx.stats.chunks_skipped += 1
+                continue
+            pending.add((w.zarr_path, w.chunk))
+            done: Future[tuple[int, int, int, int | None]] = Future()
+            done.set_result((w.crc32c, w.n_nonfinite, w.n_clipped, w.offsets_crc32c))
+            self._state.chunks.append(ChunkRecord(handle, w.chunk, w.row_start, w.row_stop, w.n_rows, w.nbytes,
+                                                  done, [], []))
+
+    def idle(self) -> None:
+        """The writer thread has nothing queued: let the manifest go if another process waits for it."""
+        if self._ctx.manifest is not None:
+            self._ctx.manifest.release_if_due()
+
     def has_pending(self) -> bool:
         st = self._state
         return bool(st.chunks or st.tokens or st.generations)
@@ -62,7 +84,7 @@ class Committer:
         tokens = list(st.tokens)
         gens = list(st.generations)
         stats = [rec.written.result() for rec in chunks]
-        files = self._make_durable(chunks)
+        files = make_durable(self._ctx, chunks)
         at = now()
         began = False
         try:
@@ -117,21 +139,6 @@ class Committer:
         stimuli = {g["stimulus"] for g in gens}
         return len(stimuli) == len(gens) and generated.isdisjoint(stimuli)
 
-    def _make_durable(self, chunks: list[ChunkRecord]) -> list[Any]:
-        """fsync every file of ``chunks``, then every folder entry; upload them to a remote root.
-        Returns the files."""
-        # Concurrent fsyncs let the file system group them into fewer journal commits.
-        files = list(dict.fromkeys(f for rec in chunks for f in rec.files))
-        if len(files) > 1:
-            list(self._ctx.syncers.map(layout.fsync_path, files))
-        elif files:
-            layout.fsync_path(files[0])
-        for folder in dict.fromkeys(d for rec in chunks for d in rec.dirs):
-            layout.fsync_path(folder)
-        # An object store shows an object only once it is whole: uploaded, then committed.
-        self._ctx.upload(lambda: self._ctx.ws.root.upload(files))
-        return files
-
     def _run_complete(self, con: Any, chunks: list[ChunkRecord]) -> bool:
         """Whether every chunk of the run is committed once ``chunks`` are (asked of the manifest
         for a shard, whose peers commit the chunks it does not own)."""
@@ -145,6 +152,23 @@ class Committer:
             [self._ctx.run],
         ).fetchone()
         return not (row and row[0])
+
+
+def make_durable(ctx: RunContext, chunks: list[ChunkRecord]) -> list[Any]:
+    """fsync every file of ``chunks``, then every folder entry; upload them to a remote root.
+    Returns the files."""
+    # Concurrent fsyncs let the file system group them into fewer journal commits.
+    files = list(dict.fromkeys(f for rec in chunks for f in rec.files))
+    if len(files) > 1:
+        list(ctx.syncers.map(layout.fsync_path, files))
+    elif files:
+        layout.fsync_path(files[0])
+    for folder in dict.fromkeys(d for rec in chunks for d in rec.dirs):
+        layout.fsync_path(folder)
+    # An object store shows an object only once it is whole: uploaded, then committed.
+    if files:
+        ctx.upload(lambda: ctx.ws.root.upload(files))
+    return files
 
 
 _CHUNK_KINDS = {"chunk": "int32", **dict.fromkeys(("row_start", "row_stop", "n_rows", "nbytes", "crc32c",

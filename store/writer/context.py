@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 
 from store import db, location
-from store.errors import DiskFullError, WriterError, disk_full_error, is_disk_full
+from store.errors import DiskFullError, StoreError, WriterError, disk_full_error, is_disk_full
 from store.records import RunInfo, Shard
 from store.writer.handles import WriterStats
 
@@ -36,7 +36,9 @@ class RunContext:
     info: RunInfo
     shard: Shard | None
     stats: WriterStats
-    manifest: db.HeldConnection  # the run's one read-write connection (store/db.py)
+    # The run's one read-write connection (store/db.py); None for a worker's chunk writer
+    # (store/writer/chunk_writer.py), which never touches the manifest.
+    manifest: db.HeldConnection | None
     manifest_timeout: float
     syncers: ThreadPoolExecutor  # the fsync pool: concurrent fsyncs share journal commits
 
@@ -50,6 +52,8 @@ class RunContext:
 
     def connection(self, timeout: float | None = None) -> AbstractContextManager[duckdb.DuckDBPyConnection]:
         """The manifest, read-write, for one short transaction (on the run's held connection)."""
+        if self.manifest is None:
+            raise StoreError(f"run {self.run}: a worker's chunk writer has no manifest; its client commits what it wrote")
         return self.manifest.use(self.manifest_timeout if timeout is None else timeout)
 
     def upload(self, send: Callable[[], Any]) -> None:

@@ -16,15 +16,24 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from store import arrays as layout
-from store.chunks import Assembly, ChunkRecord, Stream, bytes_view, crc_block, pwrite_all, seal, stream_stats
+from store.chunks import (
+    Assembly,
+    ChunkRecord,
+    Stream,
+    WrittenChunk,
+    bytes_view,
+    crc_block,
+    pwrite_all,
+    seal,
+    stream_stats,
+)
 from store.dtypes import cast
 from store.errors import ManifestBusyError, StoreError, WriterError
-from store.writer.committer import Committer
 from store.writer.context import Failure, RunContext
 from store.writer.handles import ArrayHandle
 from store.writer.state import Handover, PipelineState
@@ -47,10 +56,34 @@ class Cadence:
     records_every: float  # how long token spans and generations alone wait for a commit
 
 
+class Commits(Protocol):
+    """Where the writer thread hands what it wrote: :class:`store.writer.committer.Committer` (the
+    manifest) for a writer, :class:`store.writer.outbox.Outbox` (its client) for a worker's chunk writer."""
+
+    @property
+    def last_commit(self) -> float: ...
+
+    def add_chunk(self, rec: ChunkRecord) -> None: ...
+
+    def add_tokens(self, rows: list[dict[str, Any]]) -> None: ...
+
+    def add_generations(self, rows: list[dict[str, Any]]) -> None: ...
+
+    def add_written(self, chunks: list[WrittenChunk]) -> None: ...
+
+    def has_pending(self) -> bool: ...
+
+    def has_chunks(self) -> bool: ...
+
+    def commit(self, timeout: float, finish: bool | None = None) -> None: ...
+
+    def idle(self) -> None: ...
+
+
 class Pipeline:
     """The writer thread: takes the queued batches, fills and writes chunks, hands them to the committer."""
 
-    def __init__(self, ctx: RunContext, handover: Handover, failure: Failure, committer: Committer,
+    def __init__(self, ctx: RunContext, handover: Handover, failure: Failure, committer: Commits,
                  cadence: Cadence) -> None:
         self._ctx = ctx
         self._handover = handover
@@ -100,7 +133,7 @@ class Pipeline:
             except queue.Empty:
                 if due is not None and time.monotonic() >= due:
                     self._try_commit(blocking=False)
-                self._ctx.manifest.release_if_due()
+                self._committer.idle()
                 continue
             if item is _STOP:
                 self._finalize()
@@ -191,6 +224,8 @@ class Pipeline:
             self._committer.add_tokens(item[1])
         elif kind == "generations":
             self._committer.add_generations(item[1])
+        elif kind == "written":
+            self._committer.add_written(item[1])
         elif kind in ("data", "ragged"):
             _, handle, start, values, src_kind, _ = item
             self._assemble(handle, start, values, src_kind, ragged=kind == "ragged")

@@ -7,23 +7,41 @@ through a queue bounded in bytes (:class:`store.writer.state.Handover`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from store.chunks import WrittenChunk
 from store.dtypes import as_numpy
 from store.errors import StoreError
 from store.records import Generation, Ragged, TokenSpans, to_json
 from store.writer.context import Failure, RunContext, now
 from store.writer.handles import ArrayHandle
-from store.writer.run_manifest import RunManifest
 from store.writer.state import Handover
+
+
+class RunRows(Protocol):
+    """What the producer asks of the run's rows: :class:`store.writer.run_manifest.RunManifest` for a
+    writer, :class:`store.writer.chunk_writer.GroupRows` for a worker's chunk writer."""
+
+    @property
+    def n_samples(self) -> int: ...
+
+    def stimulus(self, row: int) -> str: ...
+
+    def handles(self) -> list[ArrayHandle]: ...
+
+    def declared(self, handle: Any) -> bool: ...
+
+    def chunk_for(self, requested: int) -> int: ...
+
+    def mark_running(self, con: Any = None) -> None: ...
 
 
 class Producer:
     """What the extraction stage calls while it runs the model: checked batches onto the queue."""
 
-    def __init__(self, ctx: RunContext, runs: RunManifest, handover: Handover, failure: Failure) -> None:
+    def __init__(self, ctx: RunContext, runs: RunRows, handover: Handover, failure: Failure) -> None:
         self._ctx = ctx
         self._runs = runs
         self._handover = handover
@@ -97,6 +115,15 @@ class Producer:
                          else self._dense_item(handle, start, values))
         self._put(("batch", [(*item, nbytes) for item, nbytes in parts]), sum(nbytes for _, nbytes in parts))
 
+    def commit_written(self, chunks: Sequence[WrittenChunk], tokens: Sequence[dict[str, Any]],
+                       generations: Sequence[dict[str, Any]]) -> None:
+        """Queue chunks a worker wrote, with the records of their rows, for the writer thread to commit:
+        records first, as in :meth:`write_batch`, in one item."""
+        for row in [*tokens, *generations]:
+            self._check_rows(int(row["array_row"]), 1)
+        parts = [("tokens", list(tokens), 0), ("generations", list(generations), 0), ("written", list(chunks), 0)]
+        self._put(("batch", parts), 0)
+
     # ------------------------------------------------------------------ validated queue items: (item, bytes)
 
     def _dense_item(self, handle: ArrayHandle, start: int, values: Any) -> tuple[tuple[Any, ...], int]:
@@ -153,14 +180,13 @@ class Producer:
 
     def _generations_item(self, start: int, generations: Sequence[Generation]) -> tuple[tuple[Any, ...], int]:
         self._check_rows(start, len(generations))
-        stimuli = self._runs.stimuli or []
         at = now()
         rows = []
         for i, g in enumerate(generations):
             if not isinstance(g, Generation):
                 raise StoreError(f"record_generations takes Generation, got {type(g).__name__} at row {start + i}")
             rows.append({
-                "run": self._ctx.run, "stimulus": stimuli[start + i], "array_row": start + i, "text": g.text,
+                "run": self._ctx.run, "stimulus": self._runs.stimulus(start + i), "array_row": start + i, "text": g.text,
                 "prediction": to_json(g.prediction), "parse_ok": g.parse_ok, "correct": g.correct,
                 "score": None if g.score is None else float(g.score), "metrics": to_json(g.metrics),
                 "n_tokens": g.n_tokens, "recorded_at": at, "stop_reason": g.stop_reason, "answer_kind": g.kind,

@@ -93,9 +93,23 @@ class RunManifest:
             raise StoreError(f"run {self._ctx.run} has no samples yet: call set_samples(stimulus keys) first")
         return len(self._state.stimuli)
 
+    def stimulus(self, row: int) -> str:
+        """The stimulus key of array row ``row``."""
+        if self._state.stimuli is None:
+            raise StoreError(f"run {self._ctx.run} has no samples yet: call set_samples(stimulus keys) first")
+        return self._state.stimuli[row]
+
     def handles(self) -> list[ArrayHandle]:
         """The arrays declared so far, in the order declared."""
         return list(self._state.handles.values())
+
+    def handle(self, zarr_path: str) -> ArrayHandle:
+        """The declared array at ``zarr_path``; a clear error for one this writer did not declare."""
+        found = self._state.handles.get(zarr_path)
+        if found is None:
+            raise StoreError(f"run {self._ctx.run}: array {zarr_path} is not declared by this writer: declare it"
+                             " with arrays(specs) before committing chunks written for it")
+        return found
 
     def declared(self, handle: Any) -> bool:
         """Whether ``handle`` is an array this run manifest declared."""

@@ -70,9 +70,11 @@ from store.writer import opening
 from store.writer.committer import Committer
 from store.writer.context import Failure, RunContext, now
 from store.writer.handles import ArrayHandle, WriterStats
+from store.writer.outbox import Written
 from store.writer.pipeline import Cadence, Pipeline
 from store.writer.producer import Producer
 from store.writer.run_manifest import RunManifest
+from store.writer.site import ArraySite
 from store.writer.state import CommitState, Handover, Lifecycle
 from store.writer.stimuli import register_rows, register_set
 from store.writer.tensors import RunTensors
@@ -245,6 +247,17 @@ class Writer:
         Queued as one item: one hand-over to the writer thread per batch, not one per array."""
         self._check_open()
         self._producer.write_batch(start, arrays, tokens=tokens, generations=generations)
+
+    def commit_written(self, written: Written) -> None:
+        """Commit chunks a worker wrote (:class:`store.writer.chunk_writer.ChunkWriter`), with their rows'
+        records, on the writer thread's usual cadence (:meth:`flush` waits for it). A chunk committed
+        already, or handed over twice, is committed once."""
+        self._check_open()
+        self._producer.commit_written(written.chunks, written.tokens, written.generations)
+
+    def site(self) -> ArraySite:
+        """Where workers write this run's arrays (:class:`store.writer.site.ArraySite`)."""
+        return ArraySite.of(self.ws, self.run)
 
     @property
     def manifest_opens(self) -> int:

@@ -1,0 +1,89 @@
+"""A worker's committer: what its chunk writer made durable, kept for the client to commit.
+
+On a cluster (extract/cluster/) the workers write chunk files where the arrays live and never open
+the manifest. The writer thread of a worker's :class:`store.writer.chunk_writer.ChunkWriter` hands
+its chunks here instead of to a :class:`store.writer.committer.Committer`: each "commit" makes the
+chunks durable (fsync, upload to an object store) exactly as a committer does before its
+transaction, then keeps their ``chunks`` rows, with the token spans and generations queued before
+them, as :class:`Written`. The client inserts them (:meth:`store.writer.Writer.commit_written`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from store.chunks import ChunkRecord, WrittenChunk
+from store.errors import StoreError
+from store.writer.committer import make_durable
+from store.writer.context import RunContext, unstage
+from store.writer.state import CommitState
+
+
+@dataclass
+class Written:
+    """What a worker wrote for its client to commit: chunks made durable and the records of their rows."""
+
+    chunks: list[WrittenChunk] = field(default_factory=list)
+    tokens: list[dict[str, Any]] = field(default_factory=list)  # rows of ``samples`` (token spans)
+    generations: list[dict[str, Any]] = field(default_factory=list)  # rows of ``generations``
+
+
+class Outbox:
+    """The committer of a worker's chunk writer: durable chunks and their records, kept in :attr:`written`."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self._ctx = ctx
+        self._state = CommitState(generated=None)
+        self.written = Written()
+
+    def add_chunk(self, rec: ChunkRecord) -> None:
+        self._state.chunks.append(rec)
+
+    def add_tokens(self, rows: list[dict[str, Any]]) -> None:
+        self._state.tokens.extend(rows)
+
+    def add_generations(self, rows: list[dict[str, Any]]) -> None:
+        self._state.generations.extend(rows)
+
+    def add_written(self, chunks: list[WrittenChunk]) -> None:
+        raise StoreError("a worker's chunk writer commits only what it wrote itself; its client commits chunks")
+
+    def has_pending(self) -> bool:
+        st = self._state
+        return bool(st.chunks or st.tokens or st.generations)
+
+    def has_chunks(self) -> bool:
+        return bool(self._state.chunks)
+
+    @property
+    def last_commit(self) -> float:
+        return self._state.last_commit
+
+    def idle(self) -> None:
+        """Nothing to let go: a worker holds no manifest connection."""
+
+    def commit(self, timeout: float, finish: bool | None = None) -> None:
+        """Make the pending chunks durable where the arrays live and keep their rows (``timeout`` and
+        ``finish`` are the manifest's: a worker has none, its client finishes the run)."""
+        st, ctx = self._state, self._ctx
+        started = time.perf_counter()
+        chunks, tokens, gens = list(st.chunks), list(st.tokens), list(st.generations)
+        stats = [rec.written.result() for rec in chunks]
+        files = make_durable(ctx, chunks)
+        if ctx.ws.root.remote:
+            unstage(files)
+        self.written.chunks += [
+            WrittenChunk(rec.handle.info.zarr_path, rec.chunk, rec.row_start, rec.row_stop, rec.n_rows, rec.nbytes,
+                         *stat)
+            for rec, stat in zip(chunks, stats, strict=True)
+        ]
+        self.written.tokens += tokens
+        self.written.generations += gens
+        del st.chunks[: len(chunks)]
+        del st.tokens[: len(tokens)]
+        del st.generations[: len(gens)]
+        st.last_commit = time.monotonic()
+        ctx.stats.commits += 1
+        ctx.stats.commit_s += time.perf_counter() - started
