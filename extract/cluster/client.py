@@ -13,6 +13,7 @@ written twice is committed once (:meth:`store.Writer.commit_written`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -62,18 +63,24 @@ def run_cluster(loaded: list[tuple[str, Manifest]], *, scheduler: str, workers: 
         check_codec(codec, manifest.storage.dtype)
         check_sets(manifest)
     client, cluster = connect(scheduler, workers, log)
+    # A lost scheduler is reported once, by ClusterError below: not also by the client's reconnect traceback.
+    quiet = logging.getLogger("distributed.client")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         client.register_plugin(ModelHolder(), name=PLUGIN)
         addresses = gpu_workers(client)
         runs = []
         for order, (path, manifest) in enumerate(loaded):
-            facts = check_workers(client.run(facts_of, manifest, workers=addresses), manifest, path)
+            found = client.run(facts_of, manifest, workers=list(addresses))
+            facts = check_workers({addresses[a]: f for a, f in found.items()}, manifest, path)
             runs.append(_prepare(client, path, manifest, facts, data, codec, order))
         return _commit(client, runs, progress)
     finally:
         client.close()
         if cluster is not None:
             cluster.close()
+        quiet.setLevel(level)
 
 
 def _check_supported(path: str, manifest: Manifest) -> None:

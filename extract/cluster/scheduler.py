@@ -63,14 +63,16 @@ def connect(scheduler: str, workers: int | None, log: Callable[[str], None]) -> 
     return client, None
 
 
-def gpu_workers(client: Any, wait: float = 0.0) -> list[str]:
-    """Addresses of the workers holding a GPU resource (waiting up to ``wait`` seconds for a first one)."""
+def gpu_workers(client: Any, wait: float = 0.0) -> dict[str, str]:
+    """The workers holding a GPU resource, address -> name as an error names it (waiting up to ``wait``
+    seconds for a first one)."""
     import time
 
     deadline = time.monotonic() + wait
     while True:
         info = client.scheduler_info(n_workers=-1).get("workers", {})
-        found = sorted(a for a, w in info.items() if (w.get("resources") or {}).get(GPU, 0) >= 1)
+        found = {a: f"{w.get('name', a)} ({a})" for a, w in sorted(info.items())
+                 if (w.get("resources") or {}).get(GPU, 0) >= 1}
         if found or time.monotonic() >= deadline:
             break
         time.sleep(0.5)

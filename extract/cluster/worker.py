@@ -39,11 +39,9 @@ class ModelHolder(WorkerPlugin):
         self.worker = "?"
 
     def setup(self, worker: Any) -> None:
-        import torch
-
+        # torch's threads are left as the worker process has them: a nanny starts workers with
+        # OMP_NUM_THREADS=1 (Dask's pre-spawn environment), an in-process worker shares the client's.
         self.worker = str(worker.name)
-        # One task at a time per GPU (--nthreads 1): torch's intra-op threads are the worker's to use.
-        torch.set_num_threads(max(1, int(worker.state.nthreads)))
 
     def teardown(self, worker: Any) -> None:
         self.release()
