@@ -73,7 +73,7 @@ from extract.models.inputs import Batch, image_size
 from extract.models.layout import Grid, SampleLayout
 from extract.samples import Sample, by_modality, collect_samples, run_progress
 from extract.scoring import score_answer
-from store import ArrayHandle, ArraySpec, Generation, RunInfo, TokenSpans, Workspace, Writer
+from store import ArrayHandle, ArraySpec, Generation, RunInfo, TokenSpans, Workspace, Writer, WriterStats
 from store.ahead import ManifestAhead
 from store.arrays import array_path
 from store.dtypes import ArrayOverflowError
@@ -94,6 +94,7 @@ class RunSummary:
     arrays: int
     new_accuracy: float | None = None  # the rows computed by this call only
     scored: int = 0
+    commits: WriterStats | None = None  # the run's writer's counters (a cluster run: its client's)
 
     def __str__(self) -> str:
         acc = "n/a" if self.accuracy is None else f"{self.accuracy:.1%}"
@@ -330,7 +331,7 @@ def run_extraction(manifest: Manifest, *, workspace: str | Path | None = None,
     scored, correct = done.totals
     return RunSummary(run=manifest.run, workspace=done.ws.path, samples=len(samples), computed=done.computed,
                       seconds=time.perf_counter() - started, accuracy=correct / scored if scored else None,
-                      arrays=done.arrays, new_accuracy=done.accuracy, scored=scored)
+                      arrays=done.arrays, new_accuracy=done.accuracy, scored=scored, commits=done.stats)
 
 
 def _extract_stored(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], samples: list[Sample],
@@ -488,6 +489,7 @@ class Extracted:
     accuracy: float | None        # of those samples
     arrays: int
     totals: tuple[int, int]       # (scored, correct) over the whole run, resumed rows included
+    stats: WriterStats | None = None
 
 
 @dataclass(frozen=True)
@@ -619,7 +621,7 @@ def _extract(lm: LoadedModel, manifest: Manifest, sets: list[tuple[Path, str]], 
         bar.close()
         w.finish()
         totals = _run_totals(w.rows, manifest.run)  # on the writer's connection: no second open
-    return Extracted(ws, computed, correct / scored if scored else None, len(handles), totals)
+    return Extracted(ws, computed, correct / scored if scored else None, len(handles), totals, w.stats)
 
 
 def _write_pending(pending: list[BatchDone], w: Writer, handles: dict[CaptureKey, ArrayHandle],

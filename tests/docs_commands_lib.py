@@ -49,6 +49,8 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/scale.md", "python -m extract.dry_run MANIFEST"): f"{SYNOPSIS}: MANIFEST and [options]",
     ("docs/scale.md", "python -m stimuli g2m --out sets/g2m-sweep"): f"{SLOW}: 6400 grids up to 64 x 64",
     ("docs/scale.md", "dask scheduler"): f"{NET}: a Dask cluster on other hosts",
+    ("docs/scale.md", "python -m extract manifests/qwen7b-g2m.yaml"): f"{NET}: a cluster of GPU workers and a 7B model",
+    ("docs/scale.md", "python -m extract manifests/demo.yaml --dry-run --scheduler tcp"): f"{NET}: a Dask scheduler",
     ("docs/scale.md", "dask worker"): f"{NET}: a Dask cluster on other hosts",
     ("docs/scale.md", "python -m probes manifests/probes-g2m.yaml --data /shared"): f"{NET}: a Dask cluster",
     ("docs/scale.md", "from dask_jobqueue import"): f"{NET}: a SLURM cluster",

@@ -210,7 +210,8 @@ class InOrder:
             self.summaries.append(RunSummary(
                 run=run.info.run, workspace=run.where, samples=len(run.samples), computed=run.computed,
                 seconds=time.perf_counter() - run.started, accuracy=correct / scored if scored else None,
-                arrays=len(run.specs), new_accuracy=run.correct / run.scored if run.scored else None, scored=int(scored)))
+                arrays=len(run.specs), new_accuracy=run.correct / run.scored if run.scored else None, scored=int(scored),
+                commits=w.stats))
             self._current += 1
 
     def close(self) -> None:

@@ -50,7 +50,10 @@ class ModelHolder(WorkerPlugin):
         """The model ``spec`` names, loading it (and letting go of another) when this worker holds none."""
         key = spec.model_dump_json()
         if self.model is None or self.key != key:
+            from transformers.utils import logging as hf_logging
+
             self.release()
+            hf_logging.disable_progress_bar()  # a worker's log is no terminal
             self.model = load_model(spec.path, dtype=spec.dtype, device=spec.device, device_map=spec.device_map,
                                     revision=spec.revision, trust_remote_code=spec.trust_remote_code)
             self.key = key
