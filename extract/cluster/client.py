@@ -68,8 +68,12 @@ def run_cluster(loaded: list[tuple[str, Manifest]], *, scheduler: str, workers: 
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
     try:
-        client.register_plugin(ModelHolder(), name=PLUGIN)
         addresses = gpu_workers(client)
+        held = client.run(lambda dask_worker: PLUGIN in dask_worker.plugins, workers=list(addresses))
+        if not all(held.values()):
+            # Registered once per cluster: a scheduler that outlives this command keeps each worker's
+            # model loaded for the next one (registering again would replace the plugins, models and all).
+            client.register_plugin(ModelHolder(), name=PLUGIN)
         runs = []
         for order, (path, manifest) in enumerate(loaded):
             found = client.run(facts_of, manifest, workers=list(addresses))
