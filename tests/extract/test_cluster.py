@@ -86,6 +86,7 @@ def test_plain_dask_recipe_on_a_shared_folder_equals_one_process(setup, cluster,
     assert_same(everything(tmp_path / "ws", "second"), everything(tmp_path / "one", "second"))
     again = extract(str(manifest), "--data", str(tmp_path / "ws"), "--scheduler", cluster.address)
     assert again.returncode == 0 and "(0 computed now" in again.stdout, again.stderr[-2000:]
+    assert sorted(_loads(cluster).values()) == [1, 1]  # the next command found the model still loaded
 
 
 def test_arrays_in_an_object_store(setup, s3, tmp_path):
