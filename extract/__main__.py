@@ -132,8 +132,10 @@ def run(args: argparse.Namespace, manifest: Manifest) -> None:
 
 def planned_workers(args: argparse.Namespace) -> int | None:
     """The GPU workers a dry run plans for: ``--workers``, else those of the ``--scheduler`` it reaches."""
-    if args.workers is not None or args.scheduler in (None, "auto", "local", "inline"):
-        return args.workers or (1 if args.scheduler in ("local", "inline") else None)
+    if args.scheduler is None or args.workers is not None:
+        return args.workers
+    if args.scheduler in ("auto", "local", "inline"):
+        return 1
 
     from extract.cluster.scheduler import connect, gpu_workers
 
@@ -161,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.workers is not None and args.workers < 1:
         parser().error("--workers must be at least 1")
+    if args.workers is not None and not args.dry_run and args.scheduler not in ("local", "auto"):
+        parser().error("--workers starts a LocalCluster (--scheduler local) or plans a cluster (--dry-run); a running"
+                       " scheduler has the workers it has")
     if args.scheduler is not None and args.shard is not None:
         parser().error("--shard and --scheduler both split a run: use one (the cluster spreads chunks over its workers)")
     from extract.cluster.errors import ClusterError

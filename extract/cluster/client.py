@@ -27,9 +27,10 @@ from extract.cluster.scheduler import GPU, connect, gpu_workers
 from extract.cluster.tasks import GroupDone, GroupTask, RunPlan, RunRequest
 from extract.cluster.worker import PLUGIN, ModelHolder, extract_group, facts_of, plan_run
 from extract.manifest import Manifest, ManifestError, check_codec, check_sets
+from extract.models import CaptureKey
 from extract.run import RunSummary, overflow_fix, overflow_in, settle_run, store_lens
 from extract.samples import Sample, collect_samples, run_progress
-from store import Workspace, Writer
+from store import ArraySpec, Workspace, Writer
 from store.dtypes import DtypeOverflowError
 from store.records import RunInfo
 
@@ -44,7 +45,7 @@ class ClusterRun:
     sets: list[tuple[Path, str]]
     samples: list[Sample]
     info: RunInfo
-    specs: dict[Any, Any]
+    specs: dict[CaptureKey, ArraySpec]
     tasks: list[GroupTask]
     started: float
     done: list[GroupDone] = field(default_factory=list)  # results not yet committed
@@ -74,17 +75,33 @@ def run_cluster(loaded: list[tuple[str, Manifest]], *, scheduler: str, workers: 
             # Registered once per cluster: a scheduler that outlives this command keeps each worker's
             # model loaded for the next one (registering again would replace the plugins, models and all).
             client.register_plugin(ModelHolder(), name=PLUGIN)
-        runs = []
-        for order, (path, manifest) in enumerate(loaded):
+        facts = []
+        for path, manifest in loaded:  # every run's workers checked before any run's work
             found = client.run(facts_of, manifest, workers=list(addresses))
-            facts = check_workers({addresses[a]: f for a, f in found.items()}, manifest, path)
-            runs.append(_prepare(client, path, manifest, facts, data, codec, order))
-        return _commit(client, runs, progress)
+            facts.append(check_workers({addresses[a]: f for a, f in found.items()}, manifest, path))
+        owner: dict[Any, ClusterRun] = {}
+        runs: list[ClusterRun] = []
+        for order in by_model(loaded):
+            path, manifest = loaded[order]
+            run = _prepare(client, path, manifest, facts[order], data, codec, len(runs))
+            # Submitted at once: its tasks run while the next run is planned and declared.
+            owner.update((_submit(client, extract_group, task, len(runs)), run) for task in run.tasks)
+            runs.append(run)
+        return _commit(client, runs, owner, progress)
     finally:
         client.close()
         if cluster is not None:
             cluster.close()
         quiet.setLevel(level)
+
+
+def by_model(loaded: list[tuple[str, Manifest]]) -> list[int]:
+    """The order the runs go in: runs of one model next to each other, else as given. Earlier runs'
+    tasks take priority, so a worker moves to the next model once, when the runs before are done."""
+    first: dict[str, int] = {}
+    for i, (_, manifest) in enumerate(loaded):
+        first.setdefault(manifest.model.model_dump_json(), i)
+    return sorted(range(len(loaded)), key=lambda i: (first[loaded[i][1].model.model_dump_json()], i))
 
 
 def _check_supported(path: str, manifest: Manifest) -> None:
@@ -143,17 +160,15 @@ def _prepare(client: Any, path: str, manifest: Manifest, facts: WorkerFacts, dat
     return ClusterRun(path, manifest, ws.path, sets, samples, settled.info, settled.specs, tasks, started)
 
 
-def _commit(client: Any, runs: list[ClusterRun], progress: bool) -> list[RunSummary]:
-    """Submit every run's tasks, commit their results run by run, and finish each run."""
+def _commit(client: Any, runs: list[ClusterRun], owner: dict[Any, ClusterRun], progress: bool) -> list[RunSummary]:
+    """Commit the results of the runs' tasks (``owner``: future -> its run) run by run, finishing each run."""
     from dask.distributed import as_completed
+    from distributed.scheduler import KilledWorker
 
-    owner: dict[Any, ClusterRun] = {}
-    for order, run in enumerate(runs):
-        for task in run.tasks:
-            owner[_submit(client, extract_group, task, order)] = run
     bar = run_progress(sum(len(t.samples) for r in runs for t in r.tasks), " + ".join(r.manifest.run for r in runs),
                        progress)
     commits = InOrder(runs)
+    failed = True
     try:
         commits.take()  # runs complete already are finished at once
         for future in as_completed(list(owner), loop=client.loop):  # the client is not the default one
@@ -162,6 +177,10 @@ def _commit(client: Any, runs: list[ClusterRun], progress: bool) -> list[RunSumm
                 done: GroupDone = future.result()
             except (CancelledError, OSError, TimeoutError) as err:
                 raise ClusterError(f"lost the Dask scheduler or its workers mid-run ({type(err).__name__}: {err}): the"
+                                   " chunks committed so far are kept; re-run the same command to resume") from err
+            except KilledWorker as err:
+                raise ClusterError(f"a task of run {run.manifest.run} was running on every worker that died ({err}):"
+                                   " it may kill its worker (out of GPU or host memory?); see the workers' logs. The"
                                    " chunks committed so far are kept; re-run the same command to resume") from err
             except DtypeOverflowError as err:
                 over = overflow_in(err)
@@ -172,10 +191,15 @@ def _commit(client: Any, runs: list[ClusterRun], progress: bool) -> list[RunSumm
             run.returned += 1
             bar.update(len(done.rows))
             commits.take()
+        failed = False
     finally:
         client.cancel(list(owner))
-        commits.close()
         bar.close()
+        try:
+            commits.close()
+        except Exception:
+            if not failed:
+                raise  # else the failure that stopped the run is the one to report
     return commits.summaries
 
 

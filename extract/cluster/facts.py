@@ -9,7 +9,7 @@ in device kind, GPU model or torch build, or that cannot run the manifest's devi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from extract.manifest import Manifest, ManifestError
 
@@ -22,7 +22,9 @@ class WorkerFacts:
     gpu: str | None  # the CUDA device's name, None on the CPU
     torch: str
     bf16: bool  # whether the device computes in bfloat16 (CPUs do; CUDA from compute capability 8.0)
-    cuda: bool  # whether this worker sees a CUDA device at all
+    # Whether this worker sees a CUDA device at all: for the manifest's device, not what the worker
+    # computes on (a CPU run is the same on machines with and without a GPU).
+    cuda: bool = field(compare=False)
 
     def describe(self) -> str:
         return f"{self.device}{f' ({self.gpu})' if self.gpu else ''}, torch {self.torch}"

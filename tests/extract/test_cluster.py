@@ -104,7 +104,7 @@ def test_arrays_in_an_object_store(setup, s3, tmp_path):
     assert local == []  # chunk data lives in the bucket only
 
 
-def test_kill_9_of_a_worker_mid_task_is_retried_on_the_other(setup, tmp_path):
+def test_kill_9_of_a_worker_mid_task_runs_the_task_again(setup, tmp_path):
     root, manifest, reference = setup
     c = Cluster(tmp_path / "cluster", pause=1.0).start()
     try:
