@@ -16,19 +16,16 @@ from store import arrays as layout
 from store import db
 from store.chunks import ChunkRecord, WrittenChunk
 from store.writer.context import RunContext, now, unstage
+from store.writer.handles import WriterStats
 from store.writer.run_manifest import RunManifest
 from store.writer.state import CommitState
 
 
-class Committer:
-    """What awaits the next manifest transaction of the writer thread, and that transaction."""
+class Pending:
+    """What the writer thread has handed over and the next commit takes: chunks, token spans, generations."""
 
-    def __init__(self, ctx: RunContext, runs: RunManifest, state: CommitState) -> None:
-        self._ctx = ctx
-        self._runs = runs
+    def __init__(self, state: CommitState) -> None:
         self._state = state
-
-    # ------------------------------------------------------------------ what the writer thread hands over
 
     def add_chunk(self, rec: ChunkRecord) -> None:
         """A chunk written (its checksums perhaps still running), to commit."""
@@ -39,6 +36,38 @@ class Committer:
 
     def add_generations(self, rows: list[dict[str, Any]]) -> None:
         self._state.generations.extend(rows)
+
+    def has_pending(self) -> bool:
+        st = self._state
+        return bool(st.chunks or st.tokens or st.generations)
+
+    def has_chunks(self) -> bool:
+        """Whether a chunk awaits its commit (records alone may wait longer: they only show progress)."""
+        return bool(self._state.chunks)
+
+    @property
+    def last_commit(self) -> float:
+        """When (time.monotonic) the last commit landed, or the committer was made."""
+        return self._state.last_commit
+
+    def taken(self, chunks: int, tokens: int, generations: int, stats: WriterStats) -> None:
+        """The first ``chunks``, ``tokens`` and ``generations`` pending went out in one commit: drop
+        them (what arrived meanwhile stays) and count the commit."""
+        st = self._state
+        del st.chunks[:chunks]
+        del st.tokens[:tokens]
+        del st.generations[:generations]
+        st.last_commit = time.monotonic()
+        stats.commits += 1
+
+
+class Committer(Pending):
+    """What awaits the next manifest transaction of the writer thread, and that transaction."""
+
+    def __init__(self, ctx: RunContext, runs: RunManifest, state: CommitState) -> None:
+        super().__init__(state)
+        self._ctx = ctx
+        self._runs = runs
 
     def add_written(self, chunks: list[WrittenChunk]) -> None:
         """Chunks a worker wrote and made durable, to commit (a cluster run: extract/cluster/). A chunk
@@ -60,19 +89,6 @@ class Committer:
         """The writer thread has nothing queued: let the manifest go if another process waits for it."""
         if self._ctx.manifest is not None:
             self._ctx.manifest.release_if_due()
-
-    def has_pending(self) -> bool:
-        st = self._state
-        return bool(st.chunks or st.tokens or st.generations)
-
-    def has_chunks(self) -> bool:
-        """Whether a chunk awaits its commit (records alone may wait longer: they only show progress)."""
-        return bool(self._state.chunks)
-
-    @property
-    def last_commit(self) -> float:
-        """When (time.monotonic) the last commit landed, or the committer was made."""
-        return self._state.last_commit
 
     # ------------------------------------------------------------------ the transaction
 
@@ -122,11 +138,7 @@ class Committer:
             st.generated.update(g["stimulus"] for g in gens)
         if ctx.ws.root.remote:
             unstage(files)
-        del st.chunks[: len(chunks)]
-        del st.tokens[: len(tokens)]
-        del st.generations[: len(gens)]
-        st.last_commit = time.monotonic()
-        ctx.stats.commits += 1
+        self.taken(len(chunks), len(tokens), len(gens), ctx.stats)
         ctx.stats.commit_s += time.perf_counter() - started
         ctx.stats.commit_cpu_s += time.thread_time() - cpu
 

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from store.chunks import ChunkRecord, WrittenChunk
+from store.chunks import WrittenChunk
 from store.errors import StoreError
-from store.writer.committer import make_durable
+from store.writer.committer import Pending, make_durable
 from store.writer.context import RunContext, unstage
 from store.writer.state import CommitState
 
@@ -30,36 +30,16 @@ class Written:
     generations: list[dict[str, Any]] = field(default_factory=list)  # rows of ``generations``
 
 
-class Outbox:
+class Outbox(Pending):
     """The committer of a worker's chunk writer: durable chunks and their records, kept in :attr:`written`."""
 
     def __init__(self, ctx: RunContext) -> None:
+        super().__init__(CommitState(generated=None))
         self._ctx = ctx
-        self._state = CommitState(generated=None)
         self.written = Written()
-
-    def add_chunk(self, rec: ChunkRecord) -> None:
-        self._state.chunks.append(rec)
-
-    def add_tokens(self, rows: list[dict[str, Any]]) -> None:
-        self._state.tokens.extend(rows)
-
-    def add_generations(self, rows: list[dict[str, Any]]) -> None:
-        self._state.generations.extend(rows)
 
     def add_written(self, chunks: list[WrittenChunk]) -> None:
         raise StoreError("a worker's chunk writer commits only what it wrote itself; its client commits chunks")
-
-    def has_pending(self) -> bool:
-        st = self._state
-        return bool(st.chunks or st.tokens or st.generations)
-
-    def has_chunks(self) -> bool:
-        return bool(self._state.chunks)
-
-    @property
-    def last_commit(self) -> float:
-        return self._state.last_commit
 
     def idle(self) -> None:
         """Nothing to let go: a worker holds no manifest connection."""
@@ -81,9 +61,5 @@ class Outbox:
         ]
         self.written.tokens += tokens
         self.written.generations += gens
-        del st.chunks[: len(chunks)]
-        del st.tokens[: len(tokens)]
-        del st.generations[: len(gens)]
-        st.last_commit = time.monotonic()
-        ctx.stats.commits += 1
+        self.taken(len(chunks), len(tokens), len(gens), ctx.stats)
         ctx.stats.commit_s += time.perf_counter() - started

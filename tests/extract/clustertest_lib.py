@@ -10,12 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from child_env import child_env
+from waiting import wait_for
 
 from store import Workspace
 
@@ -136,13 +136,3 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
             np.testing.assert_array_equal(a[key], b[key], err_msg=key)
         else:
             assert a[key] == b[key], key
-
-
-def wait_for(predicate: Any, timeout: float = 30, step: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout} s waiting for {predicate}")

@@ -11,7 +11,8 @@ import signal
 
 import pytest
 import yaml
-from clustertest_lib import Cluster, assert_same, everything, extract, wait_for
+from clustertest_lib import Cluster, assert_same, everything, extract
+from waiting import wait_for
 
 from extract.cluster.facts import WorkerFacts, check_workers
 from extract.manifest import ManifestError, parse_manifest

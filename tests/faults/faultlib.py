@@ -13,11 +13,12 @@ import json
 import os
 import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import waiting
 import yaml
 from child_env import child_env
 
@@ -60,14 +61,7 @@ def kill_at_rename(folder: Path, when: str, *store_args: str) -> subprocess.Comp
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def wait_for(predicate: Any, timeout: float = 60, step: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(step)
-    raise AssertionError("condition not met in time")
+wait_for = partial(waiting.wait_for, timeout=60, step=0.02)
 
 
 def go_set(out: Path, counts: str, seed: int = 1) -> Path:

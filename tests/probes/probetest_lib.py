@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import waiting
 from child_env import child_env
 
 from store import ArraySpec, RunInfo, TokenSpans, Workspace
@@ -176,11 +177,4 @@ def python(*args: str, env: dict[str, str] | None = None, timeout: float = 120) 
                           text=True, timeout=timeout)
 
 
-def wait_for(predicate: Any, timeout: float = 60, step: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(step)
-    raise AssertionError("condition not met in time")
+wait_for = partial(waiting.wait_for, timeout=60, step=0.1)
