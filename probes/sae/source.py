@@ -86,7 +86,8 @@ class ActivationSource:
 
     ``arrays`` are read side by side (same samples, same row order); each batch is a tuple with
     one ``[batch, d_i]`` float32 array per array (``with_ids`` adds ``[batch, 2]`` int64: array row
-    and token, -1 for pooled rows). Iterating yields epoch ``epoch`` (default 0); ``epochs(n)``
+    and token, -1 for pooled rows). ``only_rows`` keeps only those array rows of the selection (a
+    split's side). Iterating yields epoch ``epoch`` (default 0); ``epochs(n)``
     yields n epochs in turn, ``batches(epoch, start)`` resumes at batch ``start``.
     """
 
@@ -101,6 +102,7 @@ class ActivationSource:
     seed: int = 0
     drop_last: bool = False
     with_ids: bool = False
+    only_rows: np.ndarray | None = None
     stats: SourceStats = field(default_factory=SourceStats)
 
     def __post_init__(self) -> None:
@@ -117,6 +119,8 @@ class ActivationSource:
         if self.train_where:
             where = f"({where}) AND ({self.train_where})" if where else self.train_where
         self.sample_rows = self.ws.select(self.run, where).rows
+        if self.only_rows is not None:  # e.g. a split's side, chosen by the caller from stimulus keys
+            self.sample_rows = np.intersect1d(self.sample_rows, np.asarray(self.only_rows, dtype=np.int64))
         if len(self.sample_rows) == 0:
             raise ProbeError(f"no samples of run {self.run!r} match where={where!r}; loosen the filter")
         self._check_committed()
