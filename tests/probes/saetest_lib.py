@@ -4,9 +4,10 @@ One run ``planted`` of Go-family rows on a 4x4 board (16 image tokens, d=32) and
 is a sparse sum of known unit directions plus a little noise:
 
 * ``black``: on every token whose intersection is black (per token: ``go.intersection`` = black);
-* ``flag``: on every token of a sample whose ``truth.flag`` is 1 (binary, per sample);
-* ``level``: on every token, with magnitude ``truth.level`` (1..5, ordinal, per sample);
-* three ``noise`` features, each on a random 15% of tokens, tied to nothing.
+* ``flag``: on every token of a sample whose ``truth.flag`` is 1 (binary, per sample, 30% of samples);
+* ``level``: on a random 30% of each sample's tokens, with magnitude ``truth.level`` / 2 (1..5,
+  ordinal, per sample);
+* three ``noise`` features, each on a random 10% of tokens, tied to nothing.
 
 Layer 0 holds the same tokens at a tenth of the scale under 10x the noise (nothing to recover).
 """
@@ -33,8 +34,8 @@ def directions(seed: int = 5) -> np.ndarray:
 def planted_rows(n: int, seed: int = 0) -> tuple[list[dict[str, Any]], np.ndarray, np.ndarray, np.ndarray]:
     """Stimulus rows, per-token labels ``[n, T]`` (0 black, 1 white, 2 empty), flags, levels."""
     rng = np.random.default_rng(seed)
-    labels = rng.choice(3, size=(n, T), p=(0.35, 0.25, 0.4))
-    flags = rng.integers(0, 2, n)
+    labels = rng.choice(3, size=(n, T), p=(0.3, 0.3, 0.4))
+    flags = (rng.random(n) < 0.3).astype(np.int64)
     levels = rng.integers(1, 6, n)
     rows = []
     for i in range(n):
@@ -53,8 +54,8 @@ def planted_acts(labels: np.ndarray, flags: np.ndarray, levels: np.ndarray, seed
     mags = np.zeros((n, T, len(PLANTED)), np.float32)
     mags[..., 0] = (labels == 0) * rng.uniform(1.5, 2.5, (n, T))
     mags[..., 1] = flags[:, None] * rng.uniform(1.5, 2.5, (n, T))
-    mags[..., 2] = levels[:, None] * 0.6
-    mags[..., 3:] = (rng.random((n, T, 3)) < 0.15) * rng.uniform(1.5, 2.5, (n, T, 3))
+    mags[..., 2] = (rng.random((n, T)) < 0.3) * levels[:, None] * 0.5
+    mags[..., 3:] = (rng.random((n, T, 3)) < 0.1) * rng.uniform(1.5, 2.5, (n, T, 3))
     return mags @ directions() + rng.standard_normal((n, T, D)).astype(np.float32) * 0.03
 
 
