@@ -61,7 +61,7 @@ def _sources(ws: Workspace, task: SaeTask) -> tuple[ActivationSource, Activation
         arrays.append(f"{task.tap}:{task.layer}:{task.out_site}:{task.tokens}")
     common = {"arrays": arrays, "where": e["where"], "rows": e["rows"], "buffer_rows": e["buffer_rows"]}
     train = ActivationSource(ws, task.run, train_where=e["train_where"], batch_size=e["batch_size"], seed=task.seed,
-                             only_rows=sel.rows[fold.train], **common)
+                             only_rows=sel.rows[fold.train], dtype="stored", **common)
     test = ActivationSource(ws, task.run, batch_size=max(e["batch_size"], 4096), seed=task.seed,
                             only_rows=sel.rows[fold.test], with_ids=True, **common)
     return train, test, sel.rows[fold.test]

@@ -28,6 +28,7 @@ import numpy as np
 
 from probes.errors import ProbeError
 from store import Workspace
+from store.dtypes import decode_stored, numpy_dtype
 from store.reader import group_by_chunk, read_chunk_rows
 from store.records import ArrayInfo
 
@@ -87,7 +88,8 @@ class ActivationSource:
     ``arrays`` are read side by side (same samples, same row order); each batch is a tuple with
     one ``[batch, d_i]`` float32 array per array (``with_ids`` adds ``[batch, 2]`` int64: array row
     and token, -1 for pooled rows). ``only_rows`` keeps only those array rows of the selection (a
-    split's side). Iterating yields epoch ``epoch`` (default 0); ``epochs(n)``
+    split's side). ``dtype='stored'`` hands float16 arrays out as float16 (half the bytes; torch
+    casts them faster than numpy: the training loop does). Iterating yields epoch ``epoch`` (default 0); ``epochs(n)``
     yields n epochs in turn, ``batches(epoch, start)`` resumes at batch ``start``.
     """
 
@@ -103,6 +105,7 @@ class ActivationSource:
     drop_last: bool = False
     with_ids: bool = False
     only_rows: np.ndarray | None = None
+    dtype: Literal["float32", "stored"] = "float32"
     stats: SourceStats = field(default_factory=SourceStats)
 
     def __post_init__(self) -> None:
@@ -129,6 +132,7 @@ class ActivationSource:
         self.per_sample = self.tokens_per_sample if self.rows == "tokens" else 1
         self.dims = tuple(int(i.item_shape[-1]) for i in self.infos)
         self._units = self._cut_units()
+        self._bufs: dict[int, np.ndarray] = {}
 
     # ------------------------------------------------------------------ checks
 
@@ -197,18 +201,22 @@ class ActivationSource:
 
     # ------------------------------------------------------------------ reading
 
-    def _read_unit(self, info: ArrayInfo, u: _Unit) -> np.ndarray:
+    def _read_unit(self, info: ArrayInfo, u: _Unit, out: np.ndarray | None) -> np.ndarray:
+        """A unit's rows of one array as stored (into ``out`` where given: token rows reuse one buffer,
+        so no epoch pays the page faults of a fresh one), or pooled over tokens in float32."""
         rows = u.local + u.chunk * self.infos[0].chunk_samples
+        shaped = None if out is None else out.reshape(len(u.local), *info.item_shape)
         if info.chunk_samples == self.infos[0].chunk_samples:
-            x = read_chunk_rows(self.ws.root, info, u.chunk, u.local, None)
+            x = read_chunk_rows(self.ws.root, info, u.chunk, u.local, None, raw=True, out=shaped)
         else:
-            x = np.concatenate([read_chunk_rows(self.ws.root, info, k, loc, None)
+            x = np.concatenate([read_chunk_rows(self.ws.root, info, k, loc, None, raw=True)
                                 for k, loc, _a, _b in group_by_chunk(rows, info.chunk_samples)])
+            if shaped is not None:
+                shaped[...] = x
         self.stats.bytes_read += x.nbytes
-        x = np.asarray(x, dtype=np.float32)
-        if x.ndim == 3:
-            x = x.reshape(-1, x.shape[-1]) if self.rows == "tokens" else x.mean(axis=1)
-        return x
+        if x.ndim == 3 and self.rows == "pooled":
+            return decode_stored(x, info.stored_dtype).astype(np.float32).mean(axis=1, dtype=np.float32)
+        return x.reshape(-1, x.shape[-1])
 
     def _ids(self, u: _Unit) -> np.ndarray:
         rows = u.local + u.chunk * self.infos[0].chunk_samples
@@ -217,14 +225,43 @@ class ActivationSource:
         t = np.arange(self.per_sample)
         return np.stack([np.repeat(rows, self.per_sample), np.tile(t, len(rows))], axis=1).astype(np.int64)
 
-    def _read_buffer(self, units: list[_Unit], perm: np.ndarray) -> list[np.ndarray]:
-        parts = [[self._read_unit(info, u) for u in units] for info in self.infos]
-        out = [np.concatenate(p)[perm] if len(p) > 1 else p[0][perm] for p in parts]
+    def _buffer(self, j: int, n: int) -> np.ndarray:
+        info = self.infos[j]
+        want = max(min(self.buffer_rows, self.n_rows), self.per_sample)  # no buffer of any epoch is larger
+        if j not in self._bufs:
+            self._bufs[j] = np.empty((want, info.item_shape[-1]), np.dtype(numpy_dtype(info.stored_dtype)))
+        return self._bufs[j][:n]
+
+    def _read_buffer(self, units: list[_Unit], n: int) -> list[np.ndarray]:
+        """The buffer's rows in unit order (not yet permuted), one array per array (ids last)."""
+        out = []
+        for j, info in enumerate(self.infos):
+            if self.rows == "tokens":
+                buf, at = self._buffer(j, n), 0
+                for u in units:
+                    m = u.n_rows(self.per_sample)
+                    self._read_unit(info, u, buf[at:at + m])
+                    at += m
+                out.append(buf)
+            else:
+                out.append(np.concatenate([self._read_unit(info, u, None) for u in units]))
         if self.with_ids:
-            out.append(np.concatenate([self._ids(u) for u in units])[perm])
+            out.append(np.concatenate([self._ids(u) for u in units]))
         self.stats.buffers += 1
-        self.stats.peak_buffer_rows = max(self.stats.peak_buffer_rows, len(perm))
+        self.stats.peak_buffer_rows = max(self.stats.peak_buffer_rows, n)
         return out
+
+    def _finish(self, cols: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+        """A batch as handed out: float32 (or float16 as stored, ``dtype='stored'``); ids as they are."""
+        out = []
+        for j, c in enumerate(cols):
+            if j < len(self.infos):
+                c = decode_stored(c, self.infos[j].stored_dtype)
+                if self.dtype == "float32" and c.dtype != np.float32:
+                    c = c.astype(np.float32)
+            out.append(c)
+        self.stats.rows += len(out[0])
+        return tuple(out)
 
     def batches(self, epoch: int = 0, start: int = 0) -> Iterator[tuple[np.ndarray, ...]]:
         """Epoch ``epoch``'s batches from batch ``start`` on (resuming reads no skipped buffer).
@@ -239,30 +276,33 @@ class ActivationSource:
         Yields
         ------
         tuple of numpy.ndarray
-            One float32 ``[batch, d_i]`` per array (plus ids where asked).
+            One ``[batch, d_i]`` per array (float32, or as stored with ``dtype='stored'``; plus ids
+            where asked). Each batch is its own copy: holding it never pins a buffer.
         """
         buffers, perms = self._plan(epoch)
-        skip = start * self.batch_size
-        pending: list[list[np.ndarray]] = []
-        held = 0
+        skip, bs = start * self.batch_size, self.batch_size
+        carry: list[np.ndarray] | None = None
         for units, perm in zip(buffers, perms, strict=True):
             if skip >= len(perm):
                 skip -= len(perm)
                 continue
-            got = self._read_buffer(units, perm[skip:] if skip else perm)
-            skip = 0
-            pending.append(got)
-            held += len(got[0])
-            while held >= self.batch_size:
-                batch, pending, held = _take(pending, self.batch_size)
-                self.stats.rows += len(batch[0])
-                yield tuple(batch)
-            # the tail left (< one batch) is copied so the buffer it came from can be freed
-            pending = [[np.array(g) for g in got] for got in pending]
-        if held and not self.drop_last:
-            batch, pending, held = _take(pending, held)
-            self.stats.rows += len(batch[0])
-            yield tuple(batch)
+            raw = self._read_buffer(units, len(perm))
+            order, skip = perm[skip:], 0
+            s = 0
+            if carry is not None:  # a batch that spans two buffers
+                s = min(bs - len(carry[0]), len(order))
+                carry = [np.concatenate([c, np.take(r, order[:s], axis=0)]) for c, r in zip(carry, raw, strict=True)]
+                if len(carry[0]) < bs:
+                    continue
+                yield self._finish(carry)
+                carry = None
+            while s + bs <= len(order):
+                yield self._finish([np.take(r, order[s:s + bs], axis=0) for r in raw])
+                s += bs
+            if s < len(order):
+                carry = [np.take(r, order[s:], axis=0) for r in raw]
+        if carry is not None and not self.drop_last:
+            yield self._finish(carry)
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, ...]]:
         return self.batches(0)
@@ -290,23 +330,6 @@ class ActivationSource:
         """The permuted buffers ``which`` of epoch ``epoch`` (each a list of arrays, ids last)."""
         buffers, perms = self._plan(epoch)
         for i in which:
-            yield self._read_buffer(buffers[i], perms[i])
+            raw = self._read_buffer(buffers[i], len(perms[i]))
+            yield list(self._finish([np.take(r, perms[i], axis=0) for r in raw]))
 
-
-def _take(pending: list[list[np.ndarray]], n: int) -> tuple[list[np.ndarray], list[list[np.ndarray]], int]:
-    """The first ``n`` rows of the pending buffers (copied once), the rest, rows left."""
-    out, rest, need = [], [], n
-    for got in pending:
-        if need <= 0:
-            rest.append(got)
-            continue
-        m = len(got[0])
-        if m <= need:
-            out.append(got)
-            need -= m
-        else:
-            out.append([g[:need] for g in got])
-            rest.append([g[need:] for g in got])
-            need = 0
-    cols = [np.concatenate([o[j] for o in out]) if len(out) > 1 else out[0][j] for j in range(len(out[0]))]
-    return cols, rest, sum(len(g[0]) for g in rest)

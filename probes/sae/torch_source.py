@@ -27,7 +27,7 @@ class TorchSource(IterableDataset):
         for e in range(self.epochs):
             if info is None or info.num_workers == 1:
                 for batch in self.source.batches(e):
-                    yield tuple(torch.from_numpy(b) for b in batch)
+                    yield tuple(torch.from_numpy(b) for b in batch)  # float32 unless the source says stored
                 continue
             mine = range(info.id, len(self.source.buffer_plan(e)), info.num_workers)
             bs = self.source.batch_size

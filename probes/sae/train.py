@@ -73,8 +73,9 @@ def _loss(sae: SparseAutoencoder, x: torch.Tensor, y: torch.Tensor, l1: float) -
 
 
 def _pair(batch: tuple[np.ndarray, ...], transcoder: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.from_numpy(batch[0])
-    return x, (torch.from_numpy(batch[1]) if transcoder else x)
+    # float16 batches (the source's dtype='stored') are cast here: torch's cast is several times numpy's
+    x = torch.from_numpy(batch[0]).float()
+    return x, (torch.from_numpy(batch[1]).float() if transcoder else x)
 
 
 def _save_checkpoint(folder: Path, sae: SparseAutoencoder, opt: torch.optim.Optimizer, pos: dict[str, int]) -> None:
@@ -138,7 +139,7 @@ def train(source: ActivationSource, settings: TrainSettings, folder: str | Path,
     if pos is None:
         first = next(source.batches(0))
         with torch.no_grad():  # start the decoder bias at the data's mean (SAELens: b_dec_init_method="mean")
-            sae.b_dec.copy_(torch.from_numpy(first[1 if transcoder else 0]).mean(0))
+            sae.b_dec.copy_(torch.from_numpy(first[1 if transcoder else 0]).float().mean(0))
         pos = {"epoch": 0, "batch": 0, "step": 0}
     step, rows, t0 = pos["step"], 0, time.perf_counter()
     per_epoch = source.n_batches()

@@ -115,3 +115,11 @@ def test_clear_errors_at_the_edges(ws: Workspace, tmp_path: Path) -> None:
         _src(ws, where="family = 'nope'")
     with pytest.raises(ProbeError, match="rows must be"):
         _src(ws, rows="cls")  # type: ignore[arg-type]
+
+
+def test_stored_dtype_hands_out_the_stored_halves(ws: Workspace) -> None:
+    src = _src(ws, dtype="stored", batch_size=100, buffer_rows=300)
+    full = ws.read("planted", "vision", 1)
+    assert full.dtype == np.float16
+    for x, ids in src.batches(0):
+        assert x.dtype == np.float16 and np.array_equal(x, full[ids[:, 0], ids[:, 1]])
