@@ -23,7 +23,7 @@ examples:
   python -m probes plan.yaml --scheduler local --workers 2             # a LocalCluster of 2 worker processes
   python -m probes plan.yaml --dry-run                                 # list the probes, train nothing
   python -m probes derive --run RUN --pool mean                        # store pooled features once (derived arrays)
-  python -m probes sae manifests/probes-demo-sae.yaml                  # sparse autoencoders, scored against truth
+  python -m probes sae manifests/sae-demo.yaml                  # sparse autoencoders, scored against truth
   python -m probes plan.yaml --scheduler tcp://10.0.0.5:8786           # an existing Dask cluster
   DASK_SCHEDULER_ADDRESS=tcp://10.0.0.5:8786 python -m probes plan.yaml
 

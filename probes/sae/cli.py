@@ -1,7 +1,7 @@
 """``python -m probes sae PLAN [PLAN ...]``: train, evaluate and score an SAE plan's SAEs and record them.
 
 examples:
-  python -m probes sae manifests/probes-demo-sae.yaml --data data            # small plan: one worker here
+  python -m probes sae manifests/sae-demo.yaml --data data            # small plan: one worker here
   python -m probes sae plan.yaml --scheduler local --workers 2 --memory-limit 1GiB
   python -m probes sae plan.yaml --force                                     # retrain SAEs already recorded
   python -m queries sae_features --data data                                 # the features that track each truth variable

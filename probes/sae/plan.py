@@ -110,14 +110,14 @@ def load_sae_plan(path: str | Path) -> SaePlan:
     Parameters
     ----------
     path : str or Path
-        The plan's file, e.g. ``manifests/probes-demo-sae.yaml``.
+        The plan's file, e.g. ``manifests/sae-demo.yaml``.
 
     Returns
     -------
     SaePlan
         The validated plan.
     """
-    data = read_yaml(path, PlanError, "SAE plan", "manifests/probes-demo-sae.yaml", "name, saes")
+    data = read_yaml(path, PlanError, "SAE plan", "manifests/sae-demo.yaml", "name, saes")
     return parse_sae_plan(data, str(path))
 
 

@@ -114,3 +114,10 @@ def test_the_sae_modules_import_neither_transformers_nor_sae_lens() -> None:
                  "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'sae_lens', 'extract', 'queries'))\n"
                  "assert not bad, bad\nprint('ok')")
     assert got.returncode == 0 and got.stdout.strip() == "ok", got.stderr
+
+
+def test_the_shipped_sae_plan_is_valid() -> None:
+    from probes.sae.plan import load_sae_plan
+
+    plan = load_sae_plan(Path(__file__).resolve().parents[2] / "manifests" / "sae-demo.yaml")
+    assert plan.saes and plan.saes[0].targets
