@@ -42,14 +42,15 @@ def sae_folder(workspace: str | Path, key: str) -> Path:
 def planned_peak(task: SaeTask) -> int:
     """Bytes one task holds at most beside the worker's base: the source's buffer (read, then its
     permuted copy), a batch through forward and backward, the weights with their gradients and Adam's
-    two moments, and a block of test rows being scored."""
+    two moments, and the copy safetensors makes of the weights while it writes a checkpoint."""
     e = task.entry
     d_out = task.d_in  # a transcoder's output has the input's width in every stored pair here
     width = task.d_in + (d_out if task.out_site else 0)
     buffer = 2 * e["buffer_rows"] * width * FLOAT
     batch = 3 * e["batch_size"] * (width + 3 * task.d_sae) * FLOAT
     params = 4 * (task.d_in * task.d_sae + task.d_sae * d_out + task.d_sae + d_out) * FLOAT
-    return buffer + batch + params
+    saving = (task.d_in * task.d_sae + task.d_sae * d_out) * FLOAT   # safetensors' copy while a checkpoint is written
+    return buffer + batch + params + saving
 
 
 def _sources(ws: Workspace, task: SaeTask) -> tuple[ActivationSource, ActivationSource, np.ndarray]:
