@@ -24,6 +24,10 @@ from typing import Any
 
 
 def _rss_mib() -> float:
+    """This process's peak RSS: VmHWM (ru_maxrss keeps the parent's peak across exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
