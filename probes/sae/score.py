@@ -122,7 +122,11 @@ class _Scorer:
             ids = batch[-1]
             acts = encode_numpy(sae, batch[0])
             pos = np.searchsorted(self.rows, ids[:, 0])
-            np.add.at(self.pooled, pos, acts)
+            # per-sample sums by sorting the batch's rows by sample (np.add.at is unbuffered: ~50x slower)
+            order = np.argsort(pos, kind="stable")
+            p = pos[order]
+            starts = np.flatnonzero(np.r_[True, p[1:] != p[:-1]])
+            self.pooled[p[starts]] += np.add.reduceat(acts[order], starts, axis=0)
             r, c = np.nonzero(acts)
             parts["pos"].append(pos[r])
             parts["token"].append(ids[r, 1].astype(np.int32))
