@@ -123,3 +123,11 @@ def test_stored_dtype_hands_out_the_stored_halves(ws: Workspace) -> None:
     assert full.dtype == np.float16
     for x, ids in src.batches(0):
         assert x.dtype == np.float16 and np.array_equal(x, full[ids[:, 0], ids[:, 1]])
+
+
+def test_dataloader_workers_share_an_epoch_between_them(ws: Workspace) -> None:
+    torch = pytest.importorskip("torch")
+    src = _src(ws, batch_size=64, buffer_rows=256)
+    got = list(torch.utils.data.DataLoader(src.torch(epochs=1), batch_size=None, num_workers=2))
+    ids = torch.cat([b[-1] for b in got]).numpy()
+    assert np.array_equal(np.sort(ids[:, 0] * T + ids[:, 1]), np.arange(100 * T))     # each row once, over both
