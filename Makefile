@@ -129,6 +129,7 @@ demo: setup ## the whole pipeline on the committed toy model: stimuli, extractio
 	  --data $(DATA) --stimuli-root $(STIMULI)
 	$(PY) -m probes manifests/probes-demo.yaml manifests/probes-demo-g2m.yaml manifests/probes-demo-counting-tricks.yaml \
 	  --data $(DATA) --no-progress
+	$(PY) -m probes sae manifests/sae-demo.yaml --data $(DATA)
 	$(PY) -m queries counting_regimes --data $(DATA)
 	$(PY) -m queries attractors --data $(DATA) --param min_share=0.1
 	$(VARIANT_QUERIES)

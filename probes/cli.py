@@ -23,6 +23,7 @@ examples:
   python -m probes plan.yaml --scheduler local --workers 2             # a LocalCluster of 2 worker processes
   python -m probes plan.yaml --dry-run                                 # list the probes, train nothing
   python -m probes derive --run RUN --pool mean                        # store pooled features once (derived arrays)
+  python -m probes sae manifests/sae-demo.yaml                  # sparse autoencoders, scored against truth
   python -m probes plan.yaml --scheduler tcp://10.0.0.5:8786           # an existing Dask cluster
   DASK_SCHEDULER_ADDRESS=tcp://10.0.0.5:8786 python -m probes plan.yaml
 
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         from probes.derived import main as derive
 
         return derive(argv[1:])
+    if argv[:1] == ["sae"]:  # python -m probes sae ...: sparse autoencoders (probes/sae/)
+        from probes.sae.cli import main as sae
+
+        return sae(argv[1:])
     args = build_parser().parse_args(argv)
     if args.block_rows is not None and args.block_rows < 1:
         print(f"error: --block-rows must be >= 1, got {args.block_rows}", file=sys.stderr)

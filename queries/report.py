@@ -24,6 +24,7 @@ from queries.figures import Figure, Page, Section, save_table
 from queries.named import run as run_named
 from queries.pages import modality_attention_share, probes_section, tricks_page
 from queries.pages_counting import COUNT_TARGETS, counting_page, where_lost_sections
+from queries.pages_sae import sae_page
 from queries.pages_spatial import g2m_page, images_page, probe_error_map
 from queries.render import format_cell
 from store import StoreError, Workspace
@@ -39,6 +40,7 @@ def build_sections(ws: Workspace, out: Path) -> list[Page]:
     probes = probes_section(ws, out)
     pages.append(Page("probes", "Probes along the model", "Every stored probe series along depth.",
                       [probes] if probes else [], empty="no probes in the workspace: run python -m probes PLAN"))
+    pages.append(sae_page(ws, out))
     runs = ws.query("SELECT run, model, status, n_samples, arrays, bytes FROM v_runs ORDER BY run")
     pages.append(Page("workspace", "Workspace", "What the workspace holds, and accuracy per run and family.", [
         Section("Runs", tables=[("runs", runs)], titles={"runs": "Runs: model, status, samples and arrays stored"}),

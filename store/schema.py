@@ -541,6 +541,76 @@ def _v9_derived_crc(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(_V9_DERIVED_CRC)
 
 
+# Sparse autoencoders trained from the store (probes/sae/): one row per SAE with its reconstruction
+# metrics, each feature's association with each truth variable beside its shuffled-truth control,
+# and the features' activations on the test samples as a sparse table (non-zero values only).
+_V10_SAE = """
+CREATE TABLE sae_models (
+    key                VARCHAR PRIMARY KEY,   -- sha256 of the identity (plan entry, array, architecture, seed)
+    plan               VARCHAR,
+    run                VARCHAR NOT NULL,
+    tap                VARCHAR NOT NULL,
+    layer              INTEGER NOT NULL,
+    site               VARCHAR NOT NULL,
+    tokens             VARCHAR NOT NULL,
+    out_site           VARCHAR,               -- transcoder: the site it predicts (same tap, layer, tokens)
+    rows               VARCHAR NOT NULL,      -- tokens | pooled
+    architecture       VARCHAR NOT NULL,      -- topk | standard (ReLU + L1) | transcoder
+    d_in               INTEGER NOT NULL,
+    d_sae              INTEGER NOT NULL,
+    k                  INTEGER,               -- topk
+    l1                 DOUBLE,                -- standard, transcoder
+    seed               INTEGER NOT NULL,
+    test_fraction      DOUBLE,
+    where_sql          VARCHAR,
+    train_where        VARCHAR,
+    n_train            BIGINT,                -- rows (tokens or samples) trained on, per epoch
+    n_test             BIGINT,
+    epochs             INTEGER,
+    steps              BIGINT,
+    mse                DOUBLE,                -- on the test rows
+    explained_variance DOUBLE,
+    l0                 DOUBLE,                -- mean active features per row
+    dead_share         DOUBLE,                -- features never active on the test rows
+    rows_per_s         DOUBLE,
+    seconds            DOUBLE,
+    path               VARCHAR NOT NULL,      -- folder under the workspace: cfg.json + sae_weights.safetensors
+    params             JSON,
+    created_at         TIMESTAMP NOT NULL
+);
+
+CREATE TABLE sae_feature_scores (
+    sae           VARCHAR NOT NULL,           -- sae_models.key
+    feature       INTEGER NOT NULL,
+    target        VARCHAR NOT NULL,           -- a probe target (probes/targets.py)
+    class         VARCHAR NOT NULL,           -- the class scored one-vs-rest; '' for an ordinal target
+    metric        VARCHAR NOT NULL,           -- auroc | spearman | iou
+    score         DOUBLE,
+    control_score DOUBLE,                     -- the same feature against shuffled truth
+    ci_low        DOUBLE,                     -- interval of score (queries/intervals.py conventions)
+    ci_high       DOUBLE,
+    p_value       DOUBLE,                     -- against the permutation null
+    q_value       DOUBLE,                     -- Benjamini-Hochberg over every (feature, target, class) of the SAE
+    n             INTEGER,                    -- test samples (tokens for iou)
+    n_positive    INTEGER,
+    PRIMARY KEY (sae, feature, target, class, metric)
+);
+
+CREATE TABLE sae_activations (
+    sae       VARCHAR NOT NULL,
+    run       VARCHAR NOT NULL,
+    array_row BIGINT NOT NULL,
+    token     INTEGER NOT NULL,               -- -1: a pooled row
+    feature   INTEGER NOT NULL,
+    value     REAL NOT NULL                   -- only non-zero activations are stored
+);
+"""
+
+
+def _v10_sae(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(_V10_SAE)
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema step: ``apply`` runs inside the migration's transaction."""
@@ -577,6 +647,7 @@ MIGRATIONS: list[Migration] = [
     Migration(8, "probes.fold (k-fold splits), per-sample control predictions, seeds' mean and spread in the views",
               _v8_folds_controls),
     Migration(9, "derived_arrays.chunk_crc32c: a checksum of each derived chunk", _v9_derived_crc),
+    Migration(10, "sae_models, sae_feature_scores, sae_activations: sparse autoencoders scored against truth", _v10_sae),
 ]
 
 
