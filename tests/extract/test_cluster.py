@@ -88,6 +88,8 @@ def test_plain_dask_recipe_on_a_shared_folder_equals_one_process(setup, cluster,
     again = extract(str(manifest), "--data", str(tmp_path / "ws"), "--scheduler", cluster.address)
     assert again.returncode == 0 and "(0 computed now" in again.stdout, again.stderr[-2000:]
     assert sorted(_loads(cluster).values()) == [1, 1]  # the next command found the model still loaded
+    plan = extract(str(manifest), "--dry-run", "--scheduler", cluster.address)
+    assert plan.returncode == 0 and "cluster: 2 GPU worker(s), 5 tasks of 2 samples" in plan.stdout, plan.stderr[-2000:]
 
 
 def test_arrays_in_an_object_store(setup, s3, tmp_path):
@@ -177,6 +179,16 @@ def test_dry_run_plans_for_the_workers(setup, capsys):
         lines[n] = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("cluster:"))
     assert "5 tasks of 2 samples (1 busy at once)" in lines[1]
     assert "(2 busy at once)" in lines[2] and "(5 busy at once)" in lines[8]  # 5 chunks: 3 workers idle
+
+
+def test_runs_of_one_model_go_next_to_each_other():
+    from extract.cluster.client import by_model
+
+    def m(run, path):
+        return ("f.yaml", parse_manifest({"run": run, "model": {"path": path}, "stimuli": [{"set": "s"}],
+                                          "taps": [{"tap": "llm"}]}))
+
+    assert by_model([m("a", "x"), m("b", "y"), m("c", "x"), m("d", "z"), m("e", "y")]) == [0, 2, 1, 4, 3]
 
 
 def _facts(device="cuda", gpu="NVIDIA H100 80GB HBM3", bf16=True, cuda=True):
