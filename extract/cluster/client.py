@@ -14,6 +14,7 @@ written twice is committed once (:meth:`store.Writer.commit_written`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -129,7 +130,7 @@ def _prepare(client: Any, path: str, manifest: Manifest, facts: WorkerFacts, dat
     sets, samples = collect_samples(manifest)
     if not samples:
         raise ManifestError(f"{path}: the stimulus sets hold no samples (check limit)")
-    plan: RunPlan = _submit(client, plan_run, RunRequest(manifest, samples, codec), order).result()
+    plan: RunPlan = _submit(client, plan_run, RunRequest(manifest, samples, codec, os.getcwd()), order).result()
     ws = Workspace.open(data or manifest.workspace)
     settled = settle_run(ws, manifest, plan.specs, None, lambda route: plan.routed if route else plan.unrouted,
                          plan.chosen)
@@ -154,7 +155,8 @@ def _prepare(client: Any, path: str, manifest: Manifest, facts: WorkerFacts, dat
     tasks = [
         GroupTask(manifest=manifest, samples=samples[k : min(k + size, rows.stop)], start=k, request=plan.request,
                   specs=settled.specs, arrays=arrays, stimuli={i: keys[i] for i in range(k, min(k + size, rows.stop))},
-                  info=settled.info, site=site, capture_via=plan.chosen[0] if settled.routed else "generate", facts=facts)
+                  info=settled.info, site=site, capture_via=plan.chosen[0] if settled.routed else "generate", facts=facts,
+                  cwd=os.getcwd())
         for rows in todo for k in range(rows.start, rows.stop, size)
     ]
     return ClusterRun(path, manifest, ws.path, sets, samples, settled.info, settled.specs, tasks, started)

@@ -22,6 +22,7 @@ class RunRequest:
     manifest: Manifest
     samples: list[Sample]
     codec: str
+    cwd: str  # the client's working directory: the manifest's relative paths are relative to it
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class GroupTask:
     site: ArraySite
     capture_via: str  # "forward" or "generate"
     facts: WorkerFacts  # what the worker must compute on (every worker of the run alike)
+    cwd: str  # the client's working directory: the manifest's relative paths are relative to it
 
     @property
     def rows(self) -> range:

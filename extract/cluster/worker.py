@@ -8,8 +8,10 @@ it and reused by the next tasks of the same model; a task of another model repla
 from __future__ import annotations
 
 import gc
+import os
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from distributed import WorkerPlugin, get_worker
@@ -85,6 +87,23 @@ def facts_of(manifest: Manifest) -> WorkerFacts:
     return worker_facts(manifest.model.device)
 
 
+@contextmanager
+def client_folder(cwd: str) -> Iterator[None]:
+    """Run in the client's working directory, where it exists here (a shared file system): the
+    manifest's relative paths (model folder, stimulus sets, their images) then name what the client
+    named, and the run records them as a single process would. A worker runs one task at a time
+    (its GPU resource), so changing the process's directory for the task is safe."""
+    here = os.getcwd()
+    move = cwd != here and os.path.isdir(cwd)
+    if move:
+        os.chdir(cwd)
+    try:
+        yield
+    finally:
+        if move:
+            os.chdir(here)
+
+
 def _intervention(lm: LoadedModel, manifest: Manifest) -> Any:
     kind = manifest.intervention.kind if manifest.intervention else None
     return scaled_vision_rope(lm, manifest.intervention) if kind == "rope_scaling" else nullcontext()
@@ -93,6 +112,11 @@ def _intervention(lm: LoadedModel, manifest: Manifest) -> Any:
 def plan_run(req: RunRequest) -> RunPlan:
     """What ``req``'s run stores, read off the model this worker loads for it (a worker's task)."""
     keeper = holder()
+    with client_folder(req.cwd):
+        return _plan(keeper, req)
+
+
+def _plan(keeper: ModelHolder, req: RunRequest) -> RunPlan:
     lm = keeper.get(req.manifest.model)
     with _intervention(lm, req.manifest):
         setup = model_setup(lm, req.manifest, req.samples)
@@ -113,6 +137,11 @@ def extract_group(task: GroupTask) -> GroupDone:
     if mine != task.facts:
         raise ManifestError(f"worker {keeper.worker} computes on {mine.describe()}, the run's other workers on"
                             f" {task.facts.describe()}: a run's chunks must all come from one kind of worker")
+    with client_folder(task.cwd):
+        return _extract(keeper, task, started)
+
+
+def _extract(keeper: ModelHolder, task: GroupTask, started: float) -> GroupDone:
     m = task.manifest
     lm = keeper.get(m.model)
     points = resolve_points(lm, task.request, ())

@@ -105,15 +105,15 @@ class Cluster:
         self.procs.clear()
 
 
-def extract(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
-            wait: bool = True) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
-    """``python -m extract ARGS`` as a process, one thread, offline."""
+def extract(*args: str, env: dict[str, str] | None = None, timeout: float = 300, wait: bool = True,
+            cwd: Path = REPO) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
+    """``python -m extract ARGS`` as a process in ``cwd``, one thread, offline."""
     cmd = [sys.executable, "-m", "extract", *args, "--no-progress"]
     full = child_env(HERE, **ENV, **(env or {}))
     if not wait:
-        return subprocess.Popen(cmd, cwd=REPO, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        return subprocess.Popen(cmd, cwd=cwd, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
-    return subprocess.run(cmd, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
 
 
 def everything(path: Path, run: str) -> dict[str, Any]:

@@ -92,6 +92,21 @@ def test_plain_dask_recipe_on_a_shared_folder_equals_one_process(setup, cluster,
     assert plan.returncode == 0 and "cluster: 2 GPU worker(s), 5 tasks of 2 samples" in plan.stdout, plan.stderr[-2000:]
 
 
+def test_relative_paths_are_the_clients(setup, cluster, tmp_path):
+    """A manifest's relative model and set paths name what they name from the client's folder, though
+    the workers were started elsewhere (a shared file system: the client's folder exists on them)."""
+    root, manifest, reference = setup
+    data = yaml.safe_load(manifest.read_text())
+    data["model"]["path"] = os.path.relpath(data["model"]["path"], root)
+    data["stimuli"] = [{"set": "g2m", "limit": 4}]
+    (root / "relative.yaml").write_text(yaml.safe_dump(data | {"run": "relative"}))
+    done = extract("relative.yaml", "--data", str(tmp_path / "ws"), "--scheduler", cluster.address, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "run relative: 4 samples (4 computed now" in done.stdout
+    ws = Workspace.open(tmp_path / "ws", readonly=True)
+    assert ws.rows("SELECT model FROM runs") == [(data["model"]["path"],)]  # recorded as the manifest names it
+
+
 def test_arrays_in_an_object_store(setup, s3, tmp_path):
     root, manifest, reference = setup
     Workspace.open(tmp_path / "ws", arrays_url=s3.url("c"))  # `python -m store init --arrays s3://...`
