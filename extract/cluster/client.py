@@ -1,14 +1,15 @@
 """The client of a cluster run: plans, declares, submits, and is the only writer of the manifest.
 
-Per run, in the order given: the client reads the stimulus sets, a worker plans the run
-(:func:`extract.cluster.worker.plan_run`), and the client declares the run and its arrays (the
-run tensors of a logit lens too) through a :class:`store.Writer`, exactly as a single process
-would; then it submits one task per chunk still missing. Every run's tasks are submitted before
-any result is committed, earlier runs at a higher priority, so the workers stay busy across runs.
-Results are committed run by run through that run's writer (a result of a later run waits in
-memory until the runs before it are done: a client killed then loses it, and a re-run computes
-those chunks again). A task whose worker dies is run again by Dask on another worker; a chunk
-written twice is committed once (:meth:`store.Writer.commit_written`).
+First every worker is checked against every run (:mod:`extract.cluster.facts`). Then per run,
+runs of one model next to each other (:func:`by_model`): the client reads the stimulus sets, a
+worker plans the run (:func:`extract.cluster.worker.plan_run`), and the client declares the run and
+its arrays (the run tensors of a logit lens too) through a :class:`store.Writer`, exactly as a
+single process would, and submits one task per chunk still missing, at a lower priority than the
+runs before, so the workers stay busy across runs. Results are committed run by run through that
+run's writer (a result of a later run waits in memory until the runs before it are done: a client
+killed then loses it, and a re-run computes those chunks again). A task whose worker dies is run
+again by Dask on another worker; a chunk written twice is committed once
+(:meth:`store.Writer.commit_written`).
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def _prepare(client: Any, path: str, manifest: Manifest, facts: WorkerFacts, dat
     sets, samples = collect_samples(manifest)
     if not samples:
         raise ManifestError(f"{path}: the stimulus sets hold no samples (check limit)")
-    plan: RunPlan = _submit(client, plan_run, RunRequest(manifest, samples, codec, os.getcwd()), order).result()
+    plan: RunPlan = result(_submit(client, plan_run, RunRequest(manifest, samples, codec, os.getcwd()), order),
+                           manifest.run)
     ws = Workspace.open(data or manifest.workspace)
     settled = settle_run(ws, manifest, plan.specs, None, lambda route: plan.routed if route else plan.unrouted,
                          plan.chosen)
@@ -165,7 +167,6 @@ def _prepare(client: Any, path: str, manifest: Manifest, facts: WorkerFacts, dat
 def _commit(client: Any, runs: list[ClusterRun], owner: dict[Any, ClusterRun], progress: bool) -> list[RunSummary]:
     """Commit the results of the runs' tasks (``owner``: future -> its run) run by run, finishing each run."""
     from dask.distributed import as_completed
-    from distributed.scheduler import KilledWorker
 
     bar = run_progress(sum(len(t.samples) for r in runs for t in r.tasks), " + ".join(r.manifest.run for r in runs),
                        progress)
@@ -176,14 +177,7 @@ def _commit(client: Any, runs: list[ClusterRun], owner: dict[Any, ClusterRun], p
         for future in as_completed(list(owner), loop=client.loop):  # the client is not the default one
             run = owner.pop(future)
             try:
-                done: GroupDone = future.result()
-            except (CancelledError, OSError, TimeoutError) as err:
-                raise ClusterError(f"lost the Dask scheduler or its workers mid-run ({type(err).__name__}: {err}): the"
-                                   " chunks committed so far are kept; re-run the same command to resume") from err
-            except KilledWorker as err:
-                raise ClusterError(f"a task of run {run.manifest.run} was running on every worker that died ({err}):"
-                                   " it may kill its worker (out of GPU or host memory?); see the workers' logs. The"
-                                   " chunks committed so far are kept; re-run the same command to resume") from err
+                done: GroupDone = result(future, run.manifest.run)
             except DtypeOverflowError as err:
                 over = overflow_in(err)
                 if over is None:
@@ -203,6 +197,23 @@ def _commit(client: Any, runs: list[ClusterRun], owner: dict[Any, ClusterRun], p
             if not failed:
                 raise  # else the failure that stopped the run is the one to report
     return commits.summaries
+
+
+def result(future: Any, run: str) -> Any:
+    """``future``'s result; a lost scheduler or a task that killed its workers as a ClusterError that
+    says how to resume (the task's own error, e.g. a refused manifest, as it was raised)."""
+    from distributed.comm.core import CommClosedError
+    from distributed.scheduler import KilledWorker
+
+    try:
+        return future.result()
+    except (CancelledError, CommClosedError, TimeoutError) as err:  # a task's own OSError is its own
+        raise ClusterError(f"lost the Dask scheduler or its workers mid-run ({type(err).__name__}: {err}): the"
+                           " chunks committed so far are kept; re-run the same command to resume") from err
+    except KilledWorker as err:
+        raise ClusterError(f"a task of run {run} was running on every worker that died ({err}): it may kill its"
+                           " worker (out of GPU or host memory?); see the workers' logs. The chunks committed so far"
+                           " are kept; re-run the same command to resume") from err
 
 
 class InOrder:
