@@ -233,7 +233,8 @@ class InOrder:
                 return
             w = self._writer
             if w is None:
-                w = self._writer = Workspace.open(run.where).writer(run.info)
+                # The run's tasks are out: the files its workers are writing are .partial, and stay.
+                w = self._writer = Workspace.open(run.where).writer(run.info, workers_writing=True)
                 w.arrays(list(run.specs.values()))  # the handles its commits name
             while run.done:
                 done = run.done.pop(0)

@@ -85,7 +85,11 @@ if TYPE_CHECKING:
 
 class Writer:
     """The one writer of a workspace for one run, or one shard of a sharded run.
-    Create with :meth:`Workspace.writer`."""
+    Create with :meth:`Workspace.writer`.
+
+    ``workers_writing``: workers of a cluster run (:mod:`store.writer.chunk_writer`) may be writing
+    this run's chunks right now, so the ``.partial`` files a killed writer leaves are not removed
+    at open (a writer opened before any task of the run was handed out removes them)."""
 
     def __init__(
         self,
@@ -98,6 +102,7 @@ class Writer:
         records_every: float = 5.0,
         manifest_timeout: float = db.DEFAULT_TIMEOUT,
         shard: Shard | str | None = None,
+        workers_writing: bool = False,
     ) -> None:
         self.ws = ws
         self.info = info
@@ -120,9 +125,11 @@ class Writer:
             opening.check_remote_root(ws)
             self._runs = RunManifest.begin(self._ctx)
             opening.unstage_committed(self._ctx)
-            # The Zarr root's own leftovers (a kill while a workspace was created) and the run's.
-            opening.remove_stale_partials(ws, self.run, self.shard,
-                                          [*ws.zarr_path.glob("*.partial"), *(ws.zarr_path / self.run).rglob("*.partial")])
+            # The Zarr root's own leftovers (a kill while a workspace was created) and the run's; not
+            # while workers of a cluster run write this run's chunks: their files in flight are .partial.
+            if not workers_writing:
+                opening.remove_stale_partials(ws, self.run, self.shard, [*ws.zarr_path.glob("*.partial"),
+                                                                         *(ws.zarr_path / self.run).rglob("*.partial")])
         except BaseException:
             syncers.shutdown()
             self._manifest.close()

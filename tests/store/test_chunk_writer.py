@@ -144,3 +144,32 @@ def _info():
                      zarr_path="r1/llm/3/resid_post/image", layout="dense", shape=(N, TOKENS, DIM),
                      dims=("sample", "token", "dim"), chunk_samples=CHUNK, n_chunks=5, dtype="float32",
                      stored_dtype="float16", codec="none", values_per_row=TOKENS * DIM, bytes=0)
+
+
+@pytest.mark.parametrize("workers_writing", [True, False])
+def test_a_writer_opened_while_workers_write_leaves_their_files_in_flight(tmp_path, workers_writing):
+    """The client reopens the run's writer to commit while a worker's chunk is half written: that
+    chunk's temporary file must survive the open (a writer opened with no task out tidies it away)."""
+    ws = Workspace.open(tmp_path / "ws")
+    with ws.writer(INFO) as w:
+        keys = w.register_stimuli(stimulus_rows(N), dataset="set")
+        w.set_samples(keys)
+        info = w.array(ArraySpec(tap="llm", layer=3, tokens="image", shape=(TOKENS, DIM))).info
+        site = w.site()
+    cw = ChunkWriter(site, INFO, [info], {i: keys[i] for i in range(CHUNK)})
+    handle = cw.handle(info.zarr_path)
+    cw.write_batch(0, {handle: dense_values(range(BATCH))})  # half of chunk 0: streamed to a .partial file
+    from waiting import wait_for
+
+    wait_for(lambda: list(ws.zarr_path.rglob("*.partial")), 10)
+    with ws.writer(INFO, workers_writing=workers_writing) as w:
+        w.array(ArraySpec(tap="llm", layer=3, tokens="image", shape=(TOKENS, DIM)))
+        if not workers_writing:
+            assert not list(ws.zarr_path.rglob("*.partial"))  # tidied: no task of the run is out
+            cw.abort()
+            return
+        cw.write_batch(BATCH, {handle: dense_values(range(BATCH, CHUNK))})
+        w.commit_written(cw.close())
+        w.flush()
+    np.testing.assert_array_equal(ws.read("r1", tap="llm", layer=3, tokens="image", committed_only=True),
+                                  dense_values(range(CHUNK)).astype(np.float16))
