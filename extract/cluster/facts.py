@@ -69,5 +69,5 @@ def check_workers(facts: dict[str, WorkerFacts], manifest: Manifest, path: str) 
         listed = "; ".join(f"{f.describe()}: {', '.join(ws)}" for f, ws in kinds.items())
         raise ManifestError(f"{path}: the workers compute on different hardware or software ({listed}). A chunk may be"
                             " computed on any worker, so its values would depend on which one ran it: give the run"
-                            " workers of one kind (restrict with `dask worker --resources` on the others)")
+                            " workers of one kind (start the others without --resources GPU=1, or on another scheduler)")
     return next(iter(kinds))
