@@ -16,7 +16,7 @@ import socket
 import time
 import traceback
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from probes.features import read_features
 from probes.trainers.base import (
@@ -32,9 +32,6 @@ from probes.trainers.base import (
 )
 from probes.trainers.group import GroupJob, GroupResult, probe_job, record, tasks_by_signature
 from store.heap import tune_malloc
-
-if TYPE_CHECKING:
-    pass
 
 #: What fixes an in-memory group over the limit when neither its kinds nor another trainer say.
 DEFAULT_FIX = "use kind ridge (streams chunk by chunk), select fewer rows (where:) or layers_per_task: 1,"

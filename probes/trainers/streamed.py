@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -33,9 +33,6 @@ from probes.trainers.base import (
 from probes.trainers.group import GroupJob, GroupResult, signature, tasks_by_signature
 from probes.trainers.stream_outcomes import finish, finish_layer
 from probes.trainers.stream_specs import SpecGroup, build_specs, dual_rows, plan_stream
-
-if TYPE_CHECKING:
-    pass
 
 #: What fixes a streamed group over the limit.
 FIX = "set --block-rows lower (plan key block_rows), kind ridge's precision: float32 (halves XᵀX),"
