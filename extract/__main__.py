@@ -150,10 +150,7 @@ def run_on_cluster(args: argparse.Namespace, loaded: list[tuple[str, Manifest]])
     """Extract every manifest of ``loaded`` on the cluster ``--scheduler`` names; print each run's summary."""
     from extract.cluster.client import run_cluster
 
-    if args.no_progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+    # No weight-loading bar to hide here: the workers load the model (without bars).
     for summary in run_cluster(loaded, scheduler=args.scheduler, workers=args.workers, data=args.data, codec=args.codec,
                                progress=not args.no_progress, log=lambda line: print(line, file=sys.stderr)):
         print(summary)

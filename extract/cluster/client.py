@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from extract.cluster.errors import ClusterError
@@ -41,10 +40,8 @@ from store.records import RunInfo
 class ClusterRun:
     """One run of a cluster extraction, as its client follows it."""
 
-    path: str  # the manifest file
     manifest: Manifest
-    where: Path  # the workspace
-    sets: list[tuple[Path, str]]
+    ws: Workspace
     samples: list[Sample]
     info: RunInfo
     specs: dict[CaptureKey, ArraySpec]
@@ -139,8 +136,7 @@ def _prepare(client: Any, path: str, manifest: Manifest, facts: WorkerFacts, dat
     with ws.writer(settled.info) as w:
         for folder, dataset in sets:
             w.register_stimulus_set(folder, dataset=dataset)
-        keys = [s.key for s in samples]
-        w.set_samples(keys)
+        w.set_samples([s.key for s in samples])
         handles = dict(zip(settled.specs, w.arrays(list(settled.specs.values())), strict=True))
         if plan.lens is not None:
             store_lens(w, plan.lens, plan.dtype, manifest.storage)
@@ -154,14 +150,14 @@ def _prepare(client: Any, path: str, manifest: Manifest, facts: WorkerFacts, dat
             w.finish()
     size = sizes.pop()
     arrays = {key: h.info for key, h in handles.items()}
+    capture_via = plan.chosen[0] if settled.routed else "generate"
     tasks = [
         GroupTask(manifest=manifest, samples=samples[k : min(k + size, rows.stop)], start=k, request=plan.request,
-                  specs=settled.specs, arrays=arrays, stimuli={i: keys[i] for i in range(k, min(k + size, rows.stop))},
-                  info=settled.info, site=site, capture_via=plan.chosen[0] if settled.routed else "generate", facts=facts,
-                  cwd=os.getcwd())
+                  specs=settled.specs, arrays=arrays, info=settled.info, site=site, capture_via=capture_via,
+                  facts=facts, cwd=os.getcwd())
         for rows in todo for k in range(rows.start, rows.stop, size)
     ]
-    return ClusterRun(path, manifest, ws.path, sets, samples, settled.info, settled.specs, tasks, started)
+    return ClusterRun(manifest, ws, samples, settled.info, settled.specs, tasks, started)
 
 
 def _commit(client: Any, runs: list[ClusterRun], owner: dict[Any, ClusterRun], progress: bool) -> list[RunSummary]:
@@ -182,7 +178,7 @@ def _commit(client: Any, runs: list[ClusterRun], owner: dict[Any, ClusterRun], p
                 over = overflow_in(err)
                 if over is None:
                     raise
-                raise DtypeOverflowError(overflow_fix(run.manifest, over, run.where)) from err
+                raise DtypeOverflowError(overflow_fix(run.manifest, over, run.ws.path)) from err
             run.done.append(done)
             run.returned += 1
             bar.update(len(done.rows))
@@ -234,7 +230,7 @@ class InOrder:
             w = self._writer
             if w is None:
                 # The run's tasks are out: the files its workers are writing are .partial, and stay.
-                w = self._writer = Workspace.open(run.where).writer(run.info, workers_writing=True)
+                w = self._writer = run.ws.writer(run.info, workers_writing=True)
                 w.arrays(list(run.specs.values()))  # the handles its commits name
             while run.done:
                 done = run.done.pop(0)
@@ -250,7 +246,7 @@ class InOrder:
             self._writer = None
             w.close()
             self.summaries.append(RunSummary(
-                run=run.info.run, workspace=run.where, samples=len(run.samples), computed=run.computed,
+                run=run.info.run, workspace=run.ws.path, samples=len(run.samples), computed=run.computed,
                 seconds=time.perf_counter() - run.started, accuracy=correct / scored if scored else None,
                 arrays=len(run.specs), new_accuracy=run.correct / run.scored if run.scored else None, scored=int(scored),
                 commits=w.stats))

@@ -49,7 +49,6 @@ class GroupTask:
     request: dict[str, list[str]]
     specs: dict[CaptureKey, ArraySpec]  # with their stored dtypes
     arrays: dict[CaptureKey, ArrayInfo]  # as the client declared them
-    stimuli: dict[int, str]  # row -> stimulus key
     info: RunInfo
     site: ArraySite
     capture_via: str  # "forward" or "generate"
@@ -59,6 +58,11 @@ class GroupTask:
     @property
     def rows(self) -> range:
         return range(self.start, self.start + len(self.samples))
+
+    @property
+    def stimuli(self) -> dict[int, str]:
+        """Array row -> stimulus key of the task's rows."""
+        return {self.start + i: s.key for i, s in enumerate(self.samples)}
 
 
 @dataclass(frozen=True)
