@@ -8,6 +8,7 @@ PYTHONPATH, and a child that loses it cannot import them.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,3 +20,9 @@ def child_env(*dirs: Path | str, **extra: str) -> dict[str, str]:
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     path = os.pathsep.join([str(REPO), *map(str, dirs), *inherited])
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def dask_cli(*args: str) -> list[str]:
+    """The `dask` console script of this interpreter's environment, with ``args``."""
+    exe = Path(sys.executable).parent / "dask"
+    return [str(exe), *args] if exe.exists() else [sys.executable, "-m", "dask", *args]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from child_env import child_env
+from child_env import child_env, dask_cli
 from waiting import wait_for
 
 from store import Workspace
@@ -23,12 +23,6 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 # Every process of a comparison computes with one thread: fp32 sums in another order round apart.
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-
-
-def dask(*args: str) -> list[str]:
-    """The `dask` console script of this interpreter's environment."""
-    exe = Path(sys.executable).parent / "dask"
-    return [str(exe), *args] if exe.exists() else [sys.executable, "-m", "dask", *args]
 
 
 class Cluster:
@@ -47,11 +41,11 @@ class Cluster:
 
     def start(self) -> Cluster:
         self.file.unlink(missing_ok=True)
-        self.scheduler = self._spawn(dask("scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+        self.scheduler = self._spawn(dask_cli("scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
                                           "--scheduler-file", str(self.file)), "scheduler")
         wait_for(self.file.exists, 60)
         for i in range(self.n):
-            self._spawn(dask("worker", "--scheduler-file", str(self.file), "--nthreads", "1", "--resources", "GPU=1",
+            self._spawn(dask_cli("worker", "--scheduler-file", str(self.file), "--nthreads", "1", "--resources", "GPU=1",
                              "--host", "127.0.0.1", "--no-dashboard", "--name", f"gpu{i}",
                              "--preload", str(HERE / "cluster_preload.py")), f"worker{i}")
         self.wait_workers(self.n)

@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 from child_env import child_env
+from clustertest_lib import assert_same, everything
 
 from stimuli import get_family
 from stimuli.io import write_set
@@ -42,19 +42,6 @@ def setup(tiny_dir, tmp_path_factory):
     return root, path, data
 
 
-def _everything(ws: Workspace, run: str) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for a in ws.arrays(run):
-        values = ws.read(run, tap=a.tap, layer=a.layer, site=a.site, tokens=a.tokens)
-        out[a.zarr_path] = values if isinstance(values, np.ndarray) else [v.tolist() for v in values]
-    out["chunks"] = ws.rows("SELECT zarr_path, chunk, n_rows, crc32c FROM chunks WHERE run = ? ORDER BY ALL", [run])
-    out["samples"] = ws.rows("SELECT * EXCLUDE (recorded_at) FROM samples WHERE run = ? ORDER BY array_row", [run])
-    out["generations"] = ws.rows("SELECT stimulus, array_row, text, prediction, correct, n_tokens FROM generations"
-                                 " WHERE run = ? ORDER BY array_row", [run])
-    out["tensors"] = ws.rows("SELECT name, shape, crc32c FROM tensors WHERE run = ? ORDER BY name", [run])
-    return out
-
-
 def test_two_shard_processes_equal_one_run(setup):
     root, manifest, data = setup
     ws_path = root / "ws"
@@ -79,13 +66,7 @@ def test_two_shard_processes_equal_one_run(setup):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-2000:]
     assert "(10 computed now" in ref.stdout
-    got, want = _everything(ws, "sharded"), _everything(Workspace.open(ref_path, readonly=True), "sharded")
-    assert got.keys() == want.keys()
-    for key in want:
-        if isinstance(want[key], np.ndarray):
-            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-        else:
-            assert got[key] == want[key], key
+    assert_same(everything(ws_path, "sharded"), everything(ref_path, "sharded"))
 
 
 def test_shard_flag_is_validated(setup):

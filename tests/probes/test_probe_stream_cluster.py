@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from child_env import child_env
+from child_env import child_env, dask_cli
 from probetest_lib import HERE, REPO, build_spatial_layers, probe_rows, python, wait_for
 
 from probes import parse_plan, run_plan
@@ -28,12 +27,6 @@ PLAN = ("name: streamed\nmemory_limit: 300MiB\nprobes:\n  - runs: [spatial]\n"
         "    targets: ['spatial.relation', 'truth:flag_0']\n    seeds: [0, 1, 2]\n"
         "    kinds: {ridge: {alphas: [0.1, 10.0]}, lda: {shrinkage: 0.1}, nearest_centroid: {}}\n")
 N_PROBES = 4 * 2 * 3 * 3   # layers x targets x kinds x seeds (ridge's and lda's seeds share one XᵀX pass)
-
-
-def _dask(*args: str) -> list[str]:
-    """The `dask` console script of this interpreter's environment."""
-    exe = Path(sys.executable).parent / "dask"
-    return [str(exe), *args] if exe.exists() else [sys.executable, "-m", "dask", *args]
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -76,12 +69,12 @@ def test_streamed_plan_on_cli_scheduler_and_workers_equals_local_cluster(tmp_pat
     common = {"cwd": REPO, "env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs.append(subprocess.Popen(_dask("scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+        procs.append(subprocess.Popen(dask_cli("scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
                                             "--scheduler-file", str(sched_file)), **common))
         wait_for(lambda: sched_file.exists() and sched_file.stat().st_size > 0, timeout=60)
         address = json.loads(sched_file.read_text())["address"]
         for i in range(2):
-            procs.append(subprocess.Popen(_dask("worker", "--scheduler-file", str(sched_file), "--nworkers", "1",
+            procs.append(subprocess.Popen(dask_cli("worker", "--scheduler-file", str(sched_file), "--nworkers", "1",
                                                 "--nthreads", "1", "--memory-limit", "300MiB", "--host", "127.0.0.1",
                                                 "--no-dashboard", "--name", f"w{i}"), **common))
         from dask.distributed import Client

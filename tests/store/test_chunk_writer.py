@@ -118,13 +118,18 @@ def test_workers_stage_and_upload_to_an_object_store(s3, tmp_path, reference):
     assert staged == [] or all(p.parent.name == "sample" for p in staged), staged  # no chunk data stays local
 
 
-def test_a_worker_writes_only_its_tasks_rows(tmp_path):
+def _declared(tmp_path):
+    """(workspace, stimulus keys, image array, site) of a run the client declared and let go of."""
     ws = Workspace.open(tmp_path / "ws")
     with ws.writer(INFO) as w:
         keys = w.register_stimuli(stimulus_rows(N), dataset="set")
         w.set_samples(keys)
         info = w.array(ArraySpec(tap="llm", layer=3, tokens="image", shape=(TOKENS, DIM))).info
-        site = w.site()
+        return ws, keys, info, w.site()
+
+
+def test_a_worker_writes_only_its_tasks_rows(tmp_path):
+    _, keys, info, site = _declared(tmp_path)
     with ChunkWriter(site, INFO, [info], {i: keys[i] for i in range(8)}) as cw, pytest.raises(StoreError, match="row 8"):
         cw.write_batch(8, {cw.handle(info.zarr_path): dense_values(range(8, 12))},
                        generations=[Generation(text="1") for _ in range(4)])
@@ -150,12 +155,7 @@ def _info():
 def test_a_writer_opened_while_workers_write_leaves_their_files_in_flight(tmp_path, workers_writing):
     """The client reopens the run's writer to commit while a worker's chunk is half written: that
     chunk's temporary file must survive the open (a writer opened with no task out tidies it away)."""
-    ws = Workspace.open(tmp_path / "ws")
-    with ws.writer(INFO) as w:
-        keys = w.register_stimuli(stimulus_rows(N), dataset="set")
-        w.set_samples(keys)
-        info = w.array(ArraySpec(tap="llm", layer=3, tokens="image", shape=(TOKENS, DIM))).info
-        site = w.site()
+    ws, keys, info, site = _declared(tmp_path)
     cw = ChunkWriter(site, INFO, [info], {i: keys[i] for i in range(CHUNK)})
     handle = cw.handle(info.zarr_path)
     cw.write_batch(0, {handle: dense_values(range(BATCH))})  # half of chunk 0: streamed to a .partial file
