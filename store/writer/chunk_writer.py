@@ -29,7 +29,7 @@ from store import arrays as layout
 from store.chunks import Budget
 from store.errors import StoreError
 from store.location import ArrayRoot
-from store.records import ArrayInfo, Generation, Ragged, RunInfo, TokenSpans
+from store.records import ArrayInfo, Generation, RunInfo, TokenSpans
 from store.workspace import Workspace
 from store.writer.context import Failure, RunContext
 from store.writer.handles import ArrayHandle, WriterStats
@@ -132,11 +132,6 @@ class ChunkWriter:
         """One model batch (see :meth:`store.writer.Writer.write_batch`)."""
         self._check_open()
         self._producer.write_batch(start, arrays, tokens=tokens, generations=generations)
-
-    def write_ragged(self, handle: ArrayHandle, start: int, values: Sequence[Any] | Ragged) -> None:
-        """Variable-length rows of a ragged array (see :meth:`store.writer.Writer.write_ragged`)."""
-        self._check_open()
-        self._producer.write_ragged(handle, start, values)
 
     def close(self) -> Written:
         """Make every whole chunk durable and return what to commit; rows of a chunk left incomplete are dropped."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,10 +21,16 @@ class ArraySite:
     metadata: Mapping[str, bytes] | None = None
 
     @classmethod
-    def of(cls, ws: Workspace, run: str) -> ArraySite:
-        """The site of run ``run``'s arrays in ``ws`` (declare them first: their metadata is read here)."""
+    def of(cls, ws: Workspace, zarr_paths: Iterable[str]) -> ArraySite:
+        """The site of the declared arrays at ``zarr_paths`` in ``ws``: for an object store, the
+        ``zarr.json`` of each array's node and of every group above it (not of the blocks a ragged
+        array has written so far: a worker makes its own)."""
         if not ws.root.remote:
             return cls(str(ws.path))
+        nodes = {""}
+        for path in zarr_paths:
+            parts = path.split("/")
+            nodes.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
         base = ws.zarr_path
-        files = [base / "zarr.json", *sorted((base / run).rglob("zarr.json"))]
+        files = [base / node / "zarr.json" for node in sorted(nodes)]
         return cls(str(ws.path), ws.root.url, {str(f.relative_to(base)): f.read_bytes() for f in files})

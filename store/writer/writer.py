@@ -264,7 +264,7 @@ class Writer:
 
     def site(self) -> ArraySite:
         """Where workers write this run's arrays (:class:`store.writer.site.ArraySite`)."""
-        return ArraySite.of(self.ws, self.run)
+        return ArraySite.of(self.ws, [h.info.zarr_path for h in self._runs.handles()])
 
     @property
     def manifest_opens(self) -> int:
